@@ -1,0 +1,67 @@
+"""The one switch between the pure-jnp reference paths and the Pallas kernels.
+
+The model calls the functions below and never a kernel directly. `set_backend` picks the implementation:
+- "jnp": the references in `pallas_kernels/*/reference.py` (CPU tests, the numerical ground truth);
+- "pallas": the Pallas kernels (GPU);
+- "auto" (default): Pallas on GPU, jnp elsewhere.
+The MoE has its own choice because it has three: "dense" (einsum over every expert, tiny models only),
+"ragged" (`jax.lax.ragged_dot` on tokens sorted by expert) and "pallas".
+The choice is read while tracing, so set it before the first call of a jitted function.
+"""
+
+import contextlib
+
+import jax
+
+from pallas_kernels.rel_attention import reference as attention_reference
+from pallas_kernels.shortconv import reference as shortconv_reference
+
+_VALID = {"backend": ("auto", "jnp", "pallas"), "moe": ("auto", "dense", "ragged", "pallas")}
+_settings = {"backend": "auto", "moe": "auto"}
+
+
+def set_backend(backend: str | None = None, *, moe: str | None = None) -> None:
+    for key, value in (("backend", backend), ("moe", moe)):
+        if value is None:
+            continue
+        if value not in _VALID[key]:
+            raise ValueError(f"{key} must be one of {_VALID[key]}, got {value!r}")
+        _settings[key] = value
+
+
+@contextlib.contextmanager
+def use(backend: str | None = None, *, moe: str | None = None):
+    """Temporarily select implementations: `with kernels.use("jnp", moe="dense"): ...`."""
+    saved = dict(_settings)
+    set_backend(backend, moe=moe)
+    try:
+        yield
+    finally:
+        _settings.update(saved)
+
+
+def _pallas() -> bool:
+    choice = _settings["backend"]
+    return choice == "pallas" or (choice == "auto" and jax.default_backend() == "gpu")
+
+
+def moe_backend() -> str:
+    choice = _settings["moe"]
+    if choice != "auto":
+        return choice
+    return "pallas" if _pallas() else "ragged"
+
+
+def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None):
+    if _pallas():
+        from pallas_kernels.shortconv import shortconv_prefill as kernel
+
+        return kernel(x, w, state, segment_ids=segment_ids, lengths=lengths)
+    return shortconv_reference.shortconv_prefill(x, w, state, segment_ids=segment_ids, lengths=lengths)
+
+
+def attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, q_segment=None, k_segment=None,
+              k_valid=None):
+    """Relative-bias attention over explicit positions (see `pallas_kernels/rel_attention/reference.py`)."""
+    return attention_reference.rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, window=window, tau=tau,
+                                             q_segment=q_segment, k_segment=k_segment, k_valid=k_valid)

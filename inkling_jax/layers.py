@@ -1,0 +1,60 @@
+"""Building blocks: linear maps, RMSNorm and ShortConv.
+
+Weights are stored the JAX way, `kernel [in, out]`, so `y = x @ kernel`; the loader transposes the hub's
+`[out, in]` tensors once.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inkling_jax import kernels
+
+INIT_STD = 0.02  # the reference initialiser's std, used for random (test and benchmark) weights
+
+
+def normal(rngs: nnx.Rngs, shape, dtype):
+    return (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Linear(nnx.Module):
+    """Bias-free linear map (Inkling has no biases anywhere)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(normal(rngs, (in_features, out_features), dtype))
+
+    def __call__(self, x):
+        return x @ self.kernel[...]
+
+
+class RMSNorm(nnx.Module):
+    """weight * x / rms(x): statistics in fp32, cast back to the input dtype before the (non 1+) weight."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+class ShortConv(nnx.Module):
+    """Depthwise causal conv of width 4 with its residual, in fp32 (its taps are kept in fp32 whatever the
+    model dtype, as the reference does). Carries a state of the last `width - 1` inputs between chunks."""
+
+    def __init__(self, channels: int, width: int, *, rngs: nnx.Rngs):
+        self.weight = nnx.Param(normal(rngs, (channels, width), jnp.float32))
+
+    @property
+    def history(self) -> int:
+        return self.weight.shape[-1] - 1
+
+    def __call__(self, x, state=None, segment_ids=None, lengths=None):
+        """x [B, T, C] -> (y [B, T, C], new_state [B, width - 1, C])."""
+        return kernels.shortconv_prefill(x, self.weight[...], state, segment_ids=segment_ids, lengths=lengths)

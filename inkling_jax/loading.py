@@ -1,0 +1,200 @@
+"""Loading the hub checkpoint layout (`model.llm.layers.N.attn.wq_du.weight`, ...) into the module tree.
+
+`hub_layout(config)` is the single table of how every hub tensor maps onto model parameters (renaming,
+transposing `[out, in]` to `[in, out]`, de-interleaving the gate/up rows). Loading is strict: a missing,
+unexpected or mis-shaped tensor, or a truncated shard, is an error naming the tensor and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from inkling_jax.config import InklingConfig, load_config
+from inkling_jax.model import InklingModel
+from inkling_jax.safetensors_io import CheckpointError, HubCheckpoint
+
+log = logging.getLogger(__name__)
+
+Path = tuple  # a parameter's path in the module tree, e.g. ("layers", 3, "attn", "wq", "kernel")
+
+# Tensors some checkpoints carry that this model has no use for (SGLang skips the same ones).
+IGNORED_PREFIXES = ("model.audio.decoder.", "model.audio.logits_processor.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one hub tensor becomes one or two parameters, and back."""
+
+    kind: str  # copy | linear | conv | interleaved | experts_down
+    targets: tuple[Path, ...]
+
+    def hub_shape(self, target_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        s = target_shapes[0]
+        return {
+            "copy": lambda: s,
+            "linear": lambda: s[::-1],  # [in, out] <- [out, in]
+            "conv": lambda: (s[0], 1, s[1]),
+            "interleaved": lambda: s[:-2] + (2 * s[-1], s[-2]),  # gate [.., H, I] <- [.., 2I, H]
+            "experts_down": lambda: (s[0], s[2], s[1]),  # [E, I, H] <- [E, H, I]
+        }[self.kind]()
+
+    def to_model(self, x: np.ndarray) -> list[np.ndarray]:
+        if self.kind == "copy":
+            return [x]
+        if self.kind == "linear":
+            return [x.T]
+        if self.kind == "conv":
+            return [x[:, 0, :]]
+        if self.kind == "interleaved":  # row 2i is gate_i, row 2i+1 is up_i
+            return [np.swapaxes(x[..., 0::2, :], -1, -2), np.swapaxes(x[..., 1::2, :], -1, -2)]
+        return [np.swapaxes(x, -1, -2)]  # experts_down
+
+    def to_hub(self, xs: list[np.ndarray]) -> np.ndarray:
+        if self.kind == "copy":
+            return xs[0]
+        if self.kind == "linear":
+            return xs[0].T
+        if self.kind == "conv":
+            return xs[0][:, None, :]
+        if self.kind == "interleaved":
+            gate, up = (np.swapaxes(x, -1, -2) for x in xs)
+            out = np.empty(gate.shape[:-2] + (2 * gate.shape[-2], gate.shape[-1]), gate.dtype)
+            out[..., 0::2, :], out[..., 1::2, :] = gate, up
+            return out
+        return np.swapaxes(xs[0], -1, -2)
+
+
+def _layer_rules(prefix: str, path: Path, dense: bool) -> dict[str, Rule]:
+    p = f"{prefix}."
+    rules = {
+        p + "attn_norm.weight": Rule("copy", (path + ("attn_norm", "weight"),)),
+        p + "mlp_norm.weight": Rule("copy", (path + ("mlp_norm", "weight"),)),
+        p + "attn_sconv.weight": Rule("conv", (path + ("attn_sconv", "weight"),)),
+        p + "mlp_sconv.weight": Rule("conv", (path + ("mlp_sconv", "weight"),)),
+        p + "attn.q_norm.weight": Rule("copy", (path + ("attn", "q_norm", "weight"),)),
+        p + "attn.k_norm.weight": Rule("copy", (path + ("attn", "k_norm", "weight"),)),
+        p + "attn.k_sconv.weight": Rule("conv", (path + ("attn", "k_sconv", "weight"),)),
+        p + "attn.v_sconv.weight": Rule("conv", (path + ("attn", "v_sconv", "weight"),)),
+        p + "attn.rel_logits_proj.proj": Rule("copy", (path + ("attn", "rel_proj"),)),
+    }
+    for hub, ours in (("wq_du", "wq"), ("wk_dv", "wk"), ("wv_dv", "wv"), ("wr_du", "wr"), ("wo_ud", "wo")):
+        rules[f"{p}attn.{hub}.weight"] = Rule("linear", (path + ("attn", ours, "kernel"),))
+    mlp = path + ("mlp",)
+    if dense:
+        rules[p + "mlp.w13_dn.weight"] = Rule("interleaved", (mlp + ("w_gate",), mlp + ("w_up",)))
+        rules[p + "mlp.w2_md.weight"] = Rule("linear", (mlp + ("w_down",),))
+        rules[p + "mlp.global_scale"] = Rule("copy", (mlp + ("global_scale",),))
+    else:
+        rules[p + "mlp.gate.weight"] = Rule("linear", (mlp + ("router",),))
+        rules[p + "mlp.gate.bias"] = Rule("copy", (mlp + ("router_bias",),))
+        rules[p + "mlp.gate.global_scale"] = Rule("copy", (mlp + ("router_scale",),))
+        rules[p + "mlp.experts.w13_weight"] = Rule("interleaved", (mlp + ("w_gate",), mlp + ("w_up",)))
+        rules[p + "mlp.experts.w2_weight"] = Rule("experts_down", (mlp + ("w_down",),))
+        rules[p + "mlp.shared_experts.shared_w13_weight"] = Rule("interleaved",
+                                                                 (mlp + ("shared_gate",), mlp + ("shared_up",)))
+        rules[p + "mlp.shared_experts.shared_w2_weight"] = Rule("experts_down", (mlp + ("shared_down",),))
+    return rules
+
+
+def hub_layout(config: InklingConfig) -> dict[str, Rule]:
+    """Every tensor a hub checkpoint of this config holds, and where it goes."""
+    text = config.text
+    rules = {
+        "model.llm.embed.weight": Rule("copy", (("embed",),)),
+        "model.llm.embed_norm.weight": Rule("copy", (("embed_norm", "weight"),)),
+        "model.llm.norm.weight": Rule("copy", (("norm", "weight"),)),
+        "model.llm.unembed.weight": Rule("copy", (("unembed",),)),
+    }
+    for i in range(text.num_layers):
+        rules.update(_layer_rules(f"model.llm.layers.{i}", ("layers", i), text.is_dense(i)))
+    if config.vision is not None:
+        from inkling_jax.towers import plan_scales
+
+        stages = len(plan_scales(config.vision)) - 1
+        for i in range(stages):
+            rules[f"model.visual.layers.linear_{i}.weight"] = Rule("linear", (("vision", "linears", i, "kernel"),))
+            if i < stages - 1:
+                rules[f"model.visual.layers.norm_{i}.weight"] = Rule("copy", (("vision", "norms", i, "weight"),))
+        rules["model.visual.final_norm.weight"] = Rule("copy", (("vision", "final_norm", "weight"),))
+    if config.audio is not None:
+        rules["model.audio.encoder.weight"] = Rule("copy", (("audio", "embedding"),))
+        rules["model.audio.final_norm.weight"] = Rule("copy", (("audio", "final_norm", "weight"),))
+    return rules
+
+
+def abstract_model(config: InklingConfig, dtype) -> InklingModel:
+    """The module tree with shapes and dtypes only (no memory), to be filled by a loader."""
+    return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
+    return {path: node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Param)}
+
+
+def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
+                    progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None):
+    """Build an `InklingModel` from a model directory in the hub layout.
+
+    dtype: parameter dtype ("float32" or "bfloat16"); ShortConv taps and the router's bias and scale stay fp32.
+    place: how a host array becomes a device array (default `jnp.asarray`); a sharded loader passes its own.
+    """
+    path = os.fspath(path)
+    config = config or load_config(path)
+    checkpoint = HubCheckpoint(path)
+    model = abstract_model(config, jnp.dtype(dtype))
+    variables = model_variables(model)
+    rules = hub_layout(config)
+    check_tensor_names(checkpoint, rules, config)
+    check_shapes(checkpoint, rules, variables)
+    place = place or (lambda _, x: jnp.asarray(x))
+    names = [n for n in checkpoint.names if n in rules]
+    for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress):
+        rule = rules[name]
+        try:
+            arrays = rule.to_model(np.asarray(checkpoint.read(name)))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{checkpoint.path_of(name)}: cannot read tensor {name}: {e}") from None
+        for target, array in zip(rule.targets, arrays):
+            var = variables[target]
+            var.set_value(place(target, np.asarray(array, dtype=var.get_value().dtype)))
+    return model
+
+
+def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config: InklingConfig) -> None:
+    present = set(checkpoint.names)
+    missing = sorted(set(rules) - present)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{checkpoint.directory}: missing tensor {missing[0]}{more}; the config "
+                              f"({config.text.num_layers} layers) expects it")
+    extra = sorted(n for n in present - set(rules) if not n.startswith(IGNORED_PREFIXES + _optional(config)))
+    if extra:
+        raise CheckpointError(f"{checkpoint.path_of(extra[0])}: unexpected tensor {extra[0]}"
+                              + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+                              + "; the config does not describe it")
+    skipped = [n for n in present - set(rules)]
+    if skipped:
+        log.info("skipping %d tensors this model does not use (e.g. %s)", len(skipped), skipped[0])
+
+
+def _optional(config: InklingConfig) -> tuple[str, ...]:
+    # The MTP head is loaded by `inkling_jax.mtp`; the trunk loader leaves its tensors alone.
+    return ("model.mtp.",) if config.mtp is not None else ()
+
+
+def check_shapes(checkpoint: HubCheckpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable]) -> None:
+    for name, rule in rules.items():
+        expected = rule.hub_shape([tuple(variables[t].get_value().shape) for t in rule.targets])
+        found = checkpoint.shape(name)
+        if tuple(found) != tuple(expected):
+            raise CheckpointError(f"{checkpoint.path_of(name)}: tensor {name} has shape {list(found)}, the config "
+                                  f"needs {list(expected)}")

@@ -1,0 +1,164 @@
+"""The Inkling model: normed embedding, decoder layers (attention + ShortConv, dense MLP or MoE + ShortConv),
+final norm, the muP-divided untied head; media towers whose outputs replace placeholder rows.
+
+    model = InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    logits = model(input_ids)                          # [B, T, unpadded_vocab]
+    cache = model.init_cache(batch, max_len)
+    logits, cache = model.extend(prompt_ids, cache)    # prefill (a chunk; rows may be right-padded)
+    logits, cache = model.extend(next_ids[:, None], cache)   # one decode step
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inkling_jax.attention import Attention
+from inkling_jax.cache import Cache, LayerCache, init_cache
+from inkling_jax.config import InklingConfig, TextConfig
+from inkling_jax.layers import RMSNorm, ShortConv, normal
+from inkling_jax.mlp import DenseMLP, MoE
+from inkling_jax.towers import AudioTower, VisionTower
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, local: bool, dense: bool, dtype, rngs: nnx.Rngs):
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.attn_norm = RMSNorm(hidden, eps, dtype=dtype)
+        self.attn = Attention(cfg, local, dtype=dtype, rngs=rngs)
+        self.attn_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
+        self.mlp_norm = RMSNorm(hidden, eps, dtype=dtype)
+        if dense:
+            self.mlp = DenseMLP(hidden, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
+        self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
+
+    def __call__(self, x, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
+                 expert_ids=None):
+        """Returns (x, updated LayerCache or None, the MoE's expert ids or None)."""
+        conv = (lambda name: None) if cache is None else (lambda name: getattr(cache, name))
+        a, attn_cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache, n_new=n_new)
+        a, attn_conv = self.attn_sconv(a, conv("attn_conv"), segment_ids, n_new)
+        x = x + a
+        m, chosen = self.mlp(self.mlp_norm(x), expert_ids)
+        m, mlp_conv = self.mlp_sconv(m, conv("mlp_conv"), segment_ids, n_new)
+        x = x + m
+        new_cache = None
+        if cache is not None:
+            new_cache = LayerCache(**attn_cache, attn_conv=attn_conv, mlp_conv=mlp_conv)
+        return x, new_cache, chosen
+
+
+class InklingModel(nnx.Module):
+    def __init__(self, config: InklingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        cfg = config.text
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.embed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([
+            DecoderLayer(cfg, local=cfg.is_local(i), dense=cfg.is_dense(i), dtype=dtype, rngs=rngs)
+            for i in range(cfg.num_layers)
+        ])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.unembed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.vision = None if config.vision is None else VisionTower(config.vision, cfg.hidden_size, dtype=dtype,
+                                                                       rngs=rngs)
+        self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
+                                                                    rngs=rngs)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Public API
+
+    def __call__(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None, *,
+                 segment_ids=None, positions=None):
+        """Logits [B, T, unpadded_vocab] of a whole sequence (no cache).
+
+        pixel_values [N, T, P, P, C] and audio_input_ids [A, F, bins] (+ mask [A, F]) fill the image and audio
+        placeholder tokens of input_ids in order. segment_ids/positions describe packed sequences.
+        """
+        return self.logits(self.hidden_states(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask,
+                                              segment_ids=segment_ids, positions=positions)[0])
+
+    def hidden_states(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None, *,
+                      segment_ids=None, positions=None, expert_ids=None):
+        """Final-normed hidden states [B, T, hidden] and the MoE choices of each MoE layer (for routing replay:
+        pass the same list back as `expert_ids`)."""
+        x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None], input_ids.shape)
+        chosen = []
+        moe_layer = 0
+        for layer in self.layers:
+            given = None
+            if isinstance(layer.mlp, MoE):
+                given = None if expert_ids is None else expert_ids[moe_layer]
+                moe_layer += 1
+            x, _, ids = layer(x, positions, segment_ids=segment_ids, expert_ids=given)
+            if ids is not None:
+                chosen.append(ids)
+        return self.norm(x), chosen
+
+    def logits(self, hidden):
+        """The untied head on final-normed hidden states, cut to the unpadded vocabulary."""
+        cfg = self.config.text
+        scaled = hidden / jnp.asarray(cfg.logits_mup_width_multiplier, hidden.dtype)
+        return scaled @ self.unembed[...][: cfg.unpadded_vocab_size].T
+
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        return init_cache(self.config.text, batch, max_len, self.dtype)
+
+    def extend(self, input_ids, cache: Cache, n_new=None, pixel_values=None, audio_input_ids=None,
+               audio_input_ids_mask=None):
+        """Append a chunk [B, T] to every row of the cache; returns (logits [B, T, V], cache).
+
+        Row b's chunk holds `n_new[b]` real tokens (default T) followed by padding, which is neither cached nor
+        counted. T == 1 is a decode step; any T is a prefill chunk (chunked prefill continues a row).
+        """
+        batch, seq = input_ids.shape
+        if n_new is None:
+            n_new = jnp.full((batch,), seq, jnp.int32)
+        x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask)
+        positions = cache.lengths[:, None] + jnp.arange(seq)[None, :]
+        new_layers = []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new)
+            new_layers.append(new_cache)
+        logits = self.logits(self.norm(x))
+        return logits, Cache(lengths=cache.lengths + n_new, layers=tuple(new_layers))
+
+    # ------------------------------------------------------------------------------------------------------
+    # Inputs
+
+    def embed_inputs(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None):
+        x = self.embed_norm(jnp.take(self.embed[...], input_ids, axis=0))
+        if pixel_values is not None:
+            if self.vision is None:
+                raise ValueError("pixel_values given but this model has no vision tower")
+            x = merge_placeholders(x, input_ids, self.config.image_token_id, self.vision(pixel_values), "image")
+        if audio_input_ids is not None:
+            if self.audio is None:
+                raise ValueError("audio_input_ids given but this model has no audio tower")
+            frames = audio_input_ids.reshape(-1, audio_input_ids.shape[-1])
+            if audio_input_ids_mask is not None:
+                # Padding frames are not tokens: keep the valid ones, in order (a host-side, concrete mask).
+                frames = frames[jnp.asarray(audio_input_ids_mask).reshape(-1).astype(bool)]
+            x = merge_placeholders(x, input_ids, self.config.audio_token_id, self.audio(frames), "audio")
+        return x
+
+
+def merge_placeholders(x, input_ids, token_id: int, features, kind: str):
+    """Replace the rows of x at `token_id` placeholders, in reading order, by `features [N, hidden]`."""
+    is_slot = (input_ids == token_id).reshape(-1)
+    count = int(is_slot.sum())  # concrete: media is merged outside jit, where counts can be checked
+    if count != features.shape[0]:
+        raise ValueError(f"{kind}: {count} placeholder tokens (id {token_id}) but {features.shape[0]} "
+                         f"{kind} embeddings; the prompt and the media do not match")
+    flat = x.reshape(-1, x.shape[-1])
+    source = jnp.clip(jnp.cumsum(is_slot) - 1, 0, max(count - 1, 0))
+    merged = jnp.where(is_slot[:, None], features.astype(x.dtype)[source] if count else flat, flat)
+    return merged.reshape(x.shape)
+
+
+def count_params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -1,0 +1,8 @@
+"""Small helpers shared by every kernel folder."""
+
+import jax
+
+
+def interpret_default() -> bool:
+    """Kernels run compiled on GPU and in Pallas interpret mode everywhere else (CPU tests)."""
+    return jax.default_backend() != "gpu"

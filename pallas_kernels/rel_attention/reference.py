@@ -1,0 +1,76 @@
+"""Pure-jnp attention with Inkling's query-conditioned relative bias.
+
+For query i and key j (absolute positions p_i, p_j; distance d = p_i - p_j):
+
+    s[h, i, j] = tau_i * ( q[i, h] . k[j, g(h)] * scale + b[h, i, j] ),   scale = 1 / head_dim
+    b[h, i, j] = sum_e r[i, h, e] * P[e, d]   if 0 <= d < E, else 0
+
+masked to d >= 0 (causal), d < window on sliding layers, equal segment ids and valid keys; softmax in fp32.
+g(h) = h // (Hq / Hkv) (consecutive query heads share a KV head). tau is the log-scaling factor of full
+layers (1 elsewhere); like the reference model it scales the normed q and the bias, not k.
+"""
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def relative_bias(r, rel_proj, q_pos, k_pos):
+    """b[B, H, T, S] from r [B, T, H, dr] and P [dr, E]: the dense form, for references and tiny shapes."""
+    extent = rel_proj.shape[-1]
+    rel = jnp.einsum("bthd,de->bhte", r, rel_proj.astype(r.dtype))  # [B, H, T, E]
+    dist = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
+    idx = jnp.broadcast_to(jnp.clip(dist, 0, extent - 1)[:, None], rel.shape[:2] + dist.shape[1:])
+    bias = jnp.take_along_axis(rel, idx, axis=-1)
+    inside = ((dist >= 0) & (dist < extent))[:, None]
+    return jnp.where(inside, bias, jnp.zeros((), bias.dtype))
+
+
+def attention_mask(q_pos, k_pos, window=None, q_segment=None, k_segment=None, k_valid=None):
+    """Boolean [B, T, S]: which keys each query may attend to."""
+    dist = q_pos[:, :, None] - k_pos[:, None, :]
+    mask = dist >= 0
+    if window is not None:
+        mask &= dist < window
+    if q_segment is not None:
+        mask &= q_segment[:, :, None] == k_segment[:, None, :]
+    if k_valid is not None:
+        mask &= k_valid[:, None, :]
+    return mask
+
+
+def rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, q_segment=None,
+                  k_segment=None, k_valid=None, scale=None):
+    """Attention output [B, T, Hq, D] in q.dtype.
+
+    Args:
+      q: [B, T, Hq, D] normed queries; k, v: [B, S, Hkv, D]; r: [B, T, Hq, dr]; rel_proj: [dr, E].
+      q_pos: [B, T] int and k_pos: [B, S] int absolute positions.
+      window: sliding-window length (the window counts the query itself); None for full attention.
+      tau: optional [B, T] fp32 log-scaling factor per query.
+      q_segment, k_segment: optional [B, T], [B, S] ids of packed sequences.
+      k_valid: optional [B, S] bool, False for cache slots that hold nothing.
+      scale: defaults to 1 / head_dim.
+    """
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    groups = heads // kv_heads
+    scale = 1.0 / dim if scale is None else scale
+    dtype = q.dtype
+    bias = relative_bias(r, rel_proj, q_pos, k_pos)  # [B, H, T, S]
+    if tau is not None:
+        t = tau[:, None, :, None]
+        q = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)
+        bias = (bias.astype(jnp.float32) * t).astype(dtype)
+    qg = q.reshape(batch, seq, kv_heads, groups, dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).reshape(batch, heads, seq, k.shape[1]) * scale
+    scores = scores.astype(dtype) + bias
+    mask = attention_mask(q_pos, k_pos, window, q_segment, k_segment, k_valid)[:, None]
+    scores = jnp.where(mask, scores.astype(jnp.float32), NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    # Rows with no visible key (padding queries) get zeros rather than a uniform average.
+    probs = jnp.where(mask.any(-1, keepdims=True), probs, 0.0).astype(dtype)
+    probs = probs.reshape(batch, kv_heads, groups, seq, k.shape[1])
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, seq, heads, dim).astype(dtype)
