@@ -42,8 +42,9 @@ def init_layer_cache(cfg: TextConfig, local: bool, batch: int, max_len: int, dty
     slots = shape.window if local else max_len
     hist = cfg.conv_kernel_size - 1
     kv_width = shape.num_kv_heads * shape.head_dim
-    kv = jnp.zeros((batch, slots, shape.num_kv_heads, shape.head_dim), dtype)
-    return LayerCache(k=kv, v=kv, k_conv=jnp.zeros((batch, hist, kv_width), dtype),
+    kv_shape = (batch, slots, shape.num_kv_heads, shape.head_dim)
+    # Every field its own buffer: the jitted steps donate the cache, and a buffer cannot be donated twice.
+    return LayerCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype), k_conv=jnp.zeros((batch, hist, kv_width), dtype),
                       v_conv=jnp.zeros((batch, hist, kv_width), dtype),
                       attn_conv=jnp.zeros((batch, hist, cfg.hidden_size), dtype),
                       mlp_conv=jnp.zeros((batch, hist, cfg.hidden_size), dtype))

@@ -198,3 +198,53 @@ def check_shapes(checkpoint: HubCheckpoint, rules: dict[str, Rule], variables: d
         if tuple(found) != tuple(expected):
             raise CheckpointError(f"{checkpoint.path_of(name)}: tensor {name} has shape {list(found)}, the config "
                                   f"needs {list(expected)}")
+
+
+def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=None,
+                    max_shard_bytes: int = 4 << 30) -> None:
+    """Write `model` in the hub layout: config.json, *.safetensors shards and their index.
+
+    The directory is built under a temporary name and renamed into place at the end, so a failed write never
+    leaves a directory that looks like a checkpoint. dtype: cast the weights (default: as they are).
+    """
+    import json
+    import shutil
+
+    from inkling_jax.safetensors_io import write_safetensors
+
+    directory = os.fspath(directory)
+    if os.path.exists(directory):
+        raise FileExistsError(f"{directory} already exists")
+    tmp = f"{directory}.partial-{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        variables = model_variables(model)
+        shards, current, size = [], {}, 0
+        for name, rule in hub_layout(model.config).items():
+            tensor = rule.to_hub([np.asarray(variables[t].get_value()) for t in rule.targets])
+            if dtype is not None and not _keeps_fp32(name):
+                tensor = tensor.astype(jnp.dtype(dtype))
+            if current and size + tensor.nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = {}, 0
+            current[name] = tensor
+            size += tensor.nbytes
+        shards.append(current)
+        weight_map = {}
+        for i, tensors in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(os.path.join(tmp, file), tensors, metadata={"format": "pt"})
+            weight_map.update({name: file for name in tensors})
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
+        with open(os.path.join(tmp, "config.json"), "w") as fh:
+            json.dump(model.config.to_dict(), fh, indent=1)
+        os.rename(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _keeps_fp32(name: str) -> bool:
+    """Tensors the reference keeps in fp32 whatever the checkpoint dtype (router bias and scale)."""
+    return name.endswith(("mlp.gate.bias", "mlp.gate.global_scale"))

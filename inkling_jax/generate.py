@@ -1,0 +1,57 @@
+"""Jitted prefill / decode steps over the explicit cache, and a small greedy generator built on them.
+
+The steps are pure functions of (parameters, inputs, cache), with fixed shapes per (batch, chunk, max_len), so
+they compile once; this is the contract the server builds on.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inkling_jax.cache import Cache
+from inkling_jax.model import InklingModel
+
+
+class StepFunctions:
+    """Jitted entry points of one model: `extend(ids [B, T], cache, n_new [B]) -> (logits, cache)` (the cache
+    donated) and `forward(ids [B, T]) -> logits`."""
+
+    def __init__(self, model: InklingModel):
+        self.graphdef, self.state = nnx.split(model)
+
+        def extend(state, ids, cache, n_new):
+            return nnx.merge(self.graphdef, state).extend(ids, cache, n_new)
+
+        def forward(state, ids):
+            return nnx.merge(self.graphdef, state)(ids)
+
+        self._extend = jax.jit(extend, donate_argnums=(2,))
+        self._forward = jax.jit(forward)
+
+    def forward(self, ids):
+        """Logits of whole text sequences [B, T] (no cache), jitted."""
+        return self._forward(self.state, jnp.asarray(ids, jnp.int32))
+
+    def extend(self, ids, cache: Cache, n_new=None):
+        ids = jnp.asarray(ids, jnp.int32)
+        if n_new is None:
+            n_new = jnp.full((ids.shape[0],), ids.shape[1], jnp.int32)
+        return self._extend(self.state, ids, cache, jnp.asarray(n_new, jnp.int32))
+
+
+def greedy_generate(model: InklingModel, prompt_ids, max_new_tokens: int, *, max_len: int | None = None,
+                    steps: StepFunctions | None = None) -> np.ndarray:
+    """Greedy continuation of equal-length prompts [B, T]: returns the new tokens [B, max_new_tokens]."""
+    prompt_ids = np.asarray(prompt_ids, np.int32)
+    batch, length = prompt_ids.shape
+    steps = steps or StepFunctions(model)
+    cache = model.init_cache(batch, max_len or length + max_new_tokens)
+    logits, cache = steps.extend(prompt_ids, cache)
+    token = jnp.argmax(logits[:, -1], axis=-1)
+    out = [token]
+    for _ in range(max_new_tokens - 1):
+        logits, cache = steps.extend(token[:, None], cache)
+        token = jnp.argmax(logits[:, -1], axis=-1)
+        out.append(token)
+    return np.asarray(jnp.stack(out, axis=1))
