@@ -32,12 +32,14 @@ class Attention(nnx.Module):
         # One bank of bias-vs-distance profiles per layer, shared by all heads: P [d_rel, E].
         self.rel_proj = nnx.Param(normal(rngs, (cfg.d_rel, s.extent), dtype))
 
-    def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None):
+    def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
+                 page_table=None):
         """u [B, T, hidden] (normed) at `positions [B, T]`.
 
         Without a cache the T tokens attend among themselves (segment ids separate packed sequences).
         With a cache the T tokens continue each row at `positions = lengths + t`; only the first `n_new[b]`
-        of them are real (right padding). Returns (output [B, T, hidden], updated cache fields or None).
+        of them are real (right padding); full layers find their pages through `page_table`.
+        Returns (output [B, T, hidden], updated cache fields or None).
         """
         batch, seq, _ = u.shape
         q = self.wq(u).reshape(batch, seq, self.num_heads, self.head_dim)
@@ -50,48 +52,59 @@ class Attention(nnx.Module):
         tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
 
         if cache is None:
-            keys, values, k_pos, k_valid, updated = k, v, positions, None, None
+            out = kernels.self_attention(q, k, v, r, self.rel_proj[...], positions, window=self.window, tau=tau,
+                                         segment_ids=segment_ids)
+            updated = None
         else:
             if segment_ids is not None:
                 raise ValueError("packed segments and a decode cache cannot be combined")
-            update = self._ring_update if self.local else self._full_update
-            keys, values, k_pos, k_valid, new_k, new_v = update(cache, k, v, positions, n_new)
+            out, new_k, new_v = self._cached_attention(cache, page_table, q, k, v, r, positions, n_new, tau)
             updated = dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
-        out = kernels.attention(q, keys, values, r, self.rel_proj[...], positions, k_pos, window=self.window,
-                                tau=tau, q_segment=segment_ids, k_segment=segment_ids, k_valid=k_valid)
         return self.wo(out.reshape(batch, seq, -1)), updated
 
-    @staticmethod
-    def _full_update(cache, k, v, positions, n_new):
-        """Write the new K/V at their positions; attend over the whole (fixed-size) cache."""
-        batch, seq = positions.shape
-        slots = cache.k.shape[1]
+    def _cached_attention(self, cache, page_table, q, k, v, r, positions, n_new, tau):
+        """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
+        seq = positions.shape[1]
         real = jnp.arange(seq)[None, :] < n_new[:, None]
-        idx = jnp.where(real, positions, slots)  # padding goes out of range and is dropped
-        rows = jnp.arange(batch)[:, None]
-        new_k = cache.k.at[rows, idx].set(k, mode="drop")
-        new_v = cache.v.at[rows, idx].set(v, mode="drop")
-        k_pos = jnp.broadcast_to(jnp.arange(slots)[None, :], (batch, slots))
-        k_valid = k_pos < (positions[:, :1] + n_new[:, None])
-        return new_k, new_v, k_pos, k_valid, new_k, new_v
+        if self.local:
+            # Only the last `window` real tokens survive in the ring, so no two writes hit the same slot.
+            window = cache.k.shape[1]
+            keep = real & (jnp.arange(seq)[None, :] >= n_new[:, None] - window)
+            slots = jnp.where(keep, jnp.mod(positions, window), window)
+            rows = jnp.arange(positions.shape[0])[:, None]
+            new_k = cache.k.at[rows, slots].set(k, mode="drop")
+            new_v = cache.v.at[rows, slots].set(v, mode="drop")
+        else:
+            page_size = cache.k.shape[1]
+            page = jnp.take_along_axis(page_table, jnp.minimum(positions // page_size, page_table.shape[1] - 1),
+                                       axis=1)
+            flat = jnp.where(real, page * page_size + positions % page_size, cache.k.shape[0] * page_size)
+            new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
+        if seq == 1:  # a decode step: attend straight over the cache
+            lengths = jnp.maximum(positions[:, 0] + n_new, 1)  # idle rows (n_new 0) compute noise, write nothing
+            out = kernels.decode_attention(q[:, 0], new_k, new_v, r[:, 0], self.rel_proj[...], lengths,
+                                           page_table=None if self.local else page_table, window=self.window,
+                                           tau=None if tau is None else tau[:, 0])
+            return out[:, None], new_k, new_v
+        if self.local:  # the ring as it was before this chunk, then the chunk itself
+            last = positions[:, :1] - 1  # the newest cached position, -1 for an empty row
+            slot_pos = last - jnp.mod(last - jnp.arange(cache.k.shape[1])[None, :], cache.k.shape[1])
+            keys, values = jnp.concatenate([cache.k, k], axis=1), jnp.concatenate([cache.v, v], axis=1)
+            k_pos = jnp.concatenate([slot_pos, positions], axis=1)
+            k_valid = jnp.concatenate([slot_pos >= 0, real], axis=1)
+        else:  # every page of the row, with the chunk already written
+            batch, span = page_table.shape[0], page_table.shape[1] * cache.k.shape[1]
+            keys = new_k[page_table].reshape(batch, span, *k.shape[2:])
+            values = new_v[page_table].reshape(batch, span, *v.shape[2:])
+            k_pos = jnp.broadcast_to(jnp.arange(span)[None, :], (batch, span))
+            k_valid = k_pos < (positions[:, :1] + n_new[:, None])
+        out = kernels.attention(q, keys, values, r, self.rel_proj[...], positions, k_pos, window=self.window,
+                                tau=tau, k_valid=k_valid)
+        return out, new_k, new_v
 
-    @staticmethod
-    def _ring_update(cache, k, v, positions, n_new):
-        """Attend over [ring before this chunk ; the chunk], then keep the newest `window` tokens in the ring."""
-        batch, seq = positions.shape
-        window = cache.k.shape[1]
-        last = positions[:, :1] - 1  # the newest cached position, -1 for an empty row
-        slot = jnp.arange(window)[None, :]
-        slot_pos = last - jnp.mod(last - slot, window)  # the position each slot holds (negative: empty)
-        real = jnp.arange(seq)[None, :] < n_new[:, None]
-        keys = jnp.concatenate([cache.k, k], axis=1)
-        values = jnp.concatenate([cache.v, v], axis=1)
-        k_pos = jnp.concatenate([slot_pos, positions], axis=1)
-        k_valid = jnp.concatenate([slot_pos >= 0, real], axis=1)
-        # Only the last `window` real tokens survive, so no two writes hit the same slot.
-        keep = real & (jnp.arange(seq)[None, :] >= n_new[:, None] - window)
-        idx = jnp.where(keep, jnp.mod(positions, window), window)
-        rows = jnp.arange(batch)[:, None]
-        new_k = cache.k.at[rows, idx].set(k, mode="drop")
-        new_v = cache.v.at[rows, idx].set(v, mode="drop")
-        return keys, values, k_pos, k_valid, new_k, new_v
+
+def _scatter_rows(pages, flat_index, rows):
+    """pages [P, S, ...] with rows [B, T, ...] written at flat (page * S + offset) indices; out of range: dropped."""
+    flat = pages.reshape(-1, *pages.shape[2:])
+    flat = flat.at[flat_index.reshape(-1)].set(rows.reshape(-1, *rows.shape[2:]), mode="drop")
+    return flat.reshape(pages.shape)

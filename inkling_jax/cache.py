@@ -2,10 +2,13 @@
 
 Per layer:
 - K and V after their ShortConv (K also after its norm, never tau-scaled). Full-attention layers keep every
-  position, `[B, max_len, Hkv, D]`; sliding layers keep a ring of exactly `window` slots, where position p lives
-  in slot p % window, so their memory never grows with the sequence.
+  position in pages, `[num_pages, page_size, Hkv, D]`, shared by all rows through `page_table [B, pages_per_row]`
+  (position p of row b lives in page `page_table[b, p // page_size]` at offset `p % page_size`); sliding layers
+  keep a ring of exactly `window` slots per row, where position p lives in slot p % window, so their memory never
+  grows with the sequence.
 - The four ShortConv states (k, v, attention output, MLP output): the last `width - 1` conv *inputs*.
-Plus `lengths [B]`: tokens already in the cache per row (rows may differ).
+Plus `lengths [B]`: tokens already in the cache per row (rows may differ). `init_cache` gives each row its own
+contiguous pages; a server hands pages out from a shared pool instead, by writing `page_table`.
 
 All shapes are fixed by (batch, max_len), so prefill and decode steps jit once per shape.
 """
@@ -30,6 +33,7 @@ class LayerCache:
 @struct.dataclass
 class Cache:
     lengths: jax.Array  # [B] int32
+    page_table: jax.Array  # [B, pages_per_row] int32, pages of the full-attention layers
     layers: tuple[LayerCache, ...]
 
     @property
@@ -37,12 +41,15 @@ class Cache:
         return self.lengths.shape[0]
 
 
-def init_layer_cache(cfg: TextConfig, local: bool, batch: int, max_len: int, dtype) -> LayerCache:
+DEFAULT_PAGE_SIZE = 16
+
+
+def init_layer_cache(cfg: TextConfig, local: bool, batch: int, num_pages: int, page_size: int, dtype) -> LayerCache:
     shape = cfg.attention(local)
-    slots = shape.window if local else max_len
     hist = cfg.conv_kernel_size - 1
     kv_width = shape.num_kv_heads * shape.head_dim
-    kv_shape = (batch, slots, shape.num_kv_heads, shape.head_dim)
+    rows = (batch, shape.window) if local else (num_pages, page_size)
+    kv_shape = rows + (shape.num_kv_heads, shape.head_dim)
     # Every field its own buffer: the jitted steps donate the cache, and a buffer cannot be donated twice.
     return LayerCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype), k_conv=jnp.zeros((batch, hist, kv_width), dtype),
                       v_conv=jnp.zeros((batch, hist, kv_width), dtype),
@@ -50,15 +57,27 @@ def init_layer_cache(cfg: TextConfig, local: bool, batch: int, max_len: int, dty
                       mlp_conv=jnp.zeros((batch, hist, cfg.hidden_size), dtype))
 
 
-def init_cache(cfg: TextConfig, batch: int, max_len: int, dtype=jnp.float32) -> Cache:
-    """An empty cache for `batch` rows of up to `max_len` tokens each."""
+def init_cache(cfg: TextConfig, batch: int, max_len: int, dtype=jnp.float32, *, page_size: int = DEFAULT_PAGE_SIZE,
+               num_pages: int | None = None) -> Cache:
+    """An empty cache for `batch` rows of up to `max_len` tokens each.
+
+    By default every row owns ceil(max_len / page_size) contiguous pages; pass `num_pages` to size a shared
+    pool (the page table then starts all-zero and the caller assigns pages).
+    """
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
-    layers = tuple(init_layer_cache(cfg, cfg.is_local(i), batch, max_len, dtype) for i in range(cfg.num_layers))
-    return Cache(lengths=jnp.zeros((batch,), jnp.int32), layers=layers)
+    per_row = -(-max_len // page_size)
+    if num_pages is None:
+        num_pages = batch * per_row
+        page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, per_row)
+    else:
+        page_table = jnp.zeros((batch, per_row), jnp.int32)
+    layers = tuple(init_layer_cache(cfg, cfg.is_local(i), batch, num_pages, page_size, dtype)
+                   for i in range(cfg.num_layers))
+    return Cache(lengths=jnp.zeros((batch,), jnp.int32), page_table=page_table, layers=layers)
 
 
-def cache_bytes(cfg: TextConfig, batch: int, max_len: int, dtype=jnp.bfloat16) -> int:
+def cache_bytes(cfg: TextConfig, batch: int, max_len: int, dtype=jnp.bfloat16, **kwargs) -> int:
     """Memory an `init_cache` of this size takes, without allocating it."""
-    shapes = jax.eval_shape(lambda: init_cache(cfg, batch, max_len, dtype))
+    shapes = jax.eval_shape(lambda: init_cache(cfg, batch, max_len, dtype, **kwargs))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))

@@ -60,8 +60,31 @@ def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None):
     return shortconv_reference.shortconv_prefill(x, w, state, segment_ids=segment_ids, lengths=lengths)
 
 
-def attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, q_segment=None, k_segment=None,
-              k_valid=None):
-    """Relative-bias attention over explicit positions (see `pallas_kernels/rel_attention/reference.py`)."""
+def attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, k_valid=None):
+    """Relative-bias attention over explicit positions (see `pallas_kernels/rel_attention/reference.py`): the
+    general case (a prefill chunk continuing a cache), always the jnp path."""
     return attention_reference.rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, window=window, tau=tau,
-                                             q_segment=q_segment, k_segment=k_segment, k_valid=k_valid)
+                                             k_valid=k_valid)
+
+
+def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, segment_ids=None):
+    """T tokens attending among themselves; positions must step by one inside each segment (packed sequences
+    restart at 0), which is what lets the flash kernel use index differences as distances."""
+    if _pallas():
+        from pallas_kernels.rel_attention import rel_flash_attention
+
+        return rel_flash_attention(q, k, v, r, rel_proj, window=window, tau=tau, segment_ids=segment_ids)
+    return attention_reference.rel_attention(q, k, v, r, rel_proj, positions, positions, window=window, tau=tau,
+                                             q_segment=segment_ids, k_segment=segment_ids)
+
+
+def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=None, window=None, tau=None):
+    """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
+    given) or a window ring (sliding layers). `lengths` counts the new token."""
+    from pallas_kernels import decode_attention as decode
+
+    if page_table is None:
+        fn = decode.ring_decode_attention if _pallas() else decode.ring_decode_reference
+        return fn(q, k_cache, v_cache, lengths, r, rel_proj, window=window)
+    fn = decode.paged_decode_attention if _pallas() else decode.paged_decode_reference
+    return fn(q, k_cache, v_cache, page_table, lengths, r, rel_proj, tau=tau)

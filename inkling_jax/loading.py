@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from inkling_jax.config import InklingConfig, load_config
 from inkling_jax.model import InklingModel
 from inkling_jax.safetensors_io import CheckpointError, HubCheckpoint
+from inkling_jax.sharding import param_shardings
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,13 @@ def hub_layout(config: InklingConfig) -> dict[str, Rule]:
             if i < stages - 1:
                 rules[f"model.visual.layers.norm_{i}.weight"] = Rule("copy", (("vision", "norms", i, "weight"),))
         rules["model.visual.final_norm.weight"] = Rule("copy", (("vision", "final_norm", "weight"),))
+    if config.mtp is not None:
+        for k in range(config.mtp.num_layers):
+            prefix, path = f"model.mtp.layers.{k}", ("mtp", "layers", k)
+            rules[f"{prefix}.embed_norm.weight"] = Rule("copy", (path + ("embed_norm", "weight"),))
+            rules[f"{prefix}.hidden_norm.weight"] = Rule("copy", (path + ("hidden_norm", "weight"),))
+            rules[f"{prefix}.input_proj.weight"] = Rule("linear", (path + ("input_proj", "kernel"),))
+            rules.update(_layer_rules(f"{prefix}.transformer_block", path + ("block",), dense=True))
     if config.audio is not None:
         rules["model.audio.encoder.weight"] = Rule("copy", (("audio", "embedding"),))
         rules["model.audio.final_norm.weight"] = Rule("copy", (("audio", "final_norm", "weight"),))
@@ -141,21 +149,39 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 
 
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
-                    progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None):
-    """Build an `InklingModel` from a model directory in the hub layout.
+                    progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
+                    mesh: jax.sharding.Mesh | None = None):
+    """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.convert`
+    wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
     dtype: parameter dtype ("float32" or "bfloat16"); ShortConv taps and the router's bias and scale stay fp32.
-    place: how a host array becomes a device array (default `jnp.asarray`); a sharded loader passes its own.
+    mesh: shard every parameter by the `sharding` table on this mesh (default: one device).
+    place: hub directories only: how a host array becomes a device array (default: by `mesh`, else
+    `jnp.asarray`).
     """
     path = os.fspath(path)
     config = config or load_config(path)
-    checkpoint = HubCheckpoint(path)
     model = abstract_model(config, jnp.dtype(dtype))
     variables = model_variables(model)
+    shardings = None if mesh is None else param_shardings(model, mesh)
+    from inkling_jax import orbax_io  # orbax is imported only when a converted directory is loaded
+
+    if orbax_io.is_converted(path):
+        orbax_io.load_converted(path, variables, shardings)
+        return model
+    checkpoint = HubCheckpoint(path)
     rules = hub_layout(config)
     check_tensor_names(checkpoint, rules, config)
     check_shapes(checkpoint, rules, variables)
-    place = place or (lambda _, x: jnp.asarray(x))
+    if place is None:
+        place = (lambda _, x: jnp.asarray(x)) if mesh is None else (lambda p, x: jax.device_put(x, shardings[p]))
+    fill_variables(checkpoint, rules, variables, place, progress)
+    return model
+
+
+def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable],
+                   place: Callable[[Path, np.ndarray], jax.Array], progress: bool = False) -> None:
+    """Set every variable from a checked checkpoint (anything with `names`, `read(name)` and `path_of(name)`)."""
     names = [n for n in checkpoint.names if n in rules]
     for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress):
         rule = rules[name]
@@ -166,7 +192,6 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
         for target, array in zip(rule.targets, arrays):
             var = variables[target]
             var.set_value(place(target, np.asarray(array, dtype=var.get_value().dtype)))
-    return model
 
 
 def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config: InklingConfig) -> None:
@@ -176,7 +201,7 @@ def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{checkpoint.directory}: missing tensor {missing[0]}{more}; the config "
                               f"({config.text.num_layers} layers) expects it")
-    extra = sorted(n for n in present - set(rules) if not n.startswith(IGNORED_PREFIXES + _optional(config)))
+    extra = sorted(n for n in present - set(rules) if not n.startswith(IGNORED_PREFIXES))
     if extra:
         raise CheckpointError(f"{checkpoint.path_of(extra[0])}: unexpected tensor {extra[0]}"
                               + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
@@ -184,11 +209,6 @@ def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config
     skipped = [n for n in present - set(rules)]
     if skipped:
         log.info("skipping %d tensors this model does not use (e.g. %s)", len(skipped), skipped[0])
-
-
-def _optional(config: InklingConfig) -> tuple[str, ...]:
-    # The MTP head is loaded by `inkling_jax.mtp`; the trunk loader leaves its tensors alone.
-    return ("model.mtp.",) if config.mtp is not None else ()
 
 
 def check_shapes(checkpoint: HubCheckpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable]) -> None:

@@ -46,6 +46,7 @@ class MoE(nnx.Module):
         self.shared_gate = nnx.Param(normal(rngs, (s, h, i), dtype))
         self.shared_up = nnx.Param(normal(rngs, (s, h, i), dtype))
         self.shared_down = nnx.Param(normal(rngs, (s, i, h), dtype))
+        self.mesh = None  # set by `sharding.shard_model`; an `expert` axis > 1 turns on expert parallelism
 
     @property
     def num_experts(self) -> int:
@@ -75,7 +76,7 @@ class MoE(nnx.Module):
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
         routed = routed_experts(flat, self.w_gate[...], self.w_up[...], self.w_down[...], expert_ids,
-                                weights.astype(x.dtype))
+                                weights.astype(x.dtype), self.mesh)
         # Shared experts: every token, weighted by its sink weight before the down projection.
         h = swiglu(jnp.einsum("nh,shi->sni", flat, self.shared_gate[...]),
                    jnp.einsum("nh,shi->sni", flat, self.shared_up[...]))
@@ -85,12 +86,32 @@ class MoE(nnx.Module):
         return out.astype(x.dtype).reshape(shape), expert_ids
 
 
-def routed_experts(x, w_gate, w_up, w_down, expert_ids, weights):
-    """sum_k weights[n, k] * Expert_{ids[n, k]}(x[n]) for x [N, H], by the selected MoE backend."""
+def routed_experts(x, w_gate, w_up, w_down, expert_ids, weights, mesh=None):
+    """sum_k weights[n, k] * Expert_{ids[n, k]}(x[n]) for x [N, H], by the selected MoE backend; with a mesh
+    whose `expert` axis is larger than 1, by expert parallelism."""
     backend = kernels.moe_backend()
+    if mesh is not None and mesh.shape["expert"] > 1:
+        from inkling_jax.expert_parallel import routed_experts_ep
+
+        return routed_experts_ep(x, w_gate, w_up, w_down, expert_ids, weights, mesh, _grouped_ffn(backend))
     if backend == "dense":
         return _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights)
-    return _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, backend)
+    return _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, _grouped_ffn(backend))
+
+
+def _grouped_ffn(backend):
+    """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
+    row_weights) -> [M, H], zeros past sum(group_sizes)."""
+    if backend == "pallas":
+        from pallas_kernels.moe import moe_ffn
+
+        return moe_ffn
+    return _ragged_ffn
+
+
+def _ragged_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
+    h = swiglu(jax.lax.ragged_dot(rows, w_gate, group_sizes), jax.lax.ragged_dot(rows, w_up, group_sizes))
+    return jax.lax.ragged_dot(h, w_down, group_sizes) * row_weights[:, None]
 
 
 def _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights):
@@ -103,7 +124,7 @@ def _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights):
     return jnp.einsum("enh,ne->nh", y.astype(jnp.float32), combine.astype(jnp.float32)).astype(x.dtype)
 
 
-def _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, backend):
+def _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, grouped_ffn):
     """Rows (token, slot) sorted by expert, one grouped matmul per projection, then summed back per token."""
     num_tokens, top_k = expert_ids.shape
     num_experts = w_gate.shape[0]
@@ -113,12 +134,6 @@ def _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, backend):
     group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     rows = x[token_of_row]
     row_weights = weights.reshape(-1)[order]
-    if backend == "pallas":
-        from pallas_kernels.moe import moe_ffn
-
-        y = moe_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights)
-    else:
-        h = swiglu(jax.lax.ragged_dot(rows, w_gate, group_sizes), jax.lax.ragged_dot(rows, w_up, group_sizes))
-        y = jax.lax.ragged_dot(h, w_down, group_sizes) * row_weights[:, None]
+    y = grouped_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights)
     out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_row].add(y.astype(jnp.float32))
     return out.astype(x.dtype)

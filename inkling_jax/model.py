@@ -17,6 +17,7 @@ from inkling_jax.cache import Cache, LayerCache, init_cache
 from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.layers import RMSNorm, ShortConv, normal
 from inkling_jax.mlp import DenseMLP, MoE
+from inkling_jax.mtp import MTPHead
 from inkling_jax.towers import AudioTower, VisionTower
 
 
@@ -34,10 +35,11 @@ class DecoderLayer(nnx.Module):
         self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
 
     def __call__(self, x, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
-                 expert_ids=None):
+                 page_table=None, expert_ids=None):
         """Returns (x, updated LayerCache or None, the MoE's expert ids or None)."""
         conv = (lambda name: None) if cache is None else (lambda name: getattr(cache, name))
-        a, attn_cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache, n_new=n_new)
+        a, attn_cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache, n_new=n_new,
+                                  page_table=page_table)
         a, attn_conv = self.attn_sconv(a, conv("attn_conv"), segment_ids, n_new)
         x = x + a
         m, chosen = self.mlp(self.mlp_norm(x), expert_ids)
@@ -47,6 +49,22 @@ class DecoderLayer(nnx.Module):
         if cache is not None:
             new_cache = LayerCache(**attn_cache, attn_conv=attn_conv, mlp_conv=mlp_conv)
         return x, new_cache, chosen
+
+
+# Rematerialisation for training, per decoder layer: the policy says which intermediates the backward pass may
+# keep; the rest is recomputed. "none": keep all (no remat); "full": keep only the layer inputs; "dots": keep
+# the outputs of matmuls without batch dimensions (the projections), recompute the cheap elementwise work.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _layer_forward(layer, x, positions, segment_ids, expert_ids):
+    """One decoder layer without a cache: (x, MoE expert ids or None); the unit `nnx.remat` wraps."""
+    x, _, ids = layer(x, positions, segment_ids=segment_ids, expert_ids=expert_ids)
+    return x, ids
 
 
 class InklingModel(nnx.Module):
@@ -66,6 +84,7 @@ class InklingModel(nnx.Module):
                                                                        rngs=rngs)
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
                                                                     rngs=rngs)
+        self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
 
     # ------------------------------------------------------------------------------------------------------
     # Public API
@@ -81,20 +100,23 @@ class InklingModel(nnx.Module):
                                               segment_ids=segment_ids, positions=positions)[0])
 
     def hidden_states(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None, *,
-                      segment_ids=None, positions=None, expert_ids=None):
+                      segment_ids=None, positions=None, expert_ids=None, remat: str = "none"):
         """Final-normed hidden states [B, T, hidden] and the MoE choices of each MoE layer (for routing replay:
-        pass the same list back as `expert_ids`)."""
+        pass the same list back as `expert_ids`). remat: a REMAT_POLICIES name, what each layer keeps for the
+        backward pass (training)."""
         x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask)
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None], input_ids.shape)
         chosen = []
         moe_layer = 0
+        call_layer = _layer_forward if REMAT_POLICIES[remat] is None else nnx.remat(
+            _layer_forward, policy=REMAT_POLICIES[remat])
         for layer in self.layers:
             given = None
             if isinstance(layer.mlp, MoE):
                 given = None if expert_ids is None else expert_ids[moe_layer]
                 moe_layer += 1
-            x, _, ids = layer(x, positions, segment_ids=segment_ids, expert_ids=given)
+            x, ids = call_layer(layer, x, positions, segment_ids, given)
             if ids is not None:
                 chosen.append(ids)
         return self.norm(x), chosen
@@ -105,8 +127,16 @@ class InklingModel(nnx.Module):
         scaled = hidden / jnp.asarray(cfg.logits_mup_width_multiplier, hidden.dtype)
         return scaled @ self.unembed[...][: cfg.unpadded_vocab_size].T
 
-    def init_cache(self, batch: int, max_len: int) -> Cache:
-        return init_cache(self.config.text, batch, max_len, self.dtype)
+    def mtp_logits(self, input_ids):
+        """Teacher-forced MTP drafts of a text sequence: one logits array [B, T, V] per depth."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head (config.mtp is None)")
+        hidden, _ = self.hidden_states(input_ids)
+        embed = lambda ids: self.embed_norm(jnp.take(self.embed[...], ids, axis=0))  # noqa: E731
+        return self.mtp(hidden, input_ids, embed, self.logits)
+
+    def init_cache(self, batch: int, max_len: int, **kwargs) -> Cache:
+        return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)
 
     def extend(self, input_ids, cache: Cache, n_new=None, pixel_values=None, audio_input_ids=None,
                audio_input_ids_mask=None):
@@ -122,10 +152,10 @@ class InklingModel(nnx.Module):
         positions = cache.lengths[:, None] + jnp.arange(seq)[None, :]
         new_layers = []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new)
+            x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table)
             new_layers.append(new_cache)
         logits = self.logits(self.norm(x))
-        return logits, Cache(lengths=cache.lengths + n_new, layers=tuple(new_layers))
+        return logits, cache.replace(lengths=cache.lengths + n_new, layers=tuple(new_layers))
 
     # ------------------------------------------------------------------------------------------------------
     # Inputs

@@ -1,18 +1,13 @@
 """Shared fixtures: tiny random Inkling checkpoints written by transformers' `save_pretrained` (the genuine hub
 layout, sharded with an index), with their PyTorch models kept as the numerical oracle."""
 
-import os
+import jax
+import pytest
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from tests import hf_oracle
 
-import jax  # noqa: E402
-
+# fp32 matmuls at full precision, so parity tolerances mean the same on every CPU and GPU.
 jax.config.update("jax_default_matmul_precision", "highest")
-
-import pytest  # noqa: E402
-
-from tests import hf_oracle  # noqa: E402
 
 
 @pytest.fixture(scope="session")

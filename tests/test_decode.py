@@ -62,14 +62,30 @@ def test_chunked_prefill_with_ragged_rows(loaded):
 def test_sliding_layers_keep_only_a_window(loaded):
     model, _, _ = loaded
     text = model.config.text
-    cache = model.init_cache(1, 1000)
+    cache = model.init_cache(1, 1000, page_size=8)
     for i, layer in enumerate(cache.layers):
-        expected = text.sliding_window if text.is_local(i) else 1000
-        assert layer.k.shape[1] == expected
+        rows = layer.k.shape[1] if text.is_local(i) else layer.k.shape[0] * layer.k.shape[1]
+        assert rows == (text.sliding_window if text.is_local(i) else 1000)
     # Growing max_len grows only the full layers.
     n_full = text.num_layers - len(text.local_layer_ids)
     kv_full = 2 * text.num_kv_heads * text.head_dim * 4
-    assert cache_bytes(text, 1, 2000, jnp.float32) - cache_bytes(text, 1, 1000, jnp.float32) == 1000 * n_full * kv_full
+    grown = cache_bytes(text, 1, 2000, jnp.float32, page_size=8) - cache_bytes(text, 1, 1000, jnp.float32, page_size=8)
+    assert grown == 1000 * n_full * kv_full + 125 * 4  # the KV rows plus 125 more page-table entries
+
+
+def test_shared_page_pool_in_any_order(loaded):
+    """Rows whose pages come from a shared pool, scattered and interleaved, give the same logits."""
+    model, _, steps = loaded
+    ids = np.random.default_rng(3).integers(0, 120, (2, 20)).astype(np.int32)
+    full = np.asarray(steps.forward(ids))
+    cache = model.init_cache(2, 24, page_size=4, num_pages=13)
+    cache = cache.replace(page_table=jnp.array([[7, 0, 12, 3, 9, 5], [1, 11, 2, 8, 4, 10]], jnp.int32))
+    logits, cache = steps.extend(ids[:, :9], cache)
+    outs = [np.asarray(logits)]
+    for t in range(9, 20):
+        logits, cache = steps.extend(ids[:, t:t + 1], cache)
+        outs.append(np.asarray(logits))
+    assert relative_error(np.concatenate(outs, axis=1), full) < TOL
 
 
 def test_greedy_matches_transformers_generate(loaded):

@@ -1,0 +1,142 @@
+"""inkling-convert: hub safetensors (BF16 or NVFP4) -> an orbax checkpoint that restores onto a device mesh,
+and back (`--to hf`).
+
+    python -m inkling_jax.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32] [--mesh fsdp=8,tensor=8]
+    python -m inkling_jax.convert --src OUT_DIR --dst HF_DIR --to hf
+    model = inkling_jax.load_pretrained(OUT_DIR, mesh=inkling_jax.sharding.make_mesh("fsdp=8,tensor=8"))
+
+The output holds exactly the model's parameter tree (orbax, one zarr array per parameter, chunked by the
+shards of --mesh), config.json, the tokenizer and other side files, and a manifest (inkling-convert.json:
+source file sha256s, dtype, tree with checksums, mesh). Tensors stream through in slabs with several reads in
+flight; host memory stays near the slab budget (a few hundred MB) whatever the checkpoint's size. The output
+is built in a hidden sibling directory and renamed into place at the end, so a failed or interrupted run
+leaves nothing that looks like a checkpoint. Errors are one line naming the file and the tensor; exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+from inkling_jax import orbax_io, to_hub, to_orbax
+from inkling_jax.config import ConfigError
+from inkling_jax.convert_verify import verify_hub, verify_orbax
+from inkling_jax.safetensors_io import CheckpointError
+from inkling_jax.to_orbax import ConversionError, Tuning, one_line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inkling-convert", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--src", required=True,
+                        help="source directory: a hub checkpoint (*.safetensors, index, config.json) for --to orbax, "
+                             "a directory this tool wrote for --to hf")
+    parser.add_argument("--dst", required=True, help="output directory; must not exist unless --overwrite")
+    parser.add_argument("--to", choices=["orbax", "hf"], default="orbax",
+                        help="orbax (default): hub -> orbax checkpoint; hf: converted directory -> hub layout "
+                             "(interleaved gate/up, original names, index)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"],
+                        help="dtype of the written weights (ShortConv taps and router bias/scale stay float32). "
+                             "Default: the source's (NVFP4 experts dequantise to it); with --to hf, the original "
+                             "files' dtypes")
+    parser.add_argument("--mesh", default=None,
+                        help="the mesh the checkpoint will be restored on, e.g. fsdp=8,tensor=8,expert=8 (axes: "
+                             "data, fsdp, tensor, expert): chunks follow its shards so each process reads only what "
+                             "its devices hold. Default: no sharding (chunks of at most 32 MB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --dst (only once done)")
+    parser.add_argument("--verify", action="store_true",
+                        help="before the output is moved into place, read it back: tensor counts, shapes and "
+                             "checksums always; logits of source and output on a few tokens when two copies of "
+                             "the model fit in host memory; with --to hf, file sha256s against the source's")
+    parser.add_argument("--workers", type=int, default=Tuning.workers, help="conversion threads (default %(default)s)")
+    parser.add_argument("--readers", type=int, default=Tuning.readers,
+                        help="source files read at once (default %(default)s)")
+    parser.add_argument("--slab-mb", type=float, default=Tuning.slab_bytes / 2**20,
+                        help="host memory per slab in flight; at most about (2 x workers + readers) slabs are "
+                             "held at once (default %(default)s)")
+    parser.add_argument("--chunk-mb", type=float, default=Tuning.chunk_bytes / 2**20,
+                        help="largest zarr chunk written, after splitting by the --mesh shards (default %(default)s)")
+    parser.add_argument("--max-shard-gb", type=float, default=5.0,
+                        help="--to hf: shard size when the original layout cannot be kept (default %(default)s)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def run(args: argparse.Namespace) -> list[str]:
+    """Convert as `args` says; returns the report lines. Raises on any error, leaving no output behind."""
+    src, dst = os.path.abspath(args.src), os.path.abspath(args.dst)
+    if os.path.exists(dst) and not args.overwrite:
+        raise FileExistsError(f"{dst}: already exists (pass --overwrite to replace it)")
+    if dst == src:
+        raise ValueError(f"{dst}: --dst must differ from --src")
+    if args.to == "hf" and not orbax_io.is_converted(src):
+        raise CheckpointError(f"{src}: not a directory this tool wrote (no {orbax_io.MANIFEST}); --to hf reads those")
+    if args.to == "orbax" and orbax_io.is_converted(src):
+        raise CheckpointError(f"{src}: already converted (it has {orbax_io.MANIFEST}); use --to hf to export it")
+    tuning = Tuning.sized(workers=args.workers, readers=args.readers, slab_bytes=int(args.slab_mb * 2**20),
+                          chunk_bytes=int(args.chunk_mb * 2**20))
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(dst)}.inkling-convert-{os.getpid()}")
+    start = time.perf_counter()
+    try:
+        if args.to == "orbax":
+            lines = _to_orbax(src, tmp, args, tuning)
+        else:
+            lines = _to_hf(src, tmp, args, tuning)
+        _move_into_place(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return lines + [f"wrote {dst} in {time.perf_counter() - start:.1f} s"]
+
+
+def _to_orbax(src: str, tmp: str, args, tuning: Tuning) -> list[str]:
+    manifest = to_orbax.convert(src, tmp, dtype=args.dtype, mesh=args.mesh, tuning=tuning, progress=not args.quiet)
+    source = manifest["source"]
+    lines = [f"{manifest['num_params']} parameters in {manifest['dtype']} from {len(source['files'])} files"
+             + (" (NVFP4 experts dequantised)" if source["quantization"] else "")]
+    if source["skipped_tensors"]:
+        lines.append(f"skipped {len(source['skipped_tensors'])} tensors the model does not use, e.g. "
+                     f"{source['skipped_tensors'][0]}")
+    return lines + (verify_orbax(tmp, src) if args.verify else [])
+
+
+def _to_hf(src: str, tmp: str, args, tuning: Tuning) -> list[str]:
+    summary = to_hub.export(src, tmp, dtype=args.dtype, max_shard_bytes=int(args.max_shard_gb * 1e9),
+                            tuning=tuning, progress=not args.quiet)
+    lines = [f"{len(summary['crc32'])} tensors in {len(summary['files'])} files"
+             + (" (the source's own layout)" if summary["exact"] else "")]
+    return lines + (verify_hub(tmp, src, summary) if args.verify else [])
+
+
+def _move_into_place(tmp: str, dst: str) -> None:
+    """Rename the finished output onto dst; an existing dst (--overwrite) is moved aside first, then removed."""
+    if not os.path.exists(dst):
+        os.rename(tmp, dst)
+        return
+    old = f"{tmp}.replaced"
+    os.rename(dst, old)
+    os.rename(tmp, dst)
+    shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        lines = run(args)
+    except (CheckpointError, ConfigError, ConversionError, OSError, ValueError) as e:
+        print(f"inkling-convert: error: {one_line(e)}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - anything else (a library's error) still gets one line
+        print(f"inkling-convert: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

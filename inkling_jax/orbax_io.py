@@ -1,0 +1,144 @@
+"""The converted checkpoint directory: an orbax PyTree checkpoint of the model's parameters, and its manifest.
+
+    OUT_DIR/
+      config.json, tokenizer files ...   copied from the source
+      params/                            orbax checkpoint (non-OCDBT: one zarr array per parameter)
+      inkling-convert.json               the manifest, written last (source hashes, dtype, tree, mesh)
+
+Orbax itself writes the tree metadata (`params/_METADATA`) from a skeleton of the tree; the converter then
+writes each parameter's zarr array through tensorstore region by region, so no whole tree is ever in memory.
+The result restores with plain orbax (`StandardCheckpointer().restore`) as well as with `restore_params`,
+which reads straight into the requested shardings (each process reads only the chunks its devices hold).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+
+MANIFEST = "inkling-convert.json"
+PARAMS_DIR = "params"
+FORMAT = "inkling-jax/orbax-params/1"
+
+
+def is_converted(path: str) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST))
+
+
+def read_manifest(path: str) -> dict:
+    with open(os.path.join(os.fspath(path), MANIFEST)) as fh:
+        manifest = json.load(fh)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{os.path.join(path, MANIFEST)}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def param_key(path: tuple) -> str:
+    """("layers", 3, "attn", "wq", "kernel") -> "layers.3.attn.wq.kernel" (orbax's name for the leaf)."""
+    return ".".join(str(p) for p in path)
+
+
+def nested(leaves: dict[tuple, object]) -> dict:
+    """{path: value} -> the nested dict of string keys orbax stores."""
+    tree: dict = {}
+    for path, value in leaves.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(str(part), {})
+        node[str(path[-1])] = value
+    return tree
+
+
+def write_tree_metadata(params_dir: str, specs: dict[tuple, tuple[tuple[int, ...], np.dtype]]) -> None:
+    """Let orbax write the tree's metadata from a skeleton of one-element arrays (the arrays are rewritten
+    with their real shapes by `create_array`); checks that orbax names each leaf as `param_key` does."""
+    skeleton = nested({p: np.zeros((1,) * len(shape), dtype) for p, (shape, dtype) in specs.items()})
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)) as checkpointer:
+        checkpointer.save(params_dir, args=ocp.args.PyTreeSave(skeleton))
+    for path in specs:
+        if not os.path.isdir(os.path.join(params_dir, param_key(path))):
+            raise RuntimeError(f"orbax {ocp.__version__} did not store {path} as {param_key(path)}; the converter "
+                               f"needs updating for this orbax version")
+
+
+def context(io_threads: int = 16) -> ts.Context:
+    return ts.Context({"file_io_concurrency": {"limit": io_threads}})
+
+
+def create_array(params_dir: str, key: str, shape, dtype, chunks, ctx: ts.Context) -> ts.TensorStore:
+    """A new, uncompressed zarr array for one parameter (replacing the skeleton's)."""
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(params_dir, key)},
+            "metadata": {"compressor": None, "chunks": list(chunks), "shape": list(shape),
+                         "dtype": _zarr_dtype(dtype)}}
+    return ts.open(spec, create=True, delete_existing=True, context=ctx).result()
+
+
+def open_array(params_dir: str, key: str, ctx: ts.Context) -> ts.TensorStore:
+    spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(params_dir, key)}}
+    return ts.open(spec, open=True, read=True, context=ctx).result()
+
+
+def write_region(array: ts.TensorStore, index: tuple, data: np.ndarray) -> None:
+    """The one place parameter data is written (tests replace it to simulate a full disk)."""
+    array[index].write(data).result()
+
+
+def read_region(array: ts.TensorStore, index: tuple) -> np.ndarray:
+    return array[index].read().result()
+
+
+def _zarr_dtype(dtype) -> str:
+    dtype = np.dtype(dtype)
+    return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+
+
+def load_converted(directory: str, variables: dict, shardings: dict | None) -> None:
+    """Fill the (abstract) model variables {path: nnx.Variable} from a converted directory, checking first
+    that the stored tree is exactly the model's. shardings: {path: Sharding}; None puts all on one device."""
+    import jax
+
+    from inkling_jax.safetensors_io import CheckpointError
+
+    manifest = read_manifest(directory)
+    where = os.path.join(os.fspath(directory), PARAMS_DIR)
+    stored = manifest["params"]
+    specs = {p: (tuple(v.get_value().shape), np.dtype(v.get_value().dtype)) for p, v in variables.items()}
+    wanted = {param_key(p): shape for p, (shape, _) in specs.items()}
+    for key in sorted(set(wanted) | set(stored)):
+        if key not in stored:
+            raise CheckpointError(f"{where}: missing parameter {key}; the config expects it")
+        if key not in wanted:
+            raise CheckpointError(f"{where}: unexpected parameter {key}; the config does not describe it")
+        if tuple(stored[key]["shape"]) != wanted[key]:
+            raise CheckpointError(f"{os.path.join(where, key)}: parameter {key} has shape {stored[key]['shape']}, "
+                                  f"the config needs {list(wanted[key])}")
+    if shardings is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = dict.fromkeys(specs, device)
+    for path, value in restore_params(directory, specs, shardings).items():
+        variables[path].set_value(value)
+
+
+def restore_params(directory: str, specs: dict[tuple, tuple[tuple[int, ...], np.dtype]], shardings) -> dict:
+    """{path: jax.Array} restored from a converted directory, cast to the requested dtypes and placed with
+    `shardings` ({path: Sharding})."""
+    import jax
+
+    target = nested({p: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[p])
+                     for p, (shape, dtype) in specs.items()})
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
+                                                               dtype=s.dtype), target)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+        tree = checkpointer.restore(os.path.join(os.fspath(directory), PARAMS_DIR),
+                                    args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+    out = {}
+    for path in specs:
+        node = tree
+        for part in path:
+            node = node[str(part)]
+        out[path] = node
+    return out

@@ -1,0 +1,167 @@
+"""Device meshes and the one table of logical-axis rules.
+
+Every parameter dimension has a logical name (`LOGICAL_AXES`, matched on the parameter's path); `RULES` maps
+logical names to mesh axes. The model, the converter, the trainer and the server all shard through
+`param_shardings`, so changing a layout is a one-line change here.
+
+Mesh axes: `data` (replicas), `fsdp` (parameters sharded, gathered per layer), `tensor` (heads and MLP
+widths), `expert` (routed experts). A mesh string like "fsdp=4,tensor=2" names the axes it uses; the others
+have size 1.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# logical dimension name -> mesh axis (or axes) it is split over; None: replicated.
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "q_heads": "tensor",  # query heads x head_dim (and the r projection's heads x d_rel)
+    "kv_heads": "tensor",
+    "mlp": "tensor",  # dense MLP and shared-expert width
+    "experts": "expert",
+    "expert_mlp": "tensor",
+    "media": None,  # the small towers stay replicated
+    # Activations (see ACTIVATIONS): sequence and residual width stay whole on every device.
+    "length": None,
+    "act_embed": None,
+    "microbatch": None,
+}
+
+# Activations the trainer and the server pin (inputs, the residual stream between layers): logical names per
+# dimension, through the same RULES as the parameters.
+ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
+    "tokens": ("batch", "length"),  # ids, segment ids, positions, loss masks [B, T]
+    "microbatches": ("microbatch", "batch", "length"),  # the same, stacked for gradient accumulation
+    "hidden": ("batch", "length", "act_embed"),  # the residual stream [B, T, H]
+}
+
+# (last path components, logical names per dimension): the first entry whose names end the path wins.
+LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
+    (("embed",), ("vocab", "embed")),
+    (("unembed",), ("vocab", "embed")),
+    (("wq", "kernel"), ("embed", "q_heads")),
+    (("wr", "kernel"), ("embed", "q_heads")),
+    (("wk", "kernel"), ("embed", "kv_heads")),
+    (("wv", "kernel"), ("embed", "kv_heads")),
+    (("wo", "kernel"), ("q_heads", "embed")),
+    (("k_sconv", "weight"), ("kv_heads", None)),
+    (("v_sconv", "weight"), ("kv_heads", None)),
+    (("router",), ("embed", None)),
+    (("mlp", "w_gate"), ("experts", "embed", "expert_mlp")),  # MoE: 3-D; dense MLP: 2-D (below)
+    (("mlp", "w_up"), ("experts", "embed", "expert_mlp")),
+    (("mlp", "w_down"), ("experts", "expert_mlp", "embed")),
+    (("shared_gate",), (None, "embed", "mlp")),
+    (("shared_up",), (None, "embed", "mlp")),
+    (("shared_down",), (None, "mlp", "embed")),
+    (("input_proj", "kernel"), (None, "embed")),
+]
+DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+
+
+def parse_mesh_spec(spec: str | None) -> dict[str, int]:
+    """"fsdp=4,tensor=2" -> {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for part in filter(None, (spec or "").replace(" ", "").split(",")):
+        name, _, value = part.partition("=")
+        if name not in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"bad mesh axis {part!r}: use name=size with names from {MESH_AXES}")
+        sizes[name] = int(value)
+    return sizes
+
+
+def make_mesh(spec: str | dict[str, int] | None = None, devices: Iterable | None = None) -> Mesh:
+    """A mesh over `devices` (default: all) with the four named axes. When the spec does not name `data`,
+    devices left over go to data parallelism; otherwise the sizes must multiply to the device count."""
+    sizes = parse_mesh_spec(spec) if not isinstance(spec, dict) else {**dict.fromkeys(MESH_AXES, 1), **spec}
+    devices = list(jax.devices() if devices is None else devices)
+    total = int(np.prod(list(sizes.values())))
+    if total != len(devices):
+        if len(devices) % total == 0 and (spec is None or "data" not in str(spec)):
+            sizes["data"] *= len(devices) // total  # fill the rest with data parallelism
+        else:
+            raise ValueError(f"mesh {sizes} needs {total} devices, {len(devices)} available")
+    grid = np.array(devices).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """The logical name of each dimension of the parameter at `path`."""
+    names = tuple(str(p) for p in path)
+    if names[-1] in DENSE_MLP and ndim == 2:
+        return DENSE_MLP[names[-1]]
+    if names and names[0] in ("vision", "audio"):
+        return ("media",) * ndim
+    for suffix, axes in LOGICAL_AXES:
+        if names[-len(suffix):] == suffix and len(axes) == ndim:
+            return axes
+    return (None,) * ndim  # norms, scales, conv taps of the residual stream, relative-bias banks
+
+
+def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=None) -> PartitionSpec:
+    """PartitionSpec for a dimension list; a dimension that does not divide evenly stays replicated."""
+    rules = RULES if rules is None else rules
+    used: set[str] = set()
+    out = []
+    for name, size in zip(axes, shape):
+        target = rules.get(name) if name else None
+        mesh_axes = tuple(a for a in ((target,) if isinstance(target, str) else (target or ()))
+                          if mesh.shape[a] > 1 and a not in used)
+        parts = int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
+        if parts > 1 and size % parts == 0:
+            used.update(mesh_axes)
+            out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+        else:
+            out.append(None)
+    return PartitionSpec(*out)
+
+
+def param_shardings(model: nnx.Module, mesh: Mesh, rules=None) -> dict[tuple, NamedSharding]:
+    """path -> NamedSharding for every parameter of `model` (which may be abstract)."""
+    out = {}
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            shape = tuple(var.get_value().shape)
+            out[path] = NamedSharding(mesh, spec_for(logical_axes(path, len(shape)), shape, mesh, rules))
+    return out
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
+    """Place every parameter of `model` on `mesh` by the table (in place) and let its MoE layers run expert
+    parallel over the mesh's `expert` axis; returns the model."""
+    from inkling_jax.mlp import MoE
+
+    shardings = param_shardings(model, mesh, rules)
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Param):
+            node.set_value(jax.device_put(node.get_value(), shardings[path]))
+        elif isinstance(node, MoE):
+            node.mesh = mesh
+    return model
+
+
+def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """Inputs [batch, ...]: the batch over data x fsdp (when it divides), everything else replicated."""
+    return NamedSharding(mesh, spec_for(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
+
+
+def activation_sharding(mesh: Mesh, kind: str, shape: tuple[int, ...], rules=None) -> NamedSharding:
+    """The sharding of an activation of `kind` (a key of ACTIVATIONS) and `shape`."""
+    return NamedSharding(mesh, spec_for(ACTIVATIONS[kind], shape, mesh, rules))
+
+
+def constrain(x, mesh: Mesh, kind: str, rules=None):
+    """Pin an activation inside a jitted function to its ACTIVATIONS layout."""
+    return jax.lax.with_sharding_constraint(x, activation_sharding(mesh, kind, x.shape, rules))

@@ -1,0 +1,94 @@
+"""How a hub tensor streams onto its model parameters in slabs, and how parameters are chunked on disk.
+
+A slab is a run of whole rows (dim 0) of a hub tensor: contiguous in its file. Every rule of the hub layout
+table (`loading.Rule`) sends a slab to one slice of each target parameter along one axis: rows of a copied
+tensor to rows, rows of a transposed `[out, in]` linear to columns, rows 2i/2i+1 of a 2-D interleaved gate/up
+tensor to column i of both targets, experts to experts. Slabs hold whole chunks along that axis, so every
+chunk of the output is written once, whole.
+
+Chunks start from the shard shape of the target mesh (so a restoring process reads the chunks its devices
+hold, and no more) and are split further, along the streamed axis first, until they fit `chunk_bytes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from inkling_jax.loading import Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    name: str  # the hub tensor
+    rule: Rule
+    hub_shape: tuple[int, ...]
+    target_shape: tuple[int, ...]  # every target of a rule has this shape
+    axis: int  # the target axis that hub rows feed
+    rows_per_index: int  # hub rows per index along `axis` (2 for a 2-D interleaved gate/up tensor)
+    chunks: tuple[int, ...]
+    slab_rows: int
+    row_cost: int  # host bytes one hub row occupies while it is converted
+
+    def slabs(self) -> list[tuple[int, int]]:
+        rows = self.hub_shape[0]
+        return [(a, min(a + self.slab_rows, rows)) for a in range(0, rows, self.slab_rows)]
+
+    def region(self, start: int, stop: int) -> tuple[slice, ...]:
+        """The slice of each target that hub rows [start, stop) fill."""
+        index = [slice(None)] * len(self.target_shape)
+        index[self.axis] = slice(start // self.rows_per_index, stop // self.rows_per_index)
+        return tuple(index)
+
+    @property
+    def target_slab(self) -> int:
+        """Slab length along `axis`, in target indices (what the manifest's checksums are taken over)."""
+        return self.slab_rows // self.rows_per_index
+
+
+def fed_axis(rule: Rule, hub_ndim: int) -> tuple[int, int]:
+    """(target axis fed by hub rows, hub rows per target index) of a rule."""
+    if rule.kind == "linear":
+        return 1, 1
+    if rule.kind == "interleaved" and hub_ndim == 2:
+        return 1, 2
+    return 0, 1
+
+
+def chunk_shape(shape, itemsize: int, shard_shape, axis: int, chunk_bytes: int) -> tuple[int, ...]:
+    """The shard shape, split along `axis` first and then along the other axes in order, to <= chunk_bytes.
+    Each split divides by the smallest factor up to 7, so chunks tile the shard exactly; a length with no
+    such factor is halved (rounding up)."""
+    chunks = [max(1, s) for s in shard_shape]
+    order = [axis] + [a for a in range(len(chunks)) if a != axis]
+    for a in order:
+        while chunks[a] > 1 and math.prod(chunks) * itemsize > chunk_bytes:
+            factor = next((f for f in (2, 3, 5, 7) if chunks[a] % f == 0), None)
+            chunks[a] = chunks[a] // factor if factor else (chunks[a] + 1) // 2
+    return tuple(min(c, max(1, s)) for c, s in zip(chunks, shape))
+
+
+def plan_tensor(name: str, rule: Rule, hub_shape, target_shape, *, row_cost: int, slab_bytes: int,
+                chunks=None, itemsize: int = 0, shard_shape=None, chunk_bytes: int = 0) -> TensorPlan:
+    """row_cost: host bytes one hub row occupies while it is converted (read buffer, decoded and cast copies).
+    chunks: the targets' chunk shape when they exist already; otherwise one is chosen from the shard shape."""
+    hub_shape, target_shape = tuple(hub_shape), tuple(target_shape)
+    axis, per = fed_axis(rule, len(hub_shape)) if hub_shape else (0, 1)
+    axis = min(axis, len(target_shape) - 1)
+    if chunks is None:
+        chunks = chunk_shape(target_shape, itemsize, shard_shape, axis, chunk_bytes)
+    chunks = tuple(chunks)
+    unit = chunks[axis] * per  # hub rows per chunk along the streamed axis
+    slab_rows = unit * max(1, slab_bytes // max(1, unit * row_cost))
+    return TensorPlan(name, rule, hub_shape, target_shape, axis, per, chunks,
+                      min(slab_rows, max(hub_shape[0], 1)) if hub_shape else 1, row_cost)
+
+
+def target_slabs(shape, axis: int, size: int) -> list[tuple[slice, ...]]:
+    """The regions of a parameter, `size` indices at a time along `axis`, in order."""
+    out = []
+    for start in range(0, max(shape[axis], 1), max(size, 1)):
+        index = [slice(None)] * len(shape)
+        index[axis] = slice(start, start + size)
+        out.append(tuple(index))
+    return out

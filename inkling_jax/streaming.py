@@ -1,0 +1,83 @@
+"""Bounded parallel streaming: producers read slabs, a worker pool converts and writes them, and the bytes held
+at any time stay under a budget. The first error stops everything and is raised in the caller's thread."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+from typing import Callable, Iterable
+
+from tqdm.auto import tqdm
+
+
+class Cancelled(Exception):
+    """Raised in producers and workers once another task has failed."""
+
+
+class Stream:
+    """`stream.run(producers, each)`: each producer gets this stream and calls `stream.submit(nbytes, task)`.
+
+    `submit` blocks while `budget` bytes are held by queued or running tasks (one task alone may exceed it),
+    so host memory stays near `budget` however large the checkpoint. `peak` is the most ever held.
+    """
+
+    def __init__(self, *, workers: int, budget: int, total: int, desc: str, progress: bool):
+        self.workers, self.budget = workers, budget
+        self.held = self.peak = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._pool = cf.ThreadPoolExecutor(workers, thread_name_prefix="convert")
+        self._futures: list[cf.Future] = []
+        self.bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1000, disable=not progress,
+                        smoothing=0.1, dynamic_ncols=True)
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise Cancelled()
+
+    def submit(self, nbytes: int, task: Callable[[], None]) -> None:
+        with self._cond:
+            while self.held and self.held + nbytes > self.budget and self._error is None:
+                self._cond.wait()
+            self.check()
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+        self._futures.append(self._pool.submit(self._run, nbytes, task))
+
+    def advance(self, nbytes: int) -> None:
+        self.bar.update(nbytes)
+
+    def _run(self, nbytes: int, task: Callable[[], None]) -> None:
+        try:
+            if self._error is None:
+                task()
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the caller
+            self._fail(e)
+        finally:
+            with self._cond:
+                self.held -= nbytes
+                self._cond.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self._error is None and not isinstance(error, Cancelled):
+                self._error = error
+            self._cond.notify_all()
+
+    def run(self, producers: Iterable[Callable[["Stream"], None]], parallel: int) -> None:
+        """Run the producers, `parallel` at a time, then wait for every task; raise the first error."""
+        with cf.ThreadPoolExecutor(parallel, thread_name_prefix="read") as readers:
+            for future in [readers.submit(self._produce, p) for p in producers]:
+                future.result()
+        cf.wait(self._futures)
+        self._pool.shutdown()
+        self.bar.close()
+        if self._error is not None:
+            raise self._error
+
+    def _produce(self, producer: Callable[["Stream"], None]) -> None:
+        try:
+            if self._error is None:
+                producer(self)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
