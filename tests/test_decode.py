@@ -12,6 +12,7 @@ from inkling_jax.generate import StepFunctions, greedy_generate
 from tests.hf_oracle import relative_error
 
 TOL = 1e-5
+MAX_LEN = 40  # one cache shape for every test, so the jitted steps compile once per chunk width
 
 
 @pytest.fixture(scope="module", params=["base", "long_extent"])
@@ -26,7 +27,7 @@ def test_prefill_then_decode_matches_full_forward(loaded):
     seq, prompt = 34, 5  # crosses the window (8 / 16) and the extent (12) several times
     ids = np.random.default_rng(0).integers(0, 120, (2, seq)).astype(np.int32)
     full = np.asarray(steps.forward(ids))
-    cache = model.init_cache(2, 40)
+    cache = model.init_cache(2, MAX_LEN)
     logits, cache = steps.extend(ids[:, :prompt], cache)
     outs = [np.asarray(logits)]
     for t in range(prompt, seq):
@@ -42,7 +43,7 @@ def test_chunked_prefill_with_ragged_rows(loaded):
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 120, 23).astype(np.int32), rng.integers(0, 120, 17).astype(np.int32)]
     schedule = [(6, 3), (2, 6), (6, 6), (6, 0), (3, 2)]  # real tokens per row per step, chunk width 6
-    cache = model.init_cache(2, 32)
+    cache = model.init_cache(2, MAX_LEN)
     got = [[], []]
     done = [0, 0]
     for n0, n1 in schedule:
@@ -95,5 +96,5 @@ def test_greedy_matches_transformers_generate(loaded):
     with torch.no_grad():
         expected = ref.generate(input_ids=torch.as_tensor(prompt, dtype=torch.long), max_new_tokens=20,
                                 do_sample=False, pad_token_id=0)[:, 7:].numpy()
-    got = greedy_generate(model, prompt, 20, steps=steps)
+    got = greedy_generate(model, prompt, 20, steps=steps, max_len=MAX_LEN)
     np.testing.assert_array_equal(got, expected)

@@ -78,4 +78,4 @@ def test_routing_replay_keeps_the_choice_and_gives_reference_gradients():
         return (jnp.concatenate([w, shared], axis=-1) * jnp.arange(1, 5)).sum()
 
     got = nnx.grad(ours)(moe)["router"][...]
-    np.testing.assert_allclose(got, jax.grad(replay_weights)(moe.router[...]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, jax.grad(replay_weights)(moe.router[...]), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,113 @@
+"""Whole-model throughput at the `bench` preset (released per-layer widths, 6 layers, 32 experts), bf16, random
+weights, with the kernels the model picks on GPU. Prints prefill tok/s and the decode step's tok/s and achieved
+bytes/s against a device copy measured in the same run.
+
+    PYTHONPATH=. python bench/model.py [--moe pallas|ragged] [--quick]
+"""
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from inkling_jax import InklingModel, kernels, preset
+from inkling_jax.generate import StepFunctions
+
+
+def timed(fn, repeats):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def copy_bandwidth():
+    x = jnp.ones((1 << 30,), jnp.bfloat16) * 1.5  # 2 GiB
+    f = jax.jit(lambda a: a * 2)
+    seconds = timed(lambda: f(x), 10)
+    return 2 * x.nbytes / seconds
+
+
+def build(config):
+    abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(abstract)
+    state = jax.jit(lambda: nnx.split(InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[1])()
+    return nnx.merge(graphdef, state)
+
+
+def decode_bytes(model, batch, max_len):
+    """Bytes one decode step must read at least: every weight but the untouched experts' (expected count of
+    distinct experts hit by batch x top-k uniform picks), one embedding row per token, the KV in use."""
+    text = model.config.text
+    total = 0
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param):
+            continue
+        size = var.get_value().nbytes
+        if path[-1] == "embed":
+            size = batch * text.hidden_size * 2
+        elif path[-1] in ("w_gate", "w_up", "w_down") and var.get_value().ndim == 3:
+            touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** batch)
+            size = size * touched / text.num_experts
+        elif path[0] in ("vision", "audio", "mtp"):
+            size = 0
+        total += size
+    kv = 0
+    for i in range(text.num_layers):
+        shape = text.attention(text.is_local(i))
+        tokens = min(max_len, shape.window) if shape.window else max_len
+        kv += 2 * tokens * shape.num_kv_heads * shape.head_dim * 2
+    return total + batch * kv
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe", default="auto", choices=["auto", "pallas", "ragged"])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args()
+    print(jax.devices()[0].device_kind, "jax", jax.__version__)
+    ceiling = copy_bandwidth()
+    print(f"device copy (read + write): {ceiling / 1e9:.0f} GB/s")
+    config = preset("bench")
+    kernels.set_backend("auto", moe=args.moe)
+    t0 = time.time()
+    model = build(config)
+    params = sum(v.get_value().size for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
+    print(f"bench preset: {params / 1e9:.2f}B parameters, built in {time.time() - t0:.1f}s, moe={kernels.moe_backend()}")
+    steps = StepFunctions(model)
+    rows = []
+    for batch, length in ((1, 2048), (8, 1024)) if not args.quick else ((1, 2048),):
+        ids = jnp.asarray(np.random.default_rng(0).integers(0, 200000, (batch, length)), jnp.int32)
+        seconds = timed(lambda: steps.forward(ids), 5)
+        rows.append((f"prefill (forward) bs={batch} L={length}", seconds * 1e3, batch * length / seconds, "", ""))
+    max_len = 2048
+    for batch in (1, 32) if not args.quick else (1,):
+        cache = model.init_cache(batch, max_len)
+        # The prompt goes through the general chunk path (dense scores over the cache), so keep it short.
+        prompt = jnp.asarray(np.random.default_rng(1).integers(0, 200000, (batch, 256)), jnp.int32)
+        logits, cache = steps.extend(prompt, cache)
+        token = jnp.argmax(logits[:, -1], axis=-1)[:, None].astype(jnp.int32)
+        state = {"cache": cache}
+
+        def step():
+            out, state["cache"] = steps.extend(token, state["cache"])
+            return out
+
+        seconds = timed(step, 20)
+        need = decode_bytes(model, batch, 256)
+        rows.append((f"decode step bs={batch} ctx=256", seconds * 1e3, batch / seconds,
+                     f"{need / seconds / 1e9:.0f}", f"{need / seconds / ceiling:.2f}"))
+    print(f"\n{'case':<34} {'ms':>9} {'tok/s':>10} {'GB/s':>7} {'of copy':>8}")
+    for name, ms, tps, gbs, frac in rows:
+        print(f"{name:<34} {ms:9.2f} {tps:10.0f} {gbs:>7} {frac:>8}")
+    print("('of copy': bytes the step must read, per second, over the device copy's bytes (read + written) per second)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Relative flash attention for Inkling: public entry point, padding, and the custom VJP.
+
+Same math as `reference.rel_attention` with q_pos = q_offset + arange(T) and k_pos = arange(S). The relative
+bias r_i . P[:, i - j] is built per tile from r and P (see tiles.py) and never stored as [H, T, S] or
+[T, H, E]; tiles entirely beyond the extent run as plain attention, tiles outside the sliding window are never
+visited. On GPU the kernels lower through Pallas' Triton backend.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import interpret_default
+from pallas_kernels.rel_attention import backward as backward_kernels
+from pallas_kernels.rel_attention import forward as forward_kernel
+from pallas_kernels.rel_attention import tuning
+from pallas_kernels.rel_attention.tiles import Geometry
+
+_PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # padded tokens form their own segment
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def padded_attention(geos, q, k, v, r, p, tau, qseg, kseg):
+    """The differentiable core on the operands and geometries that `prepare` returns."""
+    return forward_kernel.forward(geos[0], q, k, v, r, p, tau, qseg, kseg)[0]
+
+
+def _attention_fwd(geos, q, k, v, r, p, tau, qseg, kseg):
+    out, lse = forward_kernel.forward(geos[0], q, k, v, r, p, tau, qseg, kseg)
+    return out, (q, k, v, r, p, tau, qseg, kseg, out, lse)
+
+
+def _attention_bwd(geos, residuals, dout):
+    dq, dk, dv, dr, dp = backward_kernels.backward(geos[1], geos[2], *residuals, dout)
+    return dq, dk, dv, dr, dp, None, None, None  # tau and segment ids are not differentiated
+
+
+padded_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _pad_axis1(x, length, value=0):
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, length - x.shape[1])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def prepare(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, interpret, blocks):
+    """Validate, pad every sequence to a multiple of every block, and describe the call.
+
+    Returns (geometries of the forward, dK/dV and dQ kernels, padded kernel operands)."""
+    batch, seq_q, heads, dim = q.shape
+    seq_k, kv_heads = k.shape[1], k.shape[2]
+    d_rel, extent = rel_proj.shape
+    if heads % kv_heads or r.shape != (batch, seq_q, heads, d_rel) or k.shape != v.shape:
+        raise ValueError(f"bad shapes q {q.shape} k {k.shape} v {v.shape} r {r.shape} P {rel_proj.shape}")
+    if q_offset + seq_q > seq_k:
+        raise ValueError(f"queries reach position {q_offset + seq_q - 1} but there are only {seq_k} keys")
+    if segment_ids is not None and (seq_q != seq_k or q_offset != 0):
+        raise ValueError("segment_ids are for self-attention (T == S, q_offset == 0)")
+    if any(b.block_q > b.block_k for b in blocks):
+        raise ValueError(f"block_q must not exceed block_k (a tile's distances must fit its band): {blocks}")
+    multiple = max(max(b.block_q, b.block_k) for b in blocks)
+    seq_q_pad, seq_k_pad = _round_up(seq_q, multiple), _round_up(seq_k, multiple)
+    rel_left = 2 * max(b.block_k for b in blocks)
+    base = Geometry(groups=heads // kv_heads, head_dim=dim, d_rel=d_rel, extent=extent, window=window,
+                    q_offset=q_offset, segmented=segment_ids is not None,
+                    scale=float(1.0 / dim if scale is None else scale), seq_q=seq_q_pad, seq_k=seq_k_pad,
+                    rel_left=rel_left, interpret=interpret_default() if interpret is None else bool(interpret),
+                    blocks=blocks[0])
+    geos = tuple(dataclasses.replace(base, blocks=b) for b in blocks)
+
+    tau = jnp.ones((batch, seq_q), jnp.float32) if tau is None else tau.astype(jnp.float32)
+    if segment_ids is None:
+        qseg = kseg = jnp.zeros((batch, seq_q_pad), jnp.int32)
+    else:
+        qseg = _pad_axis1(segment_ids.astype(jnp.int32), seq_q_pad, _PAD_SEGMENT)
+        kseg = _pad_axis1(segment_ids.astype(jnp.int32), seq_k_pad, _PAD_SEGMENT)
+    # Zero columns around P: left for the negative distances of diagonal tiles, right for bands past E.
+    p = jnp.pad(rel_proj.astype(q.dtype), ((0, 0), (rel_left, rel_left)))
+    args = (_pad_axis1(q, seq_q_pad), _pad_axis1(k, seq_k_pad), _pad_axis1(v, seq_k_pad), _pad_axis1(r, seq_q_pad),
+            p, _pad_axis1(tau, seq_q_pad, 1.0), qseg, kseg)
+    return geos, args
+
+
+def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int | None = None, tau=None,
+                        segment_ids=None, scale: float | None = None, interpret: bool | None = None,
+                        block_q: int | None = None, block_k: int | None = None):
+    """Causal GQA attention with Inkling's query-conditioned relative bias; returns [B, T, Hq, D] in q.dtype.
+
+    Args:
+      q: [B, T, Hq, D]; k, v: [B, S, Hkv, D]; r: [B, T, Hq, d_rel]; rel_proj: P [d_rel, E].
+        Query t sits at position q_offset + t, key s at position s (S >= q_offset + T).
+      q_offset: static int; 0 for self-attention, the cache length for a chunk appended to a cache.
+      window: sliding window length counting the query itself, or None for full attention.
+      tau: optional [B, T] fp32 log-scaling that multiplies the whole logit; not differentiated.
+      segment_ids: optional [B, T] int ids of packed sequences (self-attention only: T == S, q_offset 0).
+      scale: defaults to 1 / head_dim.
+      interpret: Pallas interpret mode; defaults to True off GPU.
+      block_q, block_k: override the tuned tile sizes of all three kernels (block_q counts tokens).
+    """
+    groups = q.shape[2] // k.shape[2]
+    blocks = tuple(dataclasses.replace(b, block_q=block_q or b.block_q, block_k=block_k or b.block_k)
+                   for b in tuning.blocks(groups, q.shape[3]))
+    geos, args = prepare(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau,
+                         segment_ids=segment_ids, scale=scale, interpret=interpret, blocks=blocks)
+    return padded_attention(geos, *args)[:, :q.shape[1]]
