@@ -12,6 +12,7 @@ The choice is read while tracing, so set it before the first call of a jitted fu
 import contextlib
 
 import jax
+import numpy as np
 
 from pallas_kernels.rel_attention import reference as attention_reference
 from pallas_kernels.shortconv import reference as shortconv_reference
@@ -54,10 +55,34 @@ def moe_backend() -> str:
 
 def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None):
     if _pallas():
-        from pallas_kernels.shortconv import shortconv_prefill as kernel
-
-        return kernel(x, w, state, segment_ids=segment_ids, lengths=lengths)
+        if state is None:
+            state = jax.numpy.zeros((x.shape[0], w.shape[-1] - 1, x.shape[-1]), x.dtype)
+        return _shortconv_kernel(x, w, state, segment_ids, lengths)
     return shortconv_reference.shortconv_prefill(x, w, state, segment_ids=segment_ids, lengths=lengths)
+
+
+@jax.custom_vjp
+def _shortconv_kernel(x, w, state, segment_ids, lengths):
+    """The Pallas forward with the reference's gradient (the conv is cheap to recompute; Pallas kernels have no
+    transpose rule of their own)."""
+    from pallas_kernels.shortconv import shortconv_prefill as kernel
+
+    return kernel(x, w, state, segment_ids=segment_ids, lengths=lengths)
+
+
+def _shortconv_fwd(x, w, state, segment_ids, lengths):
+    return _shortconv_kernel(x, w, state, segment_ids, lengths), (x, w, state, segment_ids, lengths)
+
+
+def _shortconv_bwd(residuals, cotangents):
+    x, w, state, segment_ids, lengths = residuals
+    _, vjp = jax.vjp(lambda x, w, s: shortconv_reference.shortconv_prefill(x, w, s, segment_ids=segment_ids,
+                                                                            lengths=lengths), x, w, state)
+    no_grad = tuple(None if a is None else np.zeros(a.shape, jax.dtypes.float0) for a in (segment_ids, lengths))
+    return vjp(cotangents) + no_grad
+
+
+_shortconv_kernel.defvjp(_shortconv_fwd, _shortconv_bwd)
 
 
 def attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, k_valid=None):

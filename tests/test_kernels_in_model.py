@@ -1,5 +1,6 @@
 """The model with its Pallas kernels switched on (interpret mode on CPU) equals the jnp path."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,3 +38,20 @@ def test_pallas_path_equals_jnp_path(model):
     assert relative_error(full, ref_full) < 1e-5
     assert relative_error(steps, ref_steps) < 1e-5
     assert relative_error(steps, ref_full) < 1e-5
+
+
+def test_gradients_through_the_kernels_match(model):
+    """Training on GPU differentiates through the flash attention and ShortConv kernels."""
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, 256, (1, 24)).astype(np.int32))
+
+    def loss(m):
+        return jnp.sum(m(ids)[0, :, :64] ** 2)
+
+    grads = {}
+    for backend in ("jnp", "pallas"):
+        with kernels.use(backend, moe="ragged"):
+            grads[backend] = nnx.grad(loss)(model)
+    pairs = list(zip(jax.tree.leaves(grads["pallas"]), jax.tree.leaves(grads["jnp"])))
+    assert len(pairs) > 50
+    for a, b in pairs:
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)

@@ -1,0 +1,71 @@
+"""Chooses the kernel and lays out operands.
+
+`interpret`: False runs the Mosaic-GPU kernels compiled; True the portable kernels in Pallas interpret mode;
+MOSAIC ("mosaic") the Mosaic-GPU kernels in Pallas's GPU interpreter on CPU (slow; checks the GPU code).
+
+Weights come in their natural [G, K, N] form; `transpose_rhs` contracts their last axis instead (dgrad). The
+Mosaic-GPU kernels read 2-D weight views; tf32 wgmma needs the contraction axis innermost, so fp32 operands
+are transposed here where needed (fp32 is the test path, not the fast path).
+"""
+
+import jax.numpy as jnp
+
+from pallas_kernels.moe import portable
+from pallas_kernels.moe.groups import group_row_blocks, row_block_passes
+from pallas_kernels.moe.kernel import gmm_kernel
+from pallas_kernels.moe.kernel_wgrad import tgmm_kernel
+from pallas_kernels.moe.tuning import fit_dims
+
+
+MOSAIC = "mosaic"
+
+# TMA copies of swizzled tiles need the row count to be a multiple of the tiling: 8 rows when rows are the
+# major dimension, one 128-byte swizzle span when they are the minor one (tf32 weight gradient).
+_ROW_ALIGN = 8
+_SWIZZLE_BYTES = 128
+
+
+def _needs_k_minor(dtype) -> bool:
+    return jnp.dtype(dtype).itemsize != 2
+
+
+def _pad_rows(a, align=_ROW_ALIGN):
+    return jnp.pad(a, [(0, -a.shape[0] % align)] + [(0, 0)] * (a.ndim - 1))
+
+
+def gmm(lhs, weights, group_sizes, *, transpose_rhs: bool, pairs, epilogue, num_outputs: int, cfg,
+        interpret: bool | str, row_inputs=()):
+    """Grouped matmul of rows sorted by group: see `kernel.gmm_kernel` for pairs/epilogue/row_inputs.
+
+    weights: [G, K, N] arrays; out = lhs @ w[g] ([M, N]), or lhs @ w[g]^T ([M, K]) with transpose_rhs.
+    """
+    num_groups, kw, nw = weights[0].shape
+    n = kw if transpose_rhs else nw
+    k_minor = transpose_rhs or _needs_k_minor(lhs[0].dtype)
+    cfg = fit_dims(cfg, n, lhs[0].shape[1])
+    if k_minor and not transpose_rhs:
+        views = [w.transpose(0, 2, 1).reshape(num_groups * nw, kw) for w in weights]
+    else:
+        views = [w.reshape(num_groups * kw, nw) for w in weights]
+    passes = row_block_passes(group_sizes, lhs[0].shape[0], cfg.block_rows)
+    kwargs = dict(n=n, rhs_k_minor=k_minor, pairs=pairs, epilogue=epilogue, num_outputs=num_outputs, cfg=cfg)
+    if interpret is True:
+        return portable.gmm_portable(lhs, views, passes, list(row_inputs), **kwargs)
+    m = lhs[0].shape[0]
+    outs = gmm_kernel([_pad_rows(a) for a in lhs], views, passes, list(row_inputs), interpret=interpret == MOSAIC,
+                      **kwargs)
+    return [o[:m] for o in outs]
+
+
+def tgmm(x, dy, group_sizes, *, cfg, interpret: bool | str):
+    """Per-group x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N] in x.dtype."""
+    cfg = fit_dims(cfg, dy.shape[1], x.shape[1])
+    blocks = group_row_blocks(group_sizes, x.shape[0], cfg.block_rows)
+    if interpret is True:
+        return portable.tgmm_portable(x, dy, blocks, cfg=cfg)
+    mosaic_interpret = interpret == MOSAIC
+    if _needs_k_minor(x.dtype):
+        align = _SWIZZLE_BYTES // x.dtype.itemsize
+        return tgmm_kernel(_pad_rows(x, align).T, _pad_rows(dy, align).T, blocks, k_minor=True, cfg=cfg,
+                           interpret=mosaic_interpret)
+    return tgmm_kernel(_pad_rows(x), _pad_rows(dy), blocks, k_minor=False, cfg=cfg, interpret=mosaic_interpret)

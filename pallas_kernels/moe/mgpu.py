@@ -1,0 +1,75 @@
+"""Mosaic-GPU pieces shared by the grouped-matmul kernels, working on jax 0.10.2 and 0.11.2.
+
+On CPU the kernels run in Pallas's Mosaic-GPU interpret mode, which simulates the warpgroups, SMEM, TMA and
+barriers, so the tests run the same kernel code as the H200.
+"""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+try:
+    from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+except ImportError:  # jax 0.10.2 has it only under _src
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+# Interpreted kernels run on a couple of simulated SMs: enough to exercise the persistent loop.
+INTERPRET_SMS = 2
+# Registers kept by the TMA-issuing warpgroup (the rest go to the compute warpgroups).
+MEMORY_REGISTERS = 40
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters and (
+    inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
+
+
+def interpret_params(interpret: bool):
+    # TMA zero-fills reads past the array end; the interpreter does the same with zero-initialised memory.
+    return InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero") if interpret else None
+
+
+def num_sms(interpret: bool) -> int:
+    return INTERPRET_SMS if interpret else jax.devices()[0].core_count
+
+
+def compiler_params():
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def tile_transforms(minor: int, dtype) -> tuple:
+    """SMEM tiling + swizzle for a tile whose minor dimension holds `minor` elements."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def load_row_vector(ref):
+    """A [rows] vector laid out to broadcast along the columns of a WGMMA accumulator."""
+    layout = plgpu.Layout.WGMMA.reduce(1)
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
+
+
+def zero_rows_outside(tile_ref, row_axis: int, first_row, start, end, interpret: bool):
+    """Zeroes the rows of an SMEM tile whose absolute index is outside [start, end)."""
+    vals = tile_ref[...]
+    rows = lax.broadcasted_iota(jnp.int32, vals.shape, row_axis)
+    if not interpret:  # jax 0.10.2's interpreter has no rule for layout casts
+        rows = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
+    rows = first_row + rows
+    tile_ref[...] = jnp.where((rows >= start) & (rows < end), vals, jnp.zeros_like(vals))
+    plgpu.commit_smem()
+
+
+def store_tile(vals, smem, gmem, slot_counter: int):
+    """Writes a register tile through one of two SMEM slots to GMEM with TMA; returns the next slot counter.
+
+    A slot is reused only after its previous TMA store has finished reading it. The first store of a tile
+    waits for all: the previous tile may have left its last store in either slot.
+    """
+    slot = slot_counter % 2
+    plgpu.wait_smem_to_gmem(1 if slot_counter else 0, wait_read_only=True)
+    smem[slot] = vals.astype(smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem.at[slot], gmem)
+    return slot_counter + 1

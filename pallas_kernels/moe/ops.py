@@ -1,0 +1,121 @@
+"""Differentiable grouped matmul and SwiGLU MoE FFN over rows sorted by group (custom VJPs on the kernels).
+
+grouped_matmul backward: dx = dy @ w[g]^T (the same kernel, weights transposed), dw[g] = x_g^T @ dy_g (the
+per-group transposed kernel).
+
+moe_ffn forward: one fused kernel for gate/up (both tiles per k step, SwiGLU and the routing weight in the
+epilogue), then the down projection. The training forward also stores the gate/up pre-activations so the
+backward needs no recompute. Backward: dh = dy @ w_down^T; the SwiGLU backward elementwise in fp32 (XLA);
+dx = dgate @ w_gate^T + dup @ w_up^T in one kernel; three weight-gradient kernels.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import interpret_default
+from pallas_kernels.moe import epilogues, matmuls
+from pallas_kernels.moe.tuning import KernelConfigs
+
+_PLAIN = ((0, 0, 0),)
+
+
+def _check(x, *weights):
+    for w in weights:
+        if w.dtype != x.dtype:
+            raise TypeError(f"x and weights must share a dtype, got {x.dtype} and {w.dtype}")
+
+
+def _mm(lhs, weights, group_sizes, configs, interpret, *, role="gmm", transpose_rhs=False, pairs=_PLAIN):
+    cfg = configs.get(role, lhs[0].dtype)
+    return matmuls.gmm(lhs, weights, group_sizes, transpose_rhs=transpose_rhs, pairs=pairs,
+                       epilogue=epilogues.plain, num_outputs=1, cfg=cfg, interpret=interpret)[0]
+
+
+def _wgrad(x, dy, group_sizes, configs, interpret, dtype):
+    return matmuls.tgmm(x, dy, group_sizes, cfg=configs.get("wgrad", x.dtype), interpret=interpret).astype(dtype)
+
+
+def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
+                   configs: KernelConfigs | None = None):
+    """out[rows of g] = x[rows of g] @ w[g]; like `jax.lax.ragged_dot(x, w, group_sizes)`.
+
+    Args:
+      x: [M, K], rows sorted by group. w: [G, K, N] (same dtype). group_sizes: [G] int32, sum <= M; rows past
+        the sum produce zeros.
+      interpret: None picks compiled Mosaic GPU on a GPU backend and the portable interpreted kernel elsewhere;
+        "mosaic" runs the Mosaic-GPU kernels in Pallas's GPU interpreter (slow; checks the GPU code on CPU).
+      configs: tile overrides (`tuning.KernelConfigs`).
+    Returns:
+      [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
+    """
+    _check(x, w)
+    interpret = interpret_default() if interpret is None else interpret
+    return _grouped_matmul(x, w, group_sizes, interpret, configs or KernelConfigs())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_matmul(x, w, group_sizes, interpret, configs):
+    return _mm([x], [w], group_sizes, configs, interpret)
+
+
+def _grouped_matmul_fwd(x, w, group_sizes, interpret, configs):
+    return _mm([x], [w], group_sizes, configs, interpret), (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(interpret, configs, res, dy):
+    x, w, group_sizes = res
+    dx = _mm([dy], [w], group_sizes, configs, interpret, transpose_rhs=True)
+    return dx, _wgrad(x, dy, group_sizes, configs, interpret, w.dtype), None
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, keep_preactivations):
+    return matmuls.gmm([x], [w_gate, w_up], group_sizes, transpose_rhs=False, pairs=((0, 0, 0), (0, 1, 1)),
+                       epilogue=functools.partial(epilogues.swiglu, keep_preactivations=keep_preactivations),
+                       num_outputs=3 if keep_preactivations else 1, cfg=configs.get("swiglu", x.dtype),
+                       interpret=interpret, row_inputs=(row_weights,))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs):
+    """`moe_ffn` without the decode dispatch (positional static args; used by ops and decode)."""
+    (h,) = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, False)
+    return _mm([h], [w_down], group_sizes, configs, interpret)
+
+
+def _moe_ffn_fwd(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs):
+    h, gate, up = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, True)
+    out = _mm([h], [w_down], group_sizes, configs, interpret)
+    return out, (x, w_gate, w_up, w_down, group_sizes, row_weights, h, gate, up)
+
+
+def swiglu_backward(dh, gate, up, row_weights, dtype):
+    """Cotangents of h = row_weight * silu(gate) * up, in fp32: (dgate, dup) in dtype, drow_weight in fp32."""
+    gate, up, dh = gate.astype(jnp.float32), up.astype(jnp.float32), dh.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    silu = gate * sig
+    d_rw = jnp.sum(dh * silu * up, axis=-1)
+    da = dh * row_weights.astype(jnp.float32)[:, None]
+    dgate = da * up * sig * (1 + gate * (1 - sig))
+    return dgate.astype(dtype), (da * silu).astype(dtype), d_rw
+
+
+def _moe_ffn_bwd(interpret, configs, res, dy):
+    x, w_gate, w_up, w_down, group_sizes, row_weights, h, gate, up = res
+    dh = _mm([dy], [w_down], group_sizes, configs, interpret, transpose_rhs=True)
+    dgate, dup, d_rw = swiglu_backward(dh, gate, up, row_weights, x.dtype)
+    dx = _mm([dgate, dup], [w_gate, w_up], group_sizes, configs, interpret, role="gmm_pairs",
+             transpose_rhs=True, pairs=((0, 0, 0), (1, 1, 0)))
+    return (dx,
+            _wgrad(x, dgate, group_sizes, configs, interpret, w_gate.dtype),
+            _wgrad(x, dup, group_sizes, configs, interpret, w_up.dtype),
+            _wgrad(h, dy, group_sizes, configs, interpret, w_down.dtype),
+            None,
+            d_rw.astype(row_weights.dtype))
+
+
+moe_ffn_core.defvjp(_moe_ffn_fwd, _moe_ffn_bwd)

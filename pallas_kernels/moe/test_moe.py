@@ -1,0 +1,128 @@
+"""Grouped matmul and MoE FFN kernels vs the ragged_dot reference: forward and every gradient.
+
+On CPU this runs the portable kernels in interpret mode; on a GPU the same tests run the Mosaic-GPU kernels
+compiled. MOE_MOSAIC_INTERPRET=1 adds the Mosaic-GPU kernels through Pallas's GPU interpreter on CPU (minutes;
+use jax >= 0.11, whose interpreter zero-fills partially out-of-bounds TMA reads like the hardware).
+Shapes have 3 row blocks (M not a multiple of the block), 3 n-blocks, 3 k-steps, an empty group, uneven groups
+and rows past sum(group_sizes).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels._common import interpret_default
+from pallas_kernels.moe import (DECODE_MAX_ROWS, GmmConfig, KernelConfigs, WgradConfig, grouped_matmul, moe_ffn,
+                                moe_ffn_decode, reference)
+from pallas_kernels.moe.groups import row_block_passes
+from pallas_kernels.moe.matmuls import MOSAIC
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+BACKENDS = [None] + ([MOSAIC] if interpret_default() and os.environ.get("MOE_MOSAIC_INTERPRET") else [])
+GROUP_SIZES = (61, 0, 130, 17, 52)  # sum 260 of 300 rows: an empty group, blocks straddling groups
+
+
+def small_configs(dtype):
+    """3 blocks per tiled axis at the test shapes; fp32 (tf32) needs 32-element K tiles."""
+    bk = 64 if dtype == jnp.bfloat16 else 32
+    return KernelConfigs(gmm=GmmConfig(block_n=64, block_k=bk, stages=3),
+                         swiglu=GmmConfig(block_n=64, block_k=bk, stages=3),
+                         gmm_pairs=GmmConfig(block_n=64, block_k=bk // 2, stages=3),
+                         wgrad=WgradConfig(block_n=64, block_rows=bk, stages=3))
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert np.all(np.isfinite(got))
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def tolerance(dtype):
+    if dtype == jnp.bfloat16:
+        return 2e-2
+    return 1e-5 if interpret_default() else 1e-2  # the GPU kernel multiplies fp32 as tf32
+
+
+def normal(key, shape, dtype, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def test_row_block_passes_schedule():
+    passes = row_block_passes(jnp.array([3, 0, 6, 2], jnp.int32), 16, 4)
+    # Blocks [0,4) [4,8) [8,12) [12,16); groups 0:[0,3) 2:[3,9) 3:[9,11); rows 11.. belong to none.
+    np.testing.assert_array_equal(passes.first_pass, [0, 1, 1, 3])
+    np.testing.assert_array_equal(passes.num_passes, [2, 1, 2, 0])
+    np.testing.assert_array_equal(passes.mixed[:3], [1, 0, 1])
+    np.testing.assert_array_equal(passes.group[:3], [0, 2, 3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_matmul_forward_and_grads(dtype, backend):
+    m, k, n = 300, 192, 192
+    gs = jnp.array(GROUP_SIZES, jnp.int32)
+    kx, kw, kd = jax.random.split(jax.random.key(0), 3)
+    x, w, dy = normal(kx, (m, k), dtype), normal(kw, (len(GROUP_SIZES), k, n), dtype, 0.1), normal(kd, (m, n), dtype)
+    out, grads = value_and_vjp(lambda x, w: grouped_matmul(x, w, gs, interpret=backend, configs=small_configs(dtype)),
+                               (x, w), dy)
+    want, grads_ref = value_and_vjp(lambda x, w: reference.grouped_matmul(x, w, gs), (x, w), dy)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out, want) < tolerance(dtype)
+    assert rel_err(out, reference.grouped_matmul_dense(x, w, gs)) < tolerance(dtype)
+    assert not np.any(np.asarray(out[sum(GROUP_SIZES):], np.float32))
+    for got, ref in zip(grads, grads_ref):
+        assert rel_err(got, ref) < tolerance(dtype)
+
+
+def moe_inputs(key, m, h, i, group_sizes, dtype):
+    ks = jax.random.split(key, 6)
+    g = len(group_sizes)
+    return (normal(ks[0], (m, h), dtype), normal(ks[1], (g, h, i), dtype, h ** -0.5),
+            normal(ks[2], (g, h, i), dtype, h ** -0.5), normal(ks[3], (g, i, h), dtype, i ** -0.5),
+            jnp.array(group_sizes, jnp.int32), jax.random.uniform(ks[4], (m,), jnp.float32, 0.1, 1.0),
+            normal(ks[5], (m, h), dtype))
+
+
+def value_and_vjp(fn, args, cotangent):
+    """fn(*args) and its VJP at `cotangent`, under one jit (one compile instead of one per kernel call)."""
+    def run(args, cotangent):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(cotangent)
+    return jax.jit(run)(args, cotangent)
+
+
+def check_moe(fn, args, dtype):
+    x, wg, wu, wd, gs, rw, dy = args
+    out, grads = value_and_vjp(lambda x, wg, wu, wd, rw: fn(x, wg, wu, wd, gs, rw), (x, wg, wu, wd, rw), dy)
+    want, grads_ref = value_and_vjp(lambda x, wg, wu, wd, rw: reference.moe_ffn(x, wg, wu, wd, gs, rw),
+                                    (x, wg, wu, wd, rw), dy)
+    assert out.dtype == dtype
+    assert rel_err(out, want) < tolerance(dtype)
+    assert not np.any(np.asarray(out[int(gs.sum()):], np.float32))
+    for name, got, ref in zip(["x", "w_gate", "w_up", "w_down", "row_weights"], grads, grads_ref):
+        assert got.dtype == ref.dtype, name
+        assert rel_err(got, ref) < tolerance(dtype), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_ffn_forward_and_grads(dtype, backend):
+    args = moe_inputs(jax.random.key(3), 300, 192, 192, GROUP_SIZES, dtype)
+    check_moe(lambda *a: moe_ffn(*a, interpret=backend, configs=small_configs(dtype)), args, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_ffn_decode_sized(backend):
+    # 5 tokens x (top-2 + 2 shared) = 20 rows over 6 groups, one untouched: moe_ffn takes the decode layout.
+    args = moe_inputs(jax.random.key(4), 20, 64, 192, (3, 0, 2, 5, 5, 5), jnp.bfloat16)
+    assert args[0].shape[0] <= DECODE_MAX_ROWS
+    check_moe(lambda *a: moe_ffn(*a, interpret=backend), args, jnp.bfloat16)
+
+
+def test_moe_ffn_decode_explicit_bound():
+    # 24 tokens x 4 rows = 96 rows (> DECODE_MAX_ROWS); no group exceeds the 24-token bound.
+    args = moe_inputs(jax.random.key(5), 96, 128, 128, (24, 10, 0, 14, 24, 24), jnp.float32)
+    check_moe(lambda *a: moe_ffn_decode(*a, max_group_rows=24), args, jnp.float32)

@@ -1,0 +1,113 @@
+"""Tile sizes for the MoE grouped-matmul kernels.
+
+Not yet measured: the defaults are starting points sized for the H200 (227 KiB SMEM per block, 132 SMs) at
+Inkling's expert shapes (hidden 6144, width 3072, bf16), checked only to lower for CUDA (see
+bench/results/moe.md). `bench/moe.py` sweeps a few alternatives per kernel. Every kernel has two compute
+warpgroups (one for decode) that each own `wg_rows` rows of the output tile, plus one warpgroup issuing TMA.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+
+SMEM_BYTES = 227 * 1024
+_SMEM_SLACK = 2 * 1024  # barriers and alignment
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmConfig:
+    """Row-blocked grouped matmul: out tile = (compute_wgs * wg_rows) x block_n per accumulator."""
+
+    wg_rows: int = 64
+    compute_wgs: int = 2
+    block_n: int = 256
+    block_k: int = 64
+    stages: int = 4
+    epi_n: int = 64  # columns per TMA store of the epilogue
+    grid_tile_width: int = 8  # n-blocks visited together before moving to the next row blocks
+
+    @property
+    def block_rows(self) -> int:
+        return self.wg_rows * self.compute_wgs
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    """Per-group x^T @ dy: out tile = (compute_wgs * wg_rows) x block_n, contracting block_rows rows a step."""
+
+    wg_rows: int = 64
+    compute_wgs: int = 2
+    block_n: int = 256
+    block_rows: int = 64
+    stages: int = 4
+    epi_n: int = 64
+    grid_tile_width: int = 4
+
+    @property
+    def block_rows_out(self) -> int:
+        return self.wg_rows * self.compute_wgs
+
+
+_BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+# Defaults per role and dtype. fp32 runs as tf32, which wgmma takes only with 32-element K-minor tiles.
+DEFAULTS = {
+    # out = x @ w[g] (down projection) and dgrad (dy @ w[g]^T).
+    "gmm": {_BF16: GmmConfig(), _F32: GmmConfig(block_n=128, block_k=32)},
+    # Fused gate/up: two accumulators of block_n columns each.
+    "swiglu": {_BF16: GmmConfig(block_n=128), _F32: GmmConfig(block_n=64, block_k=32)},
+    # dx = dgate @ w_gate^T + dup @ w_up^T: two operand pairs per step, so half the K tile.
+    "gmm_pairs": {_BF16: GmmConfig(block_k=32), _F32: GmmConfig(block_n=128, block_k=16)},
+    "wgrad": {_BF16: WgradConfig(), _F32: WgradConfig(block_n=128, block_rows=32)},
+}
+# Decode: one 64-row tile per touched expert, narrow n-blocks so that every SM streams weights.
+DECODE = {
+    "gmm": {_BF16: GmmConfig(compute_wgs=1, block_n=128, stages=8, grid_tile_width=1),
+            _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=8, grid_tile_width=1)},
+    "swiglu": {_BF16: GmmConfig(compute_wgs=1, block_n=64, stages=8, grid_tile_width=1),
+               _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=4, grid_tile_width=1)},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfigs:
+    """Per-role tile overrides (None: the default for the dtype). Hashable, so it can be a static argument."""
+
+    gmm: GmmConfig | None = None
+    swiglu: GmmConfig | None = None
+    gmm_pairs: GmmConfig | None = None
+    wgrad: WgradConfig | None = None
+    decode: bool = False  # start from the decode defaults where they exist
+
+    def get(self, role: str, dtype):
+        override = getattr(self, role)
+        if override is not None:
+            return override
+        table = DECODE if self.decode and role in DECODE else DEFAULTS
+        return table[role][jnp.dtype(dtype)]
+
+
+def fit_stages(cfg, stage_bytes: int, fixed_bytes: int):
+    """Lowers `stages` until the pipeline buffers plus the epilogue buffers fit in SMEM."""
+    stages = cfg.stages
+    while stages > 2 and stages * stage_bytes + fixed_bytes > SMEM_BYTES - _SMEM_SLACK:
+        stages -= 1
+    return dataclasses.replace(cfg, stages=stages)
+
+
+def fit_dims(cfg, n: int, k: int | None = None):
+    """Halves block_n (and block_k, when given k) until they divide the problem; small test shapes need it.
+
+    For the weight gradient, k is the output rows: it falls back to one compute warpgroup (64 rows).
+    """
+    block_n = cfg.block_n
+    while n % block_n and block_n > 16:
+        block_n //= 2
+    cfg = dataclasses.replace(cfg, block_n=block_n, epi_n=min(cfg.epi_n, block_n))
+    if k is None:
+        return cfg
+    if isinstance(cfg, WgradConfig):
+        return dataclasses.replace(cfg, compute_wgs=1) if k % cfg.block_rows_out else cfg
+    block_k = cfg.block_k
+    while k % block_k and block_k > 16:
+        block_k //= 2
+    return dataclasses.replace(cfg, block_k=block_k)
