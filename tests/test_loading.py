@@ -88,6 +88,7 @@ def test_config_that_disagrees_with_the_weights(copy):
         load_pretrained(copy, progress=False)
     config["text_config"]["num_hidden_layers"] = 5
     config["text_config"]["layer_types"].append("hybrid_sliding")
+    config["text_config"]["local_layer_ids"].append(4)
     config["text_config"]["mlp_layer_types"].append("sparse")
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="missing tensor model.llm.layers.4"):
