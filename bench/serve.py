@@ -1,0 +1,216 @@
+"""The serving engine on one GPU, without HTTP: output tok/s, time to first token and inter-token latency
+(p50/p99) at several concurrencies; the batch-1 decode step's achieved bytes/s against the copy bandwidth
+measured in the same run; transformers' Inkling at 32 concurrent requests (one batched `generate`) as the peer.
+
+    PYTHONPATH=. python bench/serve.py [--out DIR]                  # H200: the `bench` preset, random weights
+    PYTHONPATH=. python bench/serve.py --preset tiny --concurrency 1,4 --prompt-tokens 16 --output-tokens 8 \\
+        --no-peer --copy-mib 64                                      # a functional check on CPU
+
+Each concurrency level submits that many requests at once (random prompt ids, fixed output length, EOS
+ignored) and times every token as the engine hands it out. The batch-1 decode bytes count the weights one token
+reads (every parameter except the embedding table, of the routed experts only the top-k) plus the KV and
+window state it attends over; dividing by the batch-1 median inter-token latency gives achieved bytes/s, host
+scheduling included. The peer runs first, in its own process, before JAX takes the GPU's memory.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+# Run as a script, this file's folder comes first on sys.path and its name would shadow the `serve` package.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from inkling_jax import InklingModel, preset  # noqa: E402
+from inkling_jax.mlp import MoE  # noqa: E402
+from serve.config import EngineConfig  # noqa: E402
+from serve.engine import Engine  # noqa: E402
+from serve.random_weights import random_model  # noqa: E402
+from serve.sampling import SamplingParams  # noqa: E402
+from serve.text_stream import Delta  # noqa: E402
+
+PEER = r"""
+import json, sys, time, torch
+from transformers import InklingForCausalLM, InklingTextConfig
+batch, prompt, new = (int(x) for x in sys.argv[1:4])
+cfg = InklingTextConfig(vocab_size=201024, hidden_size=6144, num_hidden_layers=6, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=128, swa_num_attention_heads=64, swa_num_key_value_heads=16, swa_head_dim=128,
+    sliding_window_size=512, d_rel=16, rel_extent=1024, intermediate_size=24576, moe_intermediate_size=3072,
+    n_routed_experts=32, num_experts_per_tok=6, n_shared_experts=2, dense_mlp_idx=2, log_scaling_n_floor=128000)
+torch.set_default_dtype(torch.bfloat16)
+with torch.device("cuda"):
+    model = InklingForCausalLM(cfg).eval()
+ids = torch.randint(0, 200000, (batch, prompt), device="cuda")
+with torch.no_grad():
+    model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    torch.cuda.synchronize(); start = time.perf_counter()
+    model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    torch.cuda.synchronize(); seconds = time.perf_counter() - start
+print(json.dumps({"peer_tok_s": batch * new / seconds, "transformers": __import__("transformers").__version__}))
+"""
+
+
+class Timestamps:
+    """An output parser that reports every token (the bench times tokens, not text)."""
+
+    stopped = False
+
+    def feed(self, token_id, entry=None):
+        return [Delta("text", "", [])]
+
+    def finish(self):
+        return []
+
+
+def median_seconds(fn, *args, trials=10):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def copy_bandwidth(mib: int) -> float:
+    """Bytes/s of a jitted y = 2x (read + write) over `mib` MiB of bf16."""
+    x = jnp.ones((mib * 2**20 // 2,), jnp.bfloat16)
+    return 2 * x.nbytes / median_seconds(jax.jit(lambda v: 2 * v), x)
+
+
+def matmul_flops(n: int) -> float:
+    a = jnp.ones((n, n), jnp.bfloat16)
+    return 2 * n**3 / median_seconds(jax.jit(lambda p, q: p @ q), a, a)
+
+
+def decode_bytes(model: InklingModel, config: EngineConfig) -> int:
+    """Bytes one batch-1 decode step must read: weights (top-k routed experts only, one embedding row) and the
+    KV span and window rings the attention reads."""
+    text = model.config.text
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    skipped = model.embed[...].nbytes
+    for layer in model.layers:
+        if isinstance(layer.mlp, MoE):
+            routed = sum(getattr(layer.mlp, w)[...].nbytes for w in ("w_gate", "w_up", "w_down"))
+            skipped += routed * (1 - text.num_experts_per_tok / text.num_experts)
+    item = model.dtype.itemsize
+    kv = 0
+    for i in range(text.num_layers):
+        shape = text.attention(text.is_local(i))
+        positions = shape.window if text.is_local(i) else config.pages_per_row * config.page_size
+        kv += 2 * positions * shape.num_kv_heads * shape.head_dim * item
+    return int(total - skipped + kv)
+
+
+def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int):
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
+    times: dict[str, list[float]] = {}
+    done = threading.Event()
+    finished = [0]
+    lock = threading.Lock()
+
+    def sink_for(name):
+        def sink(output):
+            with lock:
+                times[name].append(time.perf_counter())
+                finished[0] += output.finish_reason is not None
+                if finished[0] == concurrency:
+                    done.set()
+        return sink
+
+    start = time.perf_counter()
+    for r in range(concurrency):
+        times[f"r{r}"] = []
+        engine.submit(f"bench-{seed}-{r}", [rng.integers(0, vocab, prompt_tokens).tolist()], params, 1, Timestamps,
+                      sink_for(f"r{r}"))
+    if not done.wait(600):
+        raise TimeoutError(f"concurrency {concurrency} did not finish")
+    end = max(t[-1] for t in times.values())
+    ttft = [t[0] - start for t in times.values()]
+    itl = np.concatenate([np.diff(t) for t in times.values()])
+    ms = lambda values, q: 1e3 * float(np.percentile(values, q))  # noqa: E731
+    return {"concurrency": concurrency, "tok_s": concurrency * output_tokens / (end - start),
+            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "itl_p50_ms": ms(itl, 50),
+            "itl_p99_ms": ms(itl, 99)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="bench")
+    p.add_argument("--concurrency", default="1,8,32,128")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--copy-mib", type=int, default=2048)
+    p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
+    p.add_argument("--out", help="directory for serve.json")
+    args = p.parse_args()
+    levels = sorted(int(c) for c in args.concurrency.split(","))
+    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "args": vars(args)}
+    if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
+        peer = subprocess.run([sys.executable, "-c", PEER, "32", str(args.prompt_tokens), str(args.output_tokens)],
+                              capture_output=True, text=True, timeout=600)
+        print(peer.stderr[-2000:] if peer.returncode else "", end="")
+        results.update(json.loads(peer.stdout.strip().splitlines()[-1]) if peer.returncode == 0 else {})
+    results["device"] = str(jax.devices()[0])
+    results["copy_bytes_s"] = copy_bandwidth(args.copy_mib)
+    results["matmul_flop_s"] = matmul_flops(8192 if jax.default_backend() == "gpu" else 512)
+
+    gpu = jax.default_backend() == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    start = time.perf_counter()
+    config = preset(args.preset)
+    model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
+    results["build_s"] = time.perf_counter() - start
+    length = args.prompt_tokens + args.output_tokens + 16
+    chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))
+    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row
+    engine_config = EngineConfig(max_num_seqs=max(levels), max_model_len=length,
+                                 max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels) + 16),
+                                 chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
+                                 max_queued=max(levels) + 1)
+    engine = Engine(model, engine_config, eos_token_id=config.eos_token_id)
+    engine.start()
+    results["compile_s"] = engine.warm_up_seconds
+    vocab = config.text.unpadded_vocab_size
+    run_load(engine, min(levels), args.prompt_tokens, 4, vocab, seed=99)  # first calls of each executable
+    results["levels"] = [run_load(engine, c, args.prompt_tokens, args.output_tokens, vocab, seed=c) for c in levels]
+    engine.shutdown(drain_seconds=0)
+
+    step_bytes = decode_bytes(model, engine_config)
+    batch1 = next((r for r in results["levels"] if r["concurrency"] == 1), None)
+    print(f"{results['device']}, jax {jax.__version__}, preset {args.preset}, prompt {args.prompt_tokens}, "
+          f"output {args.output_tokens}; build {results['build_s']:.1f}s, compile {results['compile_s']:.1f}s")
+    print(f"copy (y = 2x) {results['copy_bytes_s'] / 1e9:.0f} GB/s; bf16 matmul {results['matmul_flop_s'] / 1e12:.0f}"
+          " TFLOP/s")
+    print("| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in results["levels"]:
+        print(f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
+              f"{r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} |")
+    if batch1:
+        achieved = step_bytes / (batch1["itl_p50_ms"] / 1e3)
+        results["decode_batch1"] = {"bytes": step_bytes, "bytes_s": achieved,
+                                    "of_copy": achieved / results["copy_bytes_s"]}
+        print(f"batch-1 decode step: {step_bytes / 1e9:.2f} GB read in {batch1['itl_p50_ms']:.2f} ms = "
+              f"{achieved / 1e9:.0f} GB/s = {achieved / results['copy_bytes_s']:.2f} of the copy bandwidth")
+    ours32 = next((r["tok_s"] for r in results["levels"] if r["concurrency"] == 32), None)
+    if "peer_tok_s" in results and ours32:
+        print(f"32 concurrent: {ours32:.1f} tok/s vs transformers {results['transformers']} generate "
+              f"{results['peer_tok_s']:.1f} tok/s = {ours32 / results['peer_tok_s']:.1f}x")
+    if args.out:
+        with open(os.path.join(args.out, "serve.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both streaming as
+server-sent events), `/health` and `/metrics`.
+
+Every malformed request gets a 4xx with an OpenAI-style error body. A client that goes away aborts its request
+(the engine frees its pages): streaming or not, the handler watches the connection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from serve.chat import ChatError, ChatFormat, ChatOutput
+from serve.engine import Engine, EngineStopped, QueueFull
+from serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, validation_message
+from serve.responses import ChatResponder, Choice, CompletionResponder, Responder, usage
+from serve.sampling import InvalidParams, SamplingParams
+from serve.text_stream import TextOutput
+from serve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Service:
+    """What the routes serve, and their limits."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    description: str
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens: int
+    max_n: int = 16
+    api_key: str | None = None
+    chat: ChatFormat | None = None
+    started: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def create_app(service: Service, lifespan=None) -> FastAPI:
+    app = FastAPI(title="inkling-jax", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    def authorized(request: Request) -> None:
+        if service.api_key and request.headers.get("authorization") != f"Bearer {service.api_key}":
+            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not service.engine.alive:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{
+            "id": service.model_name, "object": "model", "created": service.started, "owned_by": "inkling-jax",
+            "description": service.description, "max_model_len": service.engine.config.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(service, body)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        prompts = _completion_prompts(service, body.prompt)
+        params = _params(service, body, prompts, body.max_tokens, body.logprobs)
+        echo = [service.tokenizer.decode(p) for p in prompts] if body.echo else None
+        responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer, echo,
+                                        body.n)
+        return await _generate(service, request, body, prompts, params, responder,
+                               lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        _check_model(service, body)
+        if body.tools:
+            raise APIError(400, "tools are not supported by this server", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if service.chat is None:
+            raise APIError(400, "this model's tokenizer has no chat format", param="messages")
+        try:
+            prompt = service.chat.render([m.model_dump() for m in body.messages], body.reasoning_effort)
+        except ChatError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        params = _params(service, body, [prompt], max_tokens, logprobs)
+        responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer)
+        return await _generate(service, request, body, [prompt], params, responder,
+                               lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens))
+
+    return app
+
+
+def _check_model(service: Service, body: SamplingFields) -> None:
+    if body.model != service.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {service.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _completion_prompts(service: Service, prompt) -> list[list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    if not prompts or len(prompts) > service.max_n:
+        raise APIError(400, f"prompt must hold 1 to {service.max_n} prompts", param="prompt")
+    if any(not 0 <= t < service.vocab_size for p in prompts for t in p):
+        raise APIError(400, f"prompt token ids must be in [0, {service.vocab_size})", param="prompt")
+    return prompts
+
+
+def _params(service: Service, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
+            logprobs: int | None) -> SamplingParams:
+    """Check a request against the server's limits and turn it into sampling parameters."""
+    limit_model = service.engine.config.max_model_len
+    longest = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if longest > service.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {longest} tokens; this server takes at most {service.max_prompt_tokens}",
+                       param="prompt", code="context_length_exceeded")
+    if max_tokens is None:
+        max_tokens = min(service.max_tokens, limit_model - longest)
+    if max_tokens > service.max_tokens or longest + max_tokens > limit_model:
+        raise APIError(400, f"max_tokens {max_tokens} with a {longest}-token prompt exceeds the limits (context "
+                       f"{limit_model}, max_tokens {service.max_tokens})", param="max_tokens",
+                       code="context_length_exceeded")
+    if body.n * len(prompts) > service.max_n:
+        raise APIError(400, f"n x prompts must be at most {service.max_n}", param="n")
+    if logprobs is not None and logprobs > service.engine.config.max_logprobs:
+        raise APIError(400, f"at most {service.engine.config.max_logprobs} logprobs", param="logprobs")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    stop_ids = tuple(body.stop_token_ids or ())
+    if any(not 0 <= t < service.vocab_size for t in stop_ids):
+        raise APIError(400, f"stop_token_ids must be in [0, {service.vocab_size})", param="stop_token_ids")
+    defaults = SamplingParams()
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=pick(body.temperature, defaults.temperature),
+            top_p=pick(body.top_p, defaults.top_p), top_k=min(pick(body.top_k, 0), service.vocab_size),
+            min_p=pick(body.min_p, 0.0), presence_penalty=pick(body.presence_penalty, 0.0),
+            frequency_penalty=pick(body.frequency_penalty, 0.0),
+            repetition_penalty=pick(body.repetition_penalty, 1.0),
+            seed=None if body.seed is None else body.seed % 2**32, stop=body.stop_strings(), stop_token_ids=stop_ids,
+            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
+    except InvalidParams as exc:
+        raise APIError(400, str(exc)) from None
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _next_output(queue: asyncio.Queue, request: Request):
+    """The engine's next output for this request; raises _ClientGone once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise _ClientGone from None
+
+
+async def _generate(service: Service, request: Request, body: SamplingFields, prompts: list[list[int]],
+                    params: SamplingParams, responder: Responder, make_parser) -> Response:
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    request_id = responder.request_id
+    try:
+        service.engine.submit(request_id, prompts, params, body.n, make_parser,
+                              lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+    except QueueFull as exc:
+        raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
+                       code="rate_limit_exceeded") from None
+    except EngineStopped as exc:
+        raise APIError(503, str(exc), kind="server_error") from None
+    choices = [Choice() for _ in range(len(prompts) * body.n)]
+    pending = [len(choices)]
+    logprobs = params.logprobs is not None
+
+    def record(output) -> None:
+        choices[output.index].add(output)
+        pending[0] -= output.finish_reason is not None
+
+    def abort_unfinished() -> None:  # the client left, or anything else ended the handler early
+        if pending[0]:
+            service.engine.abort(request_id)
+
+    def total() -> dict:
+        return usage(sum(map(len, prompts)), sum(c.num_output for c in choices))
+
+    if body.stream:
+        async def events():
+            try:
+                with contextlib.suppress(_ClientGone):
+                    for chunk in responder.first_chunks(len(choices)):
+                        yield _sse(chunk)
+                    while pending[0]:
+                        output = await _next_output(queue, request)
+                        for chunk in responder.chunks(output, logprobs, choices[output.index]):
+                            yield _sse(chunk)
+                        record(output)
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield _sse(responder.usage_chunk(total()))
+                    yield "data: [DONE]\n\n"
+            finally:
+                abort_unfinished()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    try:
+        while pending[0]:
+            record(await _next_output(queue, request))
+    except _ClientGone:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    finally:
+        abort_unfinished()
+    if any(c.finish_reason == "error" for c in choices):
+        raise APIError(500, "the engine failed while running this request", kind="server_error")
+    return JSONResponse(responder.response(choices, logprobs, total()))
+
+
+def _sse(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"

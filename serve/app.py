@@ -1,0 +1,167 @@
+"""`python -m serve.app`: serve Inkling over an OpenAI-compatible HTTP API.
+
+With --model DIR it serves a hub-layout checkpoint with the directory's tokenizer.json. Without it, it serves
+the embedded `tiny` preset with seeded random weights and a byte-level tokenizer, so it runs anywhere; that
+model's output is noise, and /v1/models and the start-up log say so.
+
+    python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny-random"
+    python -m serve.app --model /path/to/Inkling --dtype bfloat16 --api-key SECRET
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import threading
+import time
+
+import jax
+import uvicorn
+
+from serve.api import Service, create_app
+from serve.chat import ChatError, ChatFormat
+from serve.config import EngineConfig
+from serve.engine import Engine
+from serve.tokenizer import load_tokenizer
+
+log = logging.getLogger("serve")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--model", help="checkpoint directory in the hub layout (default: tiny preset, random weights)")
+    a("--served-model-name", help="the model id clients send (default: the directory name, or inkling-tiny-random)")
+    a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    a("--port", type=int, default=8000)
+    a("--api-key", default=os.environ.get("INKLING_API_KEY"),
+      help="require `Authorization: Bearer KEY` on /v1 routes (default: $INKLING_API_KEY, else none)")
+    a("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+    a("--seed", type=int, default=0, help="seed of the random weights of the embedded default")
+    a("--max-num-seqs", type=int, default=8, help="sequences decoded together (cache slots)")
+    a("--max-model-len", type=int, default=1024, help="prompt + output tokens per sequence")
+    a("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
+    a("--page-size", type=int, default=16, help="tokens per KV page")
+    a("--num-pages", type=int, help="KV pages (default: from free device memory on GPU; every slot at full "
+      "length on CPU)")
+    a("--memory-fraction", type=float, default=0.85, help="share of free device memory for caches")
+    a("--chunk-buckets", help="compiled tokens-per-row sizes; the largest is the longest prefill chunk "
+      "(default: 1,16,64,256 on GPU, 1,16 on CPU, where each compilation takes seconds)")
+    a("--row-buckets", help="compiled rows-per-step sizes, ending with max-num-seqs + 1 (default: powers of 2 "
+      "on GPU, only all rows on CPU)")
+    a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    a("--num-snapshots", type=int, help="saved window/conv states for prefix hits (default: 2 per slot)")
+    a("--max-queued", type=int, default=256, help="waiting sequences beyond which requests get 429")
+    a("--max-prompt-tokens", type=int, help="longest accepted prompt (default: max-model-len - 1)")
+    a("--max-tokens", type=int, help="largest accepted max_tokens (default: max-model-len - 1)")
+    a("--max-n", type=int, default=16, help="largest n (choices x prompts) per request")
+    a("--drain-seconds", type=float, default=10.0, help="on shutdown, how long in-flight requests may finish")
+    a("--moe-backend", default="auto", choices=["auto", "dense", "ragged", "pallas"],
+      help="MoE implementation (see inkling_jax.kernels)")
+    a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
+      help="persistent XLA compilation cache ('' to disable)")
+    a("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    gpu = jax.default_backend() == "gpu"
+    chunks = ints(args.chunk_buckets) if args.chunk_buckets else ((1, 16, 64, 256) if gpu else (1, 16))
+    rows = ints(args.row_buckets) if args.row_buckets else (None if gpu else (args.max_num_seqs + 1,))
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+        memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
+        prefix_caching=not args.no_prefix_caching,
+        num_snapshots=args.num_snapshots, max_queued=args.max_queued)
+
+
+def build_service(args: argparse.Namespace) -> Service:
+    """Load (or build) the model and tokenizer, start the engine (warm-up included) and describe it."""
+    from inkling_jax import kernels, load_pretrained, preset
+    from serve.random_weights import random_model
+
+    kernels.set_backend(moe=args.moe_backend)
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    if args.model:
+        model = load_pretrained(args.model, dtype=dtype)
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        description = f"checkpoint {args.model}"
+    else:
+        model = random_model(preset("tiny"), dtype, args.seed)
+        name = args.served_model_name or "inkling-tiny-random"
+        description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
+                       "tokenizer: a demo of the server, its output is noise")
+    tokenizer = load_tokenizer(args.model)
+    try:
+        chat = ChatFormat(tokenizer)
+    except ChatError as exc:
+        log.warning("chat disabled: %s", exc)
+        chat = None
+    config = engine_config(args)
+    log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, jax.devices()[0])
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id)
+    engine.start()
+    max_len = config.max_model_len
+    return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
+                   max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
+                   max_n=args.max_n, api_key=args.api_key, chat=chat)
+
+
+def serving_app(service: Service):
+    """The app; shutting it down drains (uvicorn waits for open requests) and then stops the engine."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        yield
+        service.engine.shutdown(drain_seconds=0.0)
+
+    return create_app(service, lifespan=lifespan)
+
+
+class ServerThread:
+    """A uvicorn server on a background thread (tests, notebooks): `with ServerThread(app) as s: s.url`."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 10.0):
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=drain_seconds)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    service = build_service(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
+    log.info("serving %r at http://%s:%d/v1", service.model_name, args.host, args.port)
+    uvicorn.run(serving_app(service), host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.drain_seconds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The engine's configuration: slots, token budget, pages, shape buckets, prefix caching, limits.
+
+Every jitted step runs at one of a fixed set of shapes: `row_buckets` (how many cache rows a step touches; the
+last one is every row, which needs no gather) times `chunk_buckets` (tokens per row; 1 is a decode step, the
+others are prefill chunks). Decode steps may use every row bucket; a prefill step only those whose padded size
+rows x tokens stays within the step's token budget. Warm-up compiles each such pair once, so nothing compiles
+while serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # slots: sequences that hold cache rows at once
+    max_model_len: int = 512  # prompt + output tokens of one sequence
+    max_num_batched_tokens: int = 256  # token budget of one step (decodes count one each)
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from free device memory (GPU) or enough for every slot (CPU)
+    memory_fraction: float = 0.85  # of the free device memory that caches may take
+    chunk_buckets: tuple[int, ...] = (1, 16, 64, 256)
+    row_buckets: tuple[int, ...] | None = None  # None: powers of two below max_num_seqs, then all rows
+    prefix_caching: bool = True
+    num_snapshots: int | None = None  # saved ring + conv states for prefix hits; None: 2 per slot
+    max_queued: int = 256  # waiting requests beyond this get 429
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
+            raise ValueError("max_num_seqs, page_size must be >= 1 and max_model_len >= 2")
+        if list(self.chunk_buckets) != sorted(set(self.chunk_buckets)) or self.chunk_buckets[0] != 1:
+            raise ValueError(f"chunk_buckets must increase from 1 (decode), got {self.chunk_buckets}")
+        if self.max_chunk < self.page_size:
+            raise ValueError(f"the largest chunk ({self.max_chunk}) must hold at least one page ({self.page_size})")
+        if self.max_num_batched_tokens < max(self.max_num_seqs + self.page_size, self.max_chunk):
+            raise ValueError("max_num_batched_tokens must cover the largest chunk, and a decode token per slot "
+                             "plus one page of prefill")
+        rows = self.rows
+        if list(rows) != sorted(set(rows)) or rows[0] < 1 or rows[-1] != self.num_rows:
+            raise ValueError(f"row_buckets must increase and end at every row ({self.num_rows}), got {rows}")
+        if rows[0] * self.max_chunk > self.max_num_batched_tokens:
+            raise ValueError(f"a prefill step of {rows[0]} row(s) x {self.max_chunk} tokens exceeds the token budget "
+                             f"({self.max_num_batched_tokens}): add a smaller row bucket or raise the budget")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError("memory_fraction must be in (0, 1]")
+
+    @property
+    def num_rows(self) -> int:
+        """Cache rows: one per slot plus a scratch row that padding rows of a step point at."""
+        return self.max_num_seqs + 1
+
+    @property
+    def scratch_row(self) -> int:
+        return self.max_num_seqs
+
+    @property
+    def max_chunk(self) -> int:
+        return self.chunk_buckets[-1]
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.max_model_len // self.page_size)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        if self.row_buckets is not None:
+            return tuple(self.row_buckets)
+        powers = []
+        size = 1
+        while size < self.max_num_seqs:
+            powers.append(size)
+            size *= 2
+        return tuple(powers) + (self.num_rows,)
+
+    @property
+    def snapshots(self) -> int:
+        if not self.prefix_caching:
+            return 0
+        return 2 * self.max_num_seqs if self.num_snapshots is None else self.num_snapshots
+
+    def fits(self, rows: int, tokens: int) -> bool:
+        """Whether a step of `rows` rows of up to `tokens` tokens has a compiled bucket."""
+        return tokens == 1 or self.row_bucket(rows) * self.chunk_bucket(tokens) <= self.max_num_batched_tokens
+
+    @property
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every compiled (rows, tokens) shape."""
+        return [(r, t) for t in self.chunk_buckets for r in self.rows if t == 1 or r * t <= self.max_num_batched_tokens]
+
+    def row_bucket(self, rows: int) -> int:
+        return next(b for b in self.rows if b >= rows)
+
+    def chunk_bucket(self, tokens: int) -> int:
+        return next(b for b in self.chunk_buckets if b >= tokens)

@@ -1,0 +1,263 @@
+"""The engine: a background thread that admits requests, runs scheduled steps, turns sampled tokens into text
+and hands each request's outputs to its listener.
+
+Other threads only `submit`, `abort` and `shutdown`; everything else (scheduler, pages, device state) belongs to
+the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import threading
+import time
+from typing import Callable
+
+from inkling_jax.model import InklingModel
+from serve.block_manager import BlockManager
+from serve.config import EngineConfig
+from serve.metrics import Metrics
+from serve.model_runner import ModelRunner
+from serve.sampling import SamplingParams
+from serve.scheduler import Chunk, Scheduler
+from serve.sequence import Sequence
+from serve.text_stream import Delta, TokenEntry
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More sequences are waiting than the engine accepts (the API answers 429)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new requests (the API answers 503)."""
+
+
+@dataclasses.dataclass
+class Output:
+    """One event of a request: new text of choice `index`, and its finish reason once it is done."""
+
+    index: int
+    deltas: list[Delta]
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    num_output: int
+
+
+class Request:
+    def __init__(self, request_id: str, seqs: list[Sequence], parsers: list, sink: Callable[[Output], None]):
+        self.request_id = request_id
+        self.seqs = seqs
+        self.parsers = {seq.seq_id: parser for seq, parser in zip(seqs, parsers)}
+        self.sink = sink
+        self.remaining = len(seqs)
+        self.arrival = time.monotonic()
+        self.last_token: dict[int, float] = {}
+
+
+class Engine:
+    def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
+                 metrics: Metrics | None = None):
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.metrics = metrics or Metrics()
+        self.runner = ModelRunner(model, config)
+        self._new_state()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._requests: dict[str, Request] = {}
+        self._owner: dict[int, Request] = {}  # seq_id -> its request
+        self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
+        self.max_queued = config.max_queued  # adjustable while serving
+        self._accepting = True
+        self._cancel_all = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _new_state(self) -> None:
+        self.blocks = BlockManager(self.runner.num_pages, self.config.page_size, self.config.snapshots)
+        self.scheduler = Scheduler(self.config, self.blocks)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Called from other threads
+
+    def start(self) -> None:
+        """Compile every step (see `warm_up_seconds`), then start the engine thread."""
+        self.warm_up_seconds = self.runner.warm_up()
+        self._thread = threading.Thread(target=self._loop, name="inkling-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+               make_parser: Callable[[], object], sink: Callable[[Output], None]) -> Request:
+        """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. Raises QueueFull or
+        EngineStopped."""
+        seed = random.getrandbits(32)
+        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j)
+                for i, prompt in enumerate(prompts) for j in range(n)]
+        request = Request(request_id, seqs, [make_parser() for _ in seqs], sink)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped("the server is shutting down")
+            queued = self._queued + sum(len(r.seqs) for r in self._inbox)
+            if queued + len(seqs) > self.max_queued:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"{queued} sequences are already waiting (limit {self.max_queued})")
+            self._inbox.append(request)
+        self._wake.set()
+        return request
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """Taking requests, with a running engine thread."""
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self._requests) + len(self._inbox)
+
+    def shutdown(self, drain_seconds: float = 10.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `drain_seconds`, abort the rest."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_seconds
+        while self.num_requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            self._cancel_all = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------------------------------------------
+    # The engine thread
+
+    def _loop(self) -> None:
+        while True:
+            self._take_mail()
+            if self._stop.is_set():
+                return
+            if self.scheduler.idle:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a failed step must not take the server down: fail its requests, start clean
+                log.exception("engine step failed; failing every request in flight")
+                for request_id in list(self._requests):
+                    self._end_request(request_id, "error")
+                self.runner.reset()
+                self._new_state()
+            self._update_gauges()
+
+    def _take_mail(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            cancel_all = self._cancel_all
+        for request in inbox:
+            self._requests[request.request_id] = request
+            for seq in request.seqs:
+                self._owner[seq.seq_id] = request
+                self.metrics.prompt_tokens.inc(seq.num_prompt)
+                if seq.params.max_tokens == 0:
+                    self._finish(seq, "length", [])
+                else:
+                    self.scheduler.add(seq)
+        for request_id in list(self._requests) if cancel_all else aborts:
+            self._end_request(request_id, "abort")
+        with self._lock:
+            self._queued = len(self.scheduler.waiting)
+
+    def step(self) -> None:
+        preempted = self.scheduler.num_preemptions
+        chunks = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        for chunk in chunks:
+            if chunk.admitted:
+                self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
+        results = self.runner.execute(chunks)
+        now = time.monotonic()
+        for chunk in chunks:
+            self._advance(chunk)
+            if chunk.seq.seq_id in results:
+                self._on_token(chunk.seq, *results[chunk.seq.seq_id], now)
+
+    def _advance(self, chunk: Chunk) -> None:
+        """The chunk is in the cache: publish its full pages, and snapshot a prefill chunk's end."""
+        seq = chunk.seq
+        seq.num_cached += chunk.num_tokens
+        if self.config.prefix_caching:
+            self.blocks.register(seq)
+            snapshot = self.blocks.snapshot_slot(seq) if chunk.num_tokens > 1 else None
+            if snapshot is not None:
+                self.runner.save_snapshot(seq.slot, snapshot)
+
+    def _on_token(self, seq: Sequence, token: int, logprob: float, top_ids, top_logprobs, now: float) -> None:
+        request = self._owner[seq.seq_id]
+        parser = request.parsers[seq.seq_id]
+        seq.append(token)
+        self.metrics.generation_tokens.inc()
+        last = request.last_token.get(seq.seq_id)
+        if last is None:
+            self.metrics.ttft.observe(now - request.arrival)
+        else:
+            self.metrics.itl.observe(now - last)
+        request.last_token[seq.seq_id] = now
+        p = seq.params
+        entry = None
+        if p.logprobs is not None:
+            entry = TokenEntry(token, logprob, list(zip(top_ids[:p.logprobs].tolist(),
+                                                        top_logprobs[:p.logprobs].tolist())))
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            self._finish(seq, "stop", parser.finish())
+            return
+        deltas = parser.feed(token, entry)
+        if parser.stopped:
+            self._finish(seq, "stop", deltas)
+        elif seq.num_output >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            self._finish(seq, "length", deltas + parser.finish())
+        elif deltas:
+            self._emit(request, Output(seq.index, deltas, None, seq.num_output))
+
+    def _finish(self, seq: Sequence, reason: str, deltas: list[Delta]) -> None:
+        request = self._owner.pop(seq.seq_id)
+        self.scheduler.finish(seq)
+        self.metrics.requests.labels(reason).inc()
+        request.remaining -= 1
+        if request.remaining == 0:
+            self._requests.pop(request.request_id, None)
+            self.metrics.e2e.observe(time.monotonic() - request.arrival)
+        self._emit(request, Output(seq.index, deltas, reason, seq.num_output))
+
+    def _end_request(self, request_id: str, reason: str) -> None:
+        request = self._requests.get(request_id)
+        for seq in request.seqs if request else []:
+            if seq.seq_id in self._owner:
+                self._finish(seq, reason, [])
+
+    def _emit(self, request: Request, output: Output) -> None:
+        try:
+            request.sink(output)
+        except Exception:  # the listener is gone (its event loop closed): nobody wants the rest
+            log.warning("request %s lost its listener; aborting it", request.request_id)
+            with self._lock:
+                self._aborts.append(request.request_id)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queued.set(len(self.scheduler.waiting))
+        m.running.set(len(self.scheduler.running))
+        m.cache_usage.set(1.0 - self.blocks.num_free / self.blocks.num_blocks)
+        with self._lock:
+            self._queued = len(self.scheduler.waiting)

@@ -1,0 +1,83 @@
+"""The on-device sampler: one row per sequence, each with its own parameters, in one fixed-shape program.
+
+Order: penalties -> (greedy argmax | temperature -> top-k -> top-p -> min-p -> Gumbel-max draw). Reported
+logprobs are those of the model's own distribution (before penalties and temperature), as OpenAI reports them.
+The random draw of a row depends only on (seed, index of the token in its output), so a seeded request gives
+the same tokens alone or batched with others, and after a preemption.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class SamplingBatch:
+    """Per-row parameters [R] (see `serve.sampling.SamplingParams`)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array  # <= 0: off
+    min_p: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+    seed: jax.Array  # uint32
+    index: jax.Array  # int32: how many tokens the row has sampled before this one
+
+
+@struct.dataclass
+class Sampled:
+    tokens: jax.Array  # [R] int32
+    logprobs: jax.Array  # [R] logprob of the chosen token
+    top_ids: jax.Array  # [R, K]
+    top_logprobs: jax.Array  # [R, K]
+
+
+def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int) -> Sampled:
+    """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties."""
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    penalised = jnp.any((params.presence != 0) | (params.frequency != 0) | (params.repetition != 1))
+    x = jax.lax.cond(penalised, apply_penalties, lambda x, *_: x, logits, counts, prompt_mask, params)
+    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    drawn = _draw(x, params)
+    tokens = jnp.where(params.temperature == 0, greedy, drawn)
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw, num_top)
+    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
+    seen = prompt_mask | (counts > 0)
+    rep = params.repetition[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
+    return x - params.frequency[:, None] * counts - params.presence[:, None] * (counts > 0)
+
+
+def _draw(x, params: SamplingBatch):
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    x = x / temperature[:, None]
+    filtered = jnp.any((params.top_k > 0) | (params.top_p < 1))
+    x = jax.lax.cond(filtered, top_k_top_p, lambda x, *_: x, x, params.top_k, params.top_p)
+    floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
+    x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
+
+    def gumbel(seed, index):
+        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), index), x.shape[-1:])
+
+    noise = jax.vmap(gumbel)(params.seed, params.index)
+    return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+
+
+def top_k_top_p(x, top_k, top_p):
+    """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p."""
+    vocab = x.shape[-1]
+    ranked = -jnp.sort(-x, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
+    in_k = jnp.arange(vocab)[None, :] < k
+    probs = jax.nn.softmax(jnp.where(in_k, ranked, -jnp.inf), axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.sum(in_k & (before < top_p[:, None]), axis=-1, keepdims=True)
+    cutoff = jnp.take_along_axis(ranked, jnp.maximum(kept - 1, 0), axis=-1)
+    return jnp.where(x >= cutoff, x, -jnp.inf)

@@ -1,0 +1,133 @@
+"""Token ids -> released text: incremental detokenization, stop strings held back until resolved, and the
+logprob entries of the tokens whose text has been released.
+
+Text is decoded from a short window of recent tokens, so a character split across tokens (UTF-8 bytes, BPE
+merges) is emitted only once it is complete. A stop string can also be split across tokens: the longest tail
+of the text that could still begin a stop string is held back until the next tokens decide it. When a stop
+string appears, the text before it is final and the sequence stops; tokens that only produced stop-string
+text are dropped from the logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from serve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class TokenEntry:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, best first
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.skip_special = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # decoding restarts here (the context for the next token's text)
+        self.read_offset = 0  # tokens before this are decoded into `text`
+        self.text = ""  # decoded so far
+        self.released = 0  # characters of `text` handed out
+        self.pending: list[tuple[int, TokenEntry | None]] = []  # (text end offset, entry) not yet released
+        self.pending_start = 0  # text offset where the first pending token's text begins
+        self.stopped = False
+
+    def feed(self, token_id: int, entry: TokenEntry | None = None) -> tuple[str, list[TokenEntry]]:
+        """Add one token; returns (newly released text, newly released logprob entries)."""
+        if self.stopped:
+            return "", []
+        self.ids.append(token_id)
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.pending.append((len(self.text), entry))
+        cut = self._find_stop()
+        if cut is not None:
+            self.stopped = True
+            self.text = self.text[:cut]
+            return self._release(cut, cut_tokens=True)
+        return self._release(len(self.text) - self._held_back())
+
+    def finish(self) -> tuple[str, list[TokenEntry]]:
+        """Release everything still held (the sequence ended for another reason than a stop string)."""
+        if self.stopped:
+            return "", []
+        rest = self._decode(self.ids[self.prefix_offset:])[len(self._decode(self.ids[self.prefix_offset:
+                                                                                    self.read_offset])):]
+        self.text += rest
+        self.read_offset = len(self.ids)
+        self.pending = [(len(self.text), e) for _, e in self.pending]
+        return self._release(len(self.text))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
+
+    def _find_stop(self) -> int | None:
+        """Start of the earliest stop string in the unreleased text (it may begin in held-back text)."""
+        if not self.stop:
+            return None
+        # Released text never ends inside a possible stop string (see _held_back), so searching from there suffices.
+        found = [i for i in (self.text.find(s, self.released) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text) - self.released), longest, -1):
+                if self.text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+
+    def _release(self, upto: int, cut_tokens: bool = False) -> tuple[str, list[TokenEntry]]:
+        """Hand out text up to `upto` and the entries of tokens whose text ends there; on a stop, also the
+        tokens that began before the cut."""
+        upto = max(upto, self.released)
+        text, self.released = self.text[self.released:upto], upto
+        entries, still = [], []
+        start = self.pending_start
+        for end, entry in self.pending:
+            if end <= upto or (cut_tokens and start < upto):
+                if entry is not None:
+                    entries.append(entry)
+                self.pending_start = end
+            elif not cut_tokens:
+                still.append((end, entry))
+            start = end
+        self.pending = still
+        return text, entries
+
+
+@dataclasses.dataclass
+class Delta:
+    channel: str  # "text" (completions), "content" or "reasoning" (chat)
+    text: str
+    entries: list[TokenEntry]
+
+
+class TextOutput:
+    """The output of a completion: one text stream. (`serve.chat.ChatOutput` splits reasoning from content.)"""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
+        self.stream = TextStream(tokenizer, stop, skip_special_tokens)
+
+    @property
+    def stopped(self) -> bool:
+        return self.stream.stopped
+
+    def feed(self, token_id: int, entry: TokenEntry | None = None) -> list[Delta]:
+        return as_deltas("text", *self.stream.feed(token_id, entry))
+
+    def finish(self) -> list[Delta]:
+        return as_deltas("text", *self.stream.finish())
+
+
+def as_deltas(channel: str, text: str, entries: list[TokenEntry]) -> list[Delta]:
+    return [Delta(channel, text, entries)] if text or entries else []

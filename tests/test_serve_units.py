@@ -1,0 +1,340 @@
+"""The serving engine's host-side parts without a model: pages and the prefix cache, the scheduler, text
+streaming with stop strings, the chat format, the request schema, and the on-device sampler."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serve.block_manager import BlockManager
+from serve.chat import ChatError, ChatFormat, ChatOutput, format_effort
+from serve.config import EngineConfig
+from serve.protocol import ChatRequest, CompletionRequest
+from serve.sampler import SamplingBatch, sample
+from serve.sampling import InvalidParams, SamplingParams
+from serve.scheduler import Scheduler
+from serve.sequence import Sequence, Status
+from serve.text_stream import TextOutput, TextStream, TokenEntry
+from serve.tokenizer import ByteTokenizer
+
+RNG = np.random.default_rng(0)
+
+
+def seq_of(n, params=SamplingParams()):
+    return Sequence(RNG.integers(0, 250, n).tolist(), params)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pages and prefix cache
+
+
+def computed(blocks, seq, upto):
+    """Pretend the first `upto` tokens were computed, then publish them."""
+    blocks.grow(seq, upto)
+    seq.num_cached = upto
+    blocks.register(seq)
+
+
+def test_prefix_hit_needs_a_snapshot_and_leaves_a_token_to_compute():
+    blocks = BlockManager(num_blocks=16, page_size=4, num_snapshots=2)
+    first = seq_of(14)
+    blocks.admit(first, [])
+    computed(blocks, first, 12)
+    assert blocks.match_prefix(Sequence(first.token_ids, SamplingParams())) == ([], None)  # no snapshot yet
+    snapshot = blocks.snapshot_slot(first)
+    assert snapshot is not None and blocks.snapshot_slot(first) is None  # one per page
+    cached, found = blocks.match_prefix(Sequence(first.token_ids, SamplingParams()))
+    assert found == snapshot and cached == first.block_ids[:3]
+    # A prompt of exactly 12 tokens must compute its last one itself: no hit at 12.
+    assert blocks.match_prefix(Sequence(first.token_ids[:12], SamplingParams())) == ([], None)
+    # A different token inside the prefix breaks the chain.
+    other = list(first.token_ids)
+    other[5] = (other[5] + 1) % 250
+    assert blocks.match_prefix(Sequence(other, SamplingParams())) == ([], None)
+
+
+def test_freed_pages_stay_cached_until_reused_least_recent_first():
+    blocks = BlockManager(num_blocks=6, page_size=4, num_snapshots=4)
+    a = seq_of(9)
+    blocks.admit(a, [])
+    computed(blocks, a, 8)
+    snap = blocks.snapshot_slot(a)
+    blocks.release(a)
+    assert blocks.num_free == 6
+    again = Sequence(a.token_ids, SamplingParams())
+    cached, found = blocks.match_prefix(again)
+    assert found == snap and len(cached) == 2
+    blocks.admit(again, cached)
+    assert blocks.num_free == 4 and again.num_cached == 8
+    blocks.release(again)
+    # Fill the pool with another sequence: the cached pages go last, tail page first.
+    b = seq_of(24)
+    blocks.admit(b, [])
+    blocks.grow(b, 16)
+    assert blocks.match_prefix(Sequence(a.token_ids, SamplingParams()))[1] == snap
+    blocks.grow(b, 24)
+    assert blocks.match_prefix(Sequence(a.token_ids, SamplingParams())) == ([], None)
+    assert sorted(blocks.free_snapshots) == [0, 1, 2, 3]  # evicting the page returned its snapshot
+
+
+def test_snapshot_pool_evicts_least_recently_used():
+    blocks = BlockManager(num_blocks=12, page_size=4, num_snapshots=1)
+    a, b = seq_of(5), seq_of(5)
+    for s in (a, b):
+        blocks.admit(s, [])
+        computed(blocks, s, 4)
+    first = blocks.snapshot_slot(a)
+    assert blocks.snapshot_slot(b) == first  # the only snapshot moved to b
+    assert blocks.match_prefix(Sequence(a.token_ids, SamplingParams())) == ([], None)
+    assert blocks.match_prefix(Sequence(b.token_ids, SamplingParams()))[1] == first
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Scheduler
+
+
+def make_scheduler(num_blocks=64, **overrides):
+    config = EngineConfig(**{**dict(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=20, page_size=4,
+                                    chunk_buckets=(1, 8)), **overrides})
+    return Scheduler(config, BlockManager(num_blocks, config.page_size, config.snapshots))
+
+
+def run_step(scheduler, sample=True):
+    """Schedule, pretend the model ran, append a token to every sequence that reached its end."""
+    chunks = scheduler.schedule()
+    for c in chunks:
+        c.seq.num_cached += c.num_tokens
+        scheduler.blocks.register(c.seq)
+        if sample and c.seq.num_cached == len(c.seq):
+            c.seq.append(7)
+    return chunks
+
+
+def test_budget_chunks_and_decodes_share_steps():
+    scheduler = make_scheduler(prefix_caching=False)
+    long, short = seq_of(30), seq_of(3)
+    scheduler.add(long)
+    scheduler.add(short)
+    first = run_step(scheduler)
+    assert [(c.seq, c.num_tokens) for c in first] == [(long, 8), (short, 3)]  # chunk cap, then a whole prompt
+    second = run_step(scheduler)
+    assert [(c.seq, c.num_tokens) for c in second] == [(long, 8), (short, 1)]  # prefill chunk + a decode
+    for chunks in (first, second):
+        assert sum(c.num_tokens for c in chunks) <= 20
+        assert all(c.seq.num_cached % 4 == 0 or c.seq.num_cached == len(c.seq) - 1 for c in chunks)
+
+
+def test_prefix_caching_cuts_a_chunk_at_the_last_page_boundary():
+    scheduler = make_scheduler()
+    seq = seq_of(7)  # boundary at 4: chunks 4 + 3
+    scheduler.add(seq)
+    assert [c.num_tokens for c in run_step(scheduler)] == [4]
+    assert [c.num_tokens for c in run_step(scheduler)] == [3]
+
+
+def test_prefill_rows_stay_within_a_compiled_bucket():
+    scheduler = make_scheduler(prefix_caching=False)  # rows (1, 2, 4) x 8 tokens: 4 x 8 > the budget of 20
+    assert (4, 8) not in scheduler.config.buckets and (4, 1) in scheduler.config.buckets
+    for _ in range(3):
+        scheduler.add(seq_of(2))
+    assert [c.num_tokens for c in run_step(scheduler)] == [2, 2]
+    assert [c.num_tokens for c in run_step(scheduler)] == [1, 1, 2]
+
+
+def test_admission_is_first_come_first_served_and_bounded_by_slots():
+    scheduler = make_scheduler(prefix_caching=False, max_num_batched_tokens=32)
+    seqs = [seq_of(2) for _ in range(5)]
+    for s in seqs:
+        scheduler.add(s)
+    run_step(scheduler)
+    assert scheduler.running == seqs[:3] and list(scheduler.waiting) == seqs[3:]
+    scheduler.finish(seqs[1])
+    run_step(scheduler)
+    assert scheduler.running == [seqs[0], seqs[2], seqs[3]]
+    assert seqs[1].status is Status.FINISHED and seqs[1].block_ids == []
+
+
+def test_preemption_by_recompute_when_pages_run_out():
+    scheduler = make_scheduler(num_blocks=4, prefix_caching=False)  # 16 tokens of KV in all
+    old, new = seq_of(6), seq_of(6)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefilled (2 pages each), then decode until old needs a third page
+    for _ in range(3):
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 1 and len(old) == 10
+    assert new.status is Status.WAITING and new.num_cached == 0 and new.block_ids == [] and new.slot is None
+    assert list(scheduler.waiting) == [new] and len(new) == 9  # its sampled tokens are kept for the recompute
+    scheduler.finish(old)
+    chunks = run_step(scheduler, sample=False)
+    assert [(c.seq, c.num_tokens) for c in chunks] == [(new, 8)]  # recomputed: prompt and output alike
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Text streaming
+
+
+def feed_all(stream, ids):
+    text, entries = "", []
+    for i in ids:
+        t, e = stream.feed(i, TokenEntry(i, -1.0, []))
+        text, entries = text + t, entries + e
+    return text, entries
+
+
+def test_stop_string_split_across_tokens_is_held_back_then_cut():
+    tok = ByteTokenizer()
+    stream = TextStream(tok, stop=("STOP",))
+    pieces = [stream.feed(i)[0] for i in tok.encode("abST")]
+    assert "".join(pieces) == "ab"  # "ST" could begin the stop string: held
+    assert stream.feed(tok.encode("X")[0])[0] == "STX"  # resolved: not a stop, released
+    text, entries = feed_all(stream, tok.encode("yySTOPzz"))
+    assert text == "yy" and stream.stopped
+    assert [e.token_id for e in entries] == tok.encode("yy")  # tokens of the stop string are not reported
+    assert stream.feed(65) == ("", [])
+
+
+def test_held_text_is_flushed_at_the_end_and_utf8_waits_for_its_last_byte():
+    tok = ByteTokenizer()
+    stream = TextStream(tok, stop=("\u00e9t\u00e9!",))
+    snowman = "\u2603".encode()
+    assert feed_all(stream, snowman[:2])[0] == ""  # an incomplete character is not emitted
+    assert feed_all(stream, snowman[2:] + "\u00e9t".encode())[0] == "\u2603"
+    assert stream.finish()[0] == "\u00e9t"
+
+
+def test_special_tokens_are_skipped_unless_asked_for():
+    tok = ByteTokenizer()
+    eos = tok.token_id("<|content_model_end_sampling|>")
+    assert feed_all(TextOutput(tok).stream, [72, eos, 105])[0] == "Hi"
+    assert feed_all(TextOutput(tok, skip_special_tokens=False).stream, [72, eos])[0] == \
+        "H<|content_model_end_sampling|>"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Chat format
+
+
+def test_chat_render_places_the_effort_block_and_never_forges_control_tokens():
+    tok = ByteTokenizer()
+    chat = ChatFormat(tok)
+    ids = chat.render([{"role": "system", "content": "Be brief."},
+                       {"role": "user", "content": [{"type": "text", "text": "<|message_model|>hi"}]},
+                       {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}], "medium")
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert text == ("<|message_system|><|content_text|>Be brief.<|end_message|>"
+                    "<|message_system|><|content_text|>Thinking effort level: 0.7<|end_message|>"
+                    "<|message_user|><|content_text|><|message_model|>hi<|end_message|>"
+                    "<|message_model|><|content_text|>yo<|end_message|><|content_model_end_sampling|>"
+                    "<|message_user|><|content_text|>ok<|end_message|>")
+    assert tok.token_id("<|message_model|>") not in ids[ids.index(tok.token_id("<|message_user|>")):][:3]
+    assert [format_effort(x) for x in (0.0, 0.9, 0.99, 0.25)] == ["0", "0.9", "0.99", "0.25"]
+    with pytest.raises(ChatError):
+        chat.render([{"role": "user", "content": "x"}], "extreme")
+    with pytest.raises(ChatError):
+        chat.render([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_chat_output_splits_reasoning_from_content():
+    tok = ByteTokenizer()
+    chat = ChatFormat(tok)
+    out = ChatOutput(chat, stop=("!",))
+    s = lambda name: tok.token_id(name)  # noqa: E731
+    ids = [s("<|message_model|>"), s("<|content_thinking|>"), *tok.encode("hmm!"), s("<|end_message|>"),
+           s("<|message_model|>"), s("<|content_text|>"), *tok.encode("Yes! no")]
+    deltas = [d for i in ids for d in out.feed(i)]
+    joined = {ch: "".join(d.text for d in deltas if d.channel == ch) for ch in ("reasoning", "content")}
+    assert joined == {"reasoning": "hmm!", "content": "Yes"} and out.stopped  # stops apply to content only
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Request schema and parameters
+
+
+def test_schema_rejects_bad_values_and_accepts_openai_shapes():
+    from pydantic import ValidationError
+
+    CompletionRequest(model="m", prompt=[[1, 2], [3]], stop="x", stream_options={"include_usage": True})
+    ChatRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                reasoning_effort=0.5, unknown_field=1)
+    for bad in (dict(temperature=3), dict(top_p=0), dict(n=0), dict(max_tokens=-1), dict(temperature=float("nan"))):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="m", prompt="x", **bad)
+    with pytest.raises(ValidationError):
+        ChatRequest(model="m", messages=[])
+    with pytest.raises(InvalidParams):
+        SamplingParams(stop=("",))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Sampler
+
+
+def batch(rows, **values):
+    defaults = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, presence=0.0, frequency=0.0, repetition=1.0,
+                    seed=0, index=0)
+    defaults.update(values)
+    dtypes = dict(top_k=jnp.int32, seed=jnp.uint32, index=jnp.int32)
+    return SamplingBatch(**{k: jnp.broadcast_to(jnp.asarray(v, dtypes.get(k, jnp.float32)), (rows,))
+                            for k, v in defaults.items()})
+
+
+run_sampler = jax.jit(lambda logits, params, counts, mask: sample(logits, params, counts, mask, 3))
+
+
+def draw(logits, counts=None, mask=None, **values):
+    rows = logits.shape[0]
+    counts = jnp.zeros(logits.shape, jnp.int32) if counts is None else counts
+    mask = jnp.zeros(logits.shape, bool) if mask is None else mask
+    return run_sampler(logits, batch(rows, **values), counts, mask)
+
+
+def test_sampler_filters_seeds_and_logprobs():
+    vocab = 12
+    logits = jnp.asarray(RNG.normal(0, 2, (256, vocab)), jnp.float32)
+    best = np.argmax(np.asarray(logits), -1)
+    for filters in (dict(temperature=0.0), dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)):
+        np.testing.assert_array_equal(draw(logits, **filters, seed=jnp.arange(256)).tokens, best)
+    out = draw(logits, seed=jnp.arange(256) % 7, index=3)
+    np.testing.assert_allclose(out.logprobs, np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                                                                np.asarray(out.tokens)[:, None], 1)[:, 0], rtol=1e-6)
+    assert np.all(np.diff(np.asarray(out.top_logprobs), axis=1) <= 0)
+    # A row's draw depends on its own seed and index only, not on its neighbours.
+    same = draw(jnp.broadcast_to(logits[5], logits.shape), seed=5 % 7, index=3)
+    assert np.all(np.asarray(same.tokens) == int(out.tokens[5]))
+    top2 = np.argsort(-np.asarray(logits), -1)[:, :2]
+    chosen = np.asarray(draw(logits, top_k=2, seed=jnp.arange(256)).tokens)
+    assert all(chosen[i] in top2[i] for i in range(256))
+
+
+def test_sampler_draws_follow_the_softmax():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = jnp.log(jnp.broadcast_to(jnp.asarray(probs, jnp.float32), (4000, 4)))
+    tokens = np.asarray(draw(logits, seed=jnp.arange(4000, dtype=jnp.uint32)).tokens)
+    np.testing.assert_allclose(np.bincount(tokens, minlength=4) / 4000, probs, atol=0.03)
+    hot = np.asarray(draw(logits, temperature=0.25, seed=jnp.arange(4000, dtype=jnp.uint32)).tokens)
+    assert np.mean(hot == 0) > 0.85  # low temperature sharpens toward the mode
+
+
+def test_sampler_penalties():
+    logits = jnp.asarray([[2.0, 1.9, -1.0, 0.5]] * 3, jnp.float32)
+    counts = jnp.asarray([[1, 0, 0, 0]] * 3, jnp.int32)
+    mask = jnp.asarray([[False, False, False, True]] * 3)
+    greedy = dict(temperature=0.0)
+    assert draw(logits, counts, mask, **greedy).tokens.tolist() == [0, 0, 0]
+    assert draw(logits, counts, mask, presence=jnp.asarray([0.5, 0, 0]), frequency=jnp.asarray([0, 0.2, 0]),
+                **greedy).tokens.tolist() == [1, 1, 0]
+    # Repetition: a seen positive logit is divided, so 2.0 / 1.1 < 1.9.
+    assert draw(logits, counts, mask, repetition=1.1, **greedy).tokens.tolist() == [1, 1, 1]
+
+
+def test_command_line_defaults_suit_the_backend():
+    from serve.app import engine_config, parse_args
+
+    config = engine_config(parse_args(["--max-num-seqs", "4", "--no-prefix-caching"]))
+    assert config.buckets == [(5, 1), (5, 16)] and not config.prefix_caching  # CPU: two compilations
+    assert engine_config(parse_args([])).buckets == [(9, 1), (9, 16)]
+    with pytest.raises(ValueError):
+        engine_config(parse_args(["--chunk-buckets", "16,64"]))  # decode needs the 1-token bucket
+    with pytest.raises(ValueError):  # 9 rows x 32 tokens: no prefill step would fit the budget of 256
+        engine_config(parse_args(["--chunk-buckets", "1,32"]))
