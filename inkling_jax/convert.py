@@ -8,9 +8,10 @@ and back (`--to hf`).
 The output holds exactly the model's parameter tree (orbax, one zarr array per parameter, chunked by the
 shards of --mesh), config.json, the tokenizer and other side files, and a manifest (inkling-convert.json:
 source file sha256s, dtype, tree with checksums, mesh). Tensors stream through in slabs with several reads in
-flight; host memory stays near the slab budget (a few hundred MB) whatever the checkpoint's size. The output
-is built in a hidden sibling directory and renamed into place at the end, so a failed or interrupted run
-leaves nothing that looks like a checkpoint. Errors are one line naming the file and the tensor; exit code 1.
+flight; host memory stays near the slab budget (about 1 GB by default: 2 slabs per worker) whatever the
+checkpoint's size or its largest tensor. The output is built in a hidden sibling directory, synced, and
+renamed into place at the end, so a failed or interrupted run leaves nothing that looks like a checkpoint.
+Errors are one line naming the file and the tensor; exit code 1.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="before the output is moved into place, read it back: tensor counts, shapes and "
                              "checksums always; logits of source and output on a few tokens when two copies of "
                              "the model fit in host memory; with --to hf, file sha256s against the source's")
-    parser.add_argument("--workers", type=int, default=Tuning.workers, help="conversion threads (default %(default)s)")
+    parser.add_argument("--workers", type=int, default=Tuning.workers,
+                        help="conversion threads (default: the CPU count, at least 4 and at most 16: %(default)s)")
     parser.add_argument("--readers", type=int, default=Tuning.readers,
                         help="source files read at once (default %(default)s)")
     parser.add_argument("--slab-mb", type=float, default=Tuning.slab_bytes / 2**20,

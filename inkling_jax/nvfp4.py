@@ -80,8 +80,9 @@ def unpack(packed: np.ndarray) -> np.ndarray:
 def dequantize(packed: np.ndarray, scale: np.ndarray, scale2: np.ndarray) -> np.ndarray:
     """The float32 weights [E, rows, cols] of a packed tensor (any leading slice of experts)."""
     values = _blocks(unpack(packed))
-    blocks = values * scale.astype(np.float32)[..., None] * np.asarray(scale2, np.float32)[:, None, None, None]
-    return blocks.reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+    values *= scale.astype(np.float32)[..., None]  # in place: the dequantised slab is the only large buffer
+    values *= np.asarray(scale2, np.float32)[:, None, None, None]
+    return values.reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
 
 
 def is_quantised_in_release(name: str, dense_layers) -> bool:

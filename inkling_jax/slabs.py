@@ -15,7 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from inkling_jax.loading import Rule
+
+BAND = 16  # source rows per band of a transposing copy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +96,23 @@ def target_slabs(shape, axis: int, size: int) -> list[tuple[slice, ...]]:
         index[axis] = slice(start, start + size)
         out.append(tuple(index))
     return out
+
+
+def contiguous(x: np.ndarray, dtype) -> np.ndarray:
+    """`x` as a C-contiguous array of `dtype`. A transposed view (rows of its source along the last axis) is
+    copied BAND source rows at a time, which keeps reads and writes in cache: numpy's plain strided copy of
+    such a view is 2 to 4 times slower."""
+    if x.ndim < 2 or abs(x.strides[-1]) <= abs(x.strides[-2]) or x.shape[-1] <= BAND:
+        return np.ascontiguousarray(x, dtype=dtype)
+    out = np.empty(x.shape, dtype)
+    for start in range(0, x.shape[-1], BAND):
+        out[..., start:start + BAND] = x[..., start:start + BAND]
+    return out
+
+
+def to_hub(rule: Rule, values: list[np.ndarray]) -> np.ndarray:
+    """`rule.to_hub(values)`, with the transposes done by `contiguous`: the rule's own swap of the last two axes
+    then meets arrays already transposed in memory, so its copies run along rows."""
+    if rule.kind in ("linear", "interleaved", "experts_down"):
+        values = [np.swapaxes(contiguous(np.swapaxes(v, -1, -2), v.dtype), -1, -2) for v in values]
+    return rule.to_hub(values)

@@ -65,13 +65,19 @@ class Stream:
             self._cond.notify_all()
 
     def run(self, producers: Iterable[Callable[["Stream"], None]], parallel: int) -> None:
-        """Run the producers, `parallel` at a time, then wait for every task; raise the first error."""
-        with cf.ThreadPoolExecutor(parallel, thread_name_prefix="read") as readers:
-            for future in [readers.submit(self._produce, p) for p in producers]:
-                future.result()
-        cf.wait(self._futures)
-        self._pool.shutdown()
-        self.bar.close()
+        """Run the producers, `parallel` at a time, then wait for every task; raise the first error. An
+        interrupt (Ctrl-C) stops producers and workers, and returns only once no thread writes any more."""
+        readers = cf.ThreadPoolExecutor(parallel, thread_name_prefix="read")
+        try:
+            cf.wait([readers.submit(self._produce, p) for p in producers])
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            readers.shutdown(wait=True)
+            cf.wait(self._futures)
+            self._pool.shutdown()
+            self.bar.close()
         if self._error is not None:
             raise self._error
 

@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 
-from inkling_jax import orbax_io
+from inkling_jax import orbax_io, slabs
 from inkling_jax.config import load_config
 from inkling_jax.hub_source import INDEX
 from inkling_jax.loading import _keeps_fp32, hub_layout
@@ -42,6 +42,22 @@ def header_bytes(tensors: list[tuple[str, np.dtype, tuple[int, ...]]], metadata:
     return struct.pack("<Q", len(blob)) + blob
 
 
+def group_into_shards(items: list, nbytes, max_bytes: int) -> list[list]:
+    """Consecutive items, as many per shard as fit in max_bytes (at least one)."""
+    shards, current, size = [], [], 0
+    for item in items:
+        if current and size + nbytes(item) > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes(item)
+    return shards + [current]
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
 def _layout(manifest: dict, rules, hub_shapes, dtype: str | None, max_shard_bytes: int):
     """{file: header bytes}, {tensor: (file, data offset, dtype)} and the index text."""
     layout = manifest["source"]["layout"]
@@ -62,18 +78,11 @@ def _layout(manifest: dict, rules, hub_shapes, dtype: str | None, max_shard_byte
         return headers, where, layout["index"]
     stored = dtype or manifest["dtype"]
     dtypes = {n: np.dtype("float32" if _keeps_fp32(n) else stored) for n in rules}
-    shards, current, size = [], [], 0
-    for name in rules:
-        nbytes = math.prod(hub_shapes[name]) * dtypes[name].itemsize
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    shards.append(current)
+    shards = group_into_shards(list(rules), lambda n: math.prod(hub_shapes[n]) * dtypes[n].itemsize,
+                               max_shard_bytes)
     weight_map = {}
     for i, names in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        file = shard_name(i, len(shards))
         headers[file] = header_bytes([(n, dtypes[n], hub_shapes[n]) for n in names], {"format": "pt"})
         offset = len(headers[file])
         for name in names:
@@ -113,7 +122,7 @@ def export(src: str, out: str, *, dtype: str | None = None, max_shard_bytes: int
     def write_slab(plan: TensorPlan, index: int, start: int, stop: int) -> None:
         file, offset, hub_dtype = where[plan.name]
         values = [orbax_io.read_region(arrays[t], plan.region(start, stop)) for t in plan.rule.targets]
-        hub = np.ascontiguousarray(plan.rule.to_hub(values), dtype=hub_dtype)
+        hub = np.ascontiguousarray(slabs.to_hub(plan.rule, values), dtype=hub_dtype)
         crcs[plan.name][index] = zlib.crc32(hub)
         row = hub.nbytes // max(stop - start, 1)
         path = os.path.join(out, file)
@@ -151,5 +160,6 @@ def export(src: str, out: str, *, dtype: str | None = None, max_shard_bytes: int
     for file in sorted(os.listdir(src)):
         if file not in (orbax_io.MANIFEST, orbax_io.PARAMS_DIR) and os.path.isfile(os.path.join(src, file)):
             shutil.copyfile(os.path.join(src, file), os.path.join(out, file))
+    orbax_io.sync_tree(out)
     return {"files": sizes, "exact": manifest["source"]["layout"]["exact"] and dtype is None,
             "crc32": {n: combine_crcs([c[i] for i in sorted(c)]) for n, c in crcs.items()}, "slab_rows": slab_rows}

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import time
 import zlib
 
 import numpy as np
@@ -26,17 +27,17 @@ from inkling_jax.hub_source import INDEX, HubSource, read_bytes
 from inkling_jax.loading import abstract_model, check_shapes, check_tensor_names, hub_layout, model_variables
 from inkling_jax.safetensors_io import CheckpointError
 from inkling_jax.sharding import MESH_AXES, logical_axes, parse_mesh_spec, spec_for
-from inkling_jax.slabs import TensorPlan, plan_tensor
+from inkling_jax.slabs import TensorPlan, contiguous, plan_tensor
 from inkling_jax.streaming import Stream
 
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-    workers: int = 4
+    workers: int = max(4, min(16, os.cpu_count() or 1))  # numpy, hashing, reads and tensorstore release the GIL
     readers: int = 2
     slab_bytes: int = 128 << 20
     chunk_bytes: int = 32 << 20
-    budget_bytes: int = 1 << 30  # slabs queued or converting; readers hold one more slab each
+    budget_bytes: int = 2 * workers * slab_bytes  # slabs queued or converting; readers hold one more slab each
 
     @classmethod
     def sized(cls, *, workers: int, readers: int, slab_bytes: int, chunk_bytes: int) -> "Tuning":
@@ -122,7 +123,7 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
     def convert_slab(plan: TensorPlan, index: int, start: int, stop: int, raw: np.ndarray) -> None:
         dense = source.decode(plan.name, start, stop, raw)
         for target, value in zip(plan.rule.targets, plan.rule.to_model(dense)):
-            value = np.ascontiguousarray(value, dtype=specs[target][1])
+            value = contiguous(value, specs[target][1])
             crcs[target][index] = zlib.crc32(value)
             try:
                 orbax_io.write_region(arrays[target], plan.region(start, stop), value)
@@ -155,25 +156,32 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
     total = sum(os.path.getsize(os.path.join(source.directory, f)) for f in files)
     stream = Stream(workers=tuning.workers, budget=tuning.budget_bytes, total=total, desc="converting",
                     progress=progress)
+    started = time.perf_counter()
     stream.run([read_file(f) for f in files], parallel=tuning.readers)
-    copied = _copy_side_files(source, out)
+    seconds = time.perf_counter() - started
+    checksums = {t: combine_crcs([c[i] for i in sorted(c)]) for t, c in crcs.items()}
+    manifest = _manifest(source, plans, param_plan, specs, checksums, dtype, mesh, sizes)
+    manifest["source"].update(files=hashes, side_files=_copy_side_files(source, out))
+    manifest.update(memory={"budget_bytes": tuning.budget_bytes, "peak_held_bytes": stream.peak,
+                            "largest_slab_bytes": max(p.slab_rows * p.row_cost for p in plans.values())},
+                    stream={"source_bytes": total, "seconds": round(seconds, 3)})
+    with open(os.path.join(out, orbax_io.MANIFEST), "w") as fh:
+        json.dump(manifest, fh, indent=1)
+    orbax_io.sync_tree(out)
+    return manifest
+
+
+def _manifest(source: HubSource, plans, param_plan, specs, checksums, dtype: str, mesh, sizes) -> dict:
     params = {}
     for target, plan in param_plan.items():
         shape, dt = specs[target]
         params[orbax_io.param_key(target)] = {
             "shape": list(shape), "dtype": dt.name, "chunks": list(plan.chunks), "slab_axis": plan.axis,
-            "slab_size": plan.target_slab, "crc32": combine_crcs([crcs[target][i] for i in sorted(crcs[target])])}
-    manifest = {
-        "format": orbax_io.FORMAT, "dtype": dtype, "mesh": {"spec": mesh or "", "axes": sizes},
-        "params": params, "num_params": len(params),
-        "source": {"directory": os.path.abspath(src), "quantization": source.quantization, "files": hashes,
-                   "side_files": copied, "skipped_tensors": sorted(set(source.names) - set(plans)),
-                   **_layout(source, plans)},
-        "versions": _versions(), "peak_held_bytes": stream.peak,
-    }
-    with open(os.path.join(out, orbax_io.MANIFEST), "w") as fh:
-        json.dump(manifest, fh, indent=1)
-    return manifest
+            "slab_size": plan.target_slab, "crc32": checksums[target]}
+    return {"format": orbax_io.FORMAT, "dtype": dtype, "mesh": {"spec": mesh or "", "axes": sizes},
+            "params": params, "num_params": len(params), "versions": _versions(),
+            "source": {"directory": source.directory, "quantization": source.quantization,
+                       "skipped_tensors": sorted(set(source.names) - set(plans)), **_layout(source, plans)}}
 
 
 def combine_crcs(values: list[int]) -> str:
@@ -189,7 +197,8 @@ def _pieces(size: int, row: int, limit: int) -> list[tuple[int, int]]:
 
 def _copy_side_files(source: HubSource, out: str) -> dict[str, str]:
     """Copy config.json and every other non-weight file (tokenizer, generation config ...); returns the
-    sha256 of every top-level file that is not a shard. An NVFP4 source's quantisation settings are dropped: the output holds dequantised weights."""
+    sha256 of every top-level file that is not a shard. An NVFP4 source's quantisation settings are dropped:
+    the output holds dequantised weights."""
     copied = {}
     for file in sorted(os.listdir(source.directory)):
         path = os.path.join(source.directory, file)
