@@ -1,0 +1,59 @@
+"""Next-token cross-entropy over packed sequences, and the MoE expert loads of a batch.
+
+A packed row holds several sequences, told apart by `segment_ids` (0 = padding). Token t is trained to predict
+token t + 1 when both are in the same segment and `loss_mask[t + 1]` is set (e.g. 0 on prompt tokens).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def next_token_targets(input_ids, segment_ids, loss_mask):
+    """(targets [B, T], weights [B, T] in fp32): the next token and whether it counts."""
+    targets = jnp.roll(input_ids, -1, axis=1)
+    same = (segment_ids == jnp.roll(segment_ids, -1, axis=1)) & (segment_ids > 0)
+    counted = same & (jnp.roll(loss_mask, -1, axis=1) > 0)
+    counted = counted.at[:, -1].set(False)  # the last token's successor is in another row
+    return targets, counted.astype(jnp.float32)
+
+
+def cross_entropy_sum(logits_fn, hidden, targets, weights, chunk: int):
+    """sum over tokens of weights * -log softmax(logits)[target], in fp32.
+
+    The head runs on `chunk` positions of every row at a time, each chunk rematerialised in the backward
+    pass, so full [B, T, vocab] logits never exist at once (they dominate memory at Inkling's vocabulary).
+    """
+    batch, length, width = hidden.shape
+    chunk = length if length % chunk else chunk
+    n = length // chunk
+
+    @jax.checkpoint
+    def one(args):
+        h, t, w = args
+        logits = logits_fn(h).astype(jnp.float32)
+        target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target_logit) * w)
+
+    split = lambda x: jnp.moveaxis(x.reshape(batch, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
+    return jnp.sum(jax.lax.map(one, (split(hidden), split(targets), split(weights))))
+
+
+def expert_loads(chosen: list, segment_ids, num_experts: int):
+    """Tokens routed to each expert, per MoE layer: [layers, experts] fp32 (padding not counted)."""
+    if not chosen:
+        return jnp.zeros((0, num_experts), jnp.float32)
+    real = (segment_ids.reshape(-1) > 0).astype(jnp.float32)
+    return jnp.stack([jnp.zeros((num_experts,), jnp.float32).at[ids].add(
+        jnp.broadcast_to(real[:, None], ids.shape)) for ids in chosen])
+
+
+def load_balance(loads):
+    """Scalars of the expert loads [layers, experts]: max/mean (1 is perfect) and coefficient of variation,
+    each averaged over layers."""
+    if loads.shape[0] == 0:
+        return {}
+    mean = jnp.maximum(loads.mean(axis=-1), 1e-9)
+    return {"expert_load_max_over_mean": jnp.mean(loads.max(axis=-1) / mean),
+            "expert_load_cv": jnp.mean(loads.std(axis=-1) / mean)}
