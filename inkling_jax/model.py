@@ -132,8 +132,7 @@ class InklingModel(nnx.Module):
         if self.mtp is None:
             raise ValueError("this model has no MTP head (config.mtp is None)")
         hidden, _ = self.hidden_states(input_ids)
-        embed = lambda ids: self.embed_norm(jnp.take(self.embed[...], ids, axis=0))  # noqa: E731
-        return self.mtp(hidden, input_ids, embed, self.logits)
+        return self.mtp(hidden, input_ids, self.embed_tokens, self.logits)
 
     def init_cache(self, batch: int, max_len: int, **kwargs) -> Cache:
         return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)
@@ -160,8 +159,12 @@ class InklingModel(nnx.Module):
     # ------------------------------------------------------------------------------------------------------
     # Inputs
 
+    def embed_tokens(self, ids):
+        """The normed token embedding (no media): shared by the trunk and the MTP head."""
+        return self.embed_norm(jnp.take(self.embed[...], ids, axis=0))
+
     def embed_inputs(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None):
-        x = self.embed_norm(jnp.take(self.embed[...], input_ids, axis=0))
+        x = self.embed_tokens(input_ids)
         if pixel_values is not None:
             if self.vision is None:
                 raise ValueError("pixel_values given but this model has no vision tower")
