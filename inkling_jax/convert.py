@@ -8,7 +8,7 @@ and back (`--to hf`).
 The output holds exactly the model's parameter tree (orbax, one zarr array per parameter, chunked by the
 shards of --mesh), config.json, the tokenizer and other side files, and a manifest (inkling-convert.json:
 source file sha256s, dtype, tree with checksums, mesh). Tensors stream through in slabs with several reads in
-flight; host memory stays near the slab budget (about 1 GB by default: 2 slabs per worker) whatever the
+flight; host memory stays near twice the slab budget (2 slabs per worker; freed slabs are reused) whatever the
 checkpoint's size or its largest tensor. The output is built in a hidden sibling directory, synced, and
 renamed into place at the end, so a failed or interrupted run leaves nothing that looks like a checkpoint.
 Errors are one line naming the file and the tensor; exit code 1.

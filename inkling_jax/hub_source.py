@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 
 import ml_dtypes
 import numpy as np
 
 from inkling_jax import nvfp4
-from inkling_jax.safetensors_io import CheckpointError, HubCheckpoint, SafetensorsFile
+from inkling_jax.safetensors_io import INDEX, CheckpointError, HubCheckpoint
 
-INDEX = "model.safetensors.index.json"
+READ_PIECE = 8 << 20  # bytes per read call: a piece is hashed while it is still in cache
+ALIGN = 4096  # O_DIRECT reads whole pages into page-aligned memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +80,8 @@ class HubSource:
         """Every byte of a file, in order: the header, each tensor, and any gaps or trailing bytes."""
         st = self.checkpoint.files[file]
         out, pos = [Segment(0, st.data_start)], st.data_start
-        for name in sorted(st.names, key=lambda n: data_range(st, n)):
-            begin, end = data_range(st, name)
+        for name in sorted(st.names, key=st.data_range):
+            begin, end = st.data_range(name)
             if begin > pos:
                 out.append(Segment(pos, begin))
             if end > begin:
@@ -117,7 +119,7 @@ class HubSource:
         """The stored bytes of rows [start, stop) of a tensor, as uint8."""
         st = self.checkpoint.file_of(name)
         row = self.row_bytes(name)
-        offset = data_range(st, name)[0] + start * row
+        offset = st.data_range(name)[0] + start * row
         with open(st.path, "rb") as fh:
             return read_bytes(fh.fileno(), offset, (stop - start) * row, st.path, name)
 
@@ -153,23 +155,47 @@ class HubSource:
         return self.read_rows(name, 0, max(st.shape(name)[0], 1)).view(st.dtype(name)).reshape(st.shape(name))
 
 
-def data_range(st: SafetensorsFile, name: str) -> tuple[int, int]:
-    """Absolute byte range of a tensor in its file (SafetensorsFile keeps the offsets in its header entries)."""
-    begin, end = st._entries[name]["data_offsets"]
-    return st.data_start + begin, st.data_start + end
+def open_for_reading(path: str) -> tuple[int, bool]:
+    """(fd, direct): the file opened with O_DIRECT where the file system takes it (a read then costs no copy
+    through the page cache, and no reclaim of other cached pages to make room), else buffered."""
+    if hasattr(os, "O_DIRECT"):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fd = None
+        if fd is not None:
+            try:
+                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)  # some file systems take the flag but not the read
+                return fd, True
+            except OSError:
+                os.close(fd)
+    return os.open(path, os.O_RDONLY), False
 
 
-def read_bytes(fd: int, offset: int, size: int, path: str, tensor: str | None) -> np.ndarray:
-    """Exactly `size` bytes at `offset` of an open file; a short read (a file cut meanwhile) is an error."""
-    out = np.empty(size, np.uint8)
+def direct_span(offset: int, size: int) -> int:
+    """Bytes an O_DIRECT read of [offset, offset + size) moves: whole pages around the range."""
+    return -(-(offset % ALIGN + size) // ALIGN) * ALIGN
+
+
+def read_bytes(fd: int, offset: int, size: int, path: str, tensor: str | None, *, out: np.ndarray | None = None,
+               digest=None, direct: bool = False) -> np.ndarray:
+    """Exactly `size` bytes at `offset` of an open file (into the uint8 buffer `out` when given); a short read
+    (a file cut meanwhile) is an error. `digest` (a hashlib object) is fed each piece right after it is read.
+    direct: `fd` is open with O_DIRECT; the read covers whole pages, so `out` must be page-aligned and hold
+    `direct_span(offset, size)` bytes; the result is the view of the requested bytes."""
+    skip = offset % ALIGN if direct else 0
+    out = np.empty(size, np.uint8) if out is None else out[:direct_span(offset, size) if direct else size]
     view, done = memoryview(out), 0
-    while done < size:
-        got = os.preadv(fd, [view[done:]], offset + done)
+    while done < skip + size:
+        got = os.preadv(fd, [view[done:done + READ_PIECE]], offset - skip + done)
         if got == 0:
             what = f"tensor {tensor}" if tensor else f"bytes {offset}..{offset + size}"
-            raise CheckpointError(f"{path}: truncated while reading {what} (file ends at byte {offset + done})")
+            raise CheckpointError(f"{path}: truncated while reading {what} (file ends at byte "
+                                  f"{offset - skip + done})")
+        if digest is not None:
+            digest.update(view[max(done, skip):min(done + got, skip + size)])
         done += got
-    return out
+    return out[skip:skip + size]
 
 
 def _check_shards_exist(directory: str) -> None:
@@ -192,4 +218,4 @@ def _check_shards_exist(directory: str) -> None:
                                   f"{sorted(names)[0]}{more} there")
 
 
-__all__ = ["HubSource", "Segment", "data_range", "read_bytes"]
+__all__ = ["HubSource", "Segment", "direct_span", "open_for_reading", "read_bytes"]

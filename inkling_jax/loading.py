@@ -16,7 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm.auto import tqdm
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # a declared dependency, but loading works without its progress bar
+    def tqdm(items, **_):
+        return items
 
 from inkling_jax.config import InklingConfig, load_config
 from inkling_jax.model import InklingModel
@@ -230,7 +235,7 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
     import json
     import shutil
 
-    from inkling_jax.safetensors_io import write_safetensors
+    from inkling_jax.safetensors_io import INDEX, group_into_shards, index_text, shard_name, write_safetensors
 
     directory = os.fspath(directory)
     if os.path.exists(directory):
@@ -239,24 +244,18 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
     os.makedirs(tmp)
     try:
         variables = model_variables(model)
-        shards, current, size = [], {}, 0
+        tensors = {}
         for name, rule in hub_layout(model.config).items():
             tensor = rule.to_hub([np.asarray(variables[t].get_value()) for t in rule.targets])
-            if dtype is not None and not _keeps_fp32(name):
-                tensor = tensor.astype(jnp.dtype(dtype))
-            if current and size + tensor.nbytes > max_shard_bytes:
-                shards.append(current)
-                current, size = {}, 0
-            current[name] = tensor
-            size += tensor.nbytes
-        shards.append(current)
+            tensors[name] = tensor if dtype is None or keeps_fp32(name) else tensor.astype(jnp.dtype(dtype))
+        shards = group_into_shards(list(tensors), lambda name: tensors[name].nbytes, max_shard_bytes)
         weight_map = {}
-        for i, tensors in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(os.path.join(tmp, file), tensors, metadata={"format": "pt"})
-            weight_map.update({name: file for name in tensors})
-        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
-            json.dump({"metadata": {}, "weight_map": weight_map}, fh, indent=1)
+        for i, names in enumerate(shards):
+            file = shard_name(i, len(shards))
+            write_safetensors(os.path.join(tmp, file), {n: tensors[n] for n in names}, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, file))
+        with open(os.path.join(tmp, INDEX), "w") as fh:
+            fh.write(index_text(weight_map, sum(t.nbytes for t in tensors.values())))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(model.config.to_dict(), fh, indent=1)
         os.rename(tmp, directory)
@@ -265,6 +264,6 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
         raise
 
 
-def _keeps_fp32(name: str) -> bool:
+def keeps_fp32(name: str) -> bool:
     """Tensors the reference keeps in fp32 whatever the checkpoint dtype (router bias and scale)."""
     return name.endswith(("mlp.gate.bias", "mlp.gate.global_scale"))

@@ -6,6 +6,7 @@ the file and the tensor, not garbage weights.
 """
 
 import json
+import math
 import os
 import struct
 
@@ -18,6 +19,7 @@ DTYPES = {
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
+INDEX = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -69,8 +71,13 @@ class SafetensorsFile:
         return np.dtype(DTYPES[self._entries[name]["dtype"]])
 
     def nbytes(self, name: str) -> int:
-        begin, end = self._entries[name]["data_offsets"]
+        begin, end = self.data_range(name)
         return end - begin
+
+    def data_range(self, name: str) -> tuple[int, int]:
+        """Absolute byte range [begin, end) of a tensor's data in the file."""
+        begin, end = self._entries[name]["data_offsets"]
+        return self.data_start + begin, self.data_start + end
 
     def read(self, name: str) -> np.ndarray:
         """A read-only memory-mapped view of one tensor."""
@@ -83,26 +90,53 @@ class SafetensorsFile:
                          shape=shape)
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    """Write tensors (name -> array) to `path`, atomically (a temporary file renamed into place)."""
-    header, offset, order = {}, 0, list(tensors)
-    for name in order:
-        arr = np.ascontiguousarray(tensors[name])
-        if arr.dtype not in NAMES:
-            raise CheckpointError(f"{name}: dtype {arr.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
+def header_bytes(tensors: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict | None) -> bytes:
+    """A safetensors header (length prefix included), tensors in the given order, padded to 8 bytes so
+    tensor data stays aligned."""
+    header, offset = {}, 0
     if metadata:
         header["__metadata__"] = metadata
+    for name, dtype, shape in tensors:
+        if np.dtype(dtype) not in NAMES:
+            raise CheckpointError(f"{name}: dtype {np.dtype(dtype)} cannot be stored in safetensors")
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # keep tensor data 8-byte aligned
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def group_into_shards(items: list, nbytes, max_bytes: int) -> list[list]:
+    """Consecutive items, as many per shard as fit in max_bytes (at least one)."""
+    shards, current, size = [], [], 0
+    for item in items:
+        if current and size + nbytes(item) > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(item)
+        size += nbytes(item)
+    return shards + [current]
+
+
+def shard_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def index_text(weight_map: dict[str, str], total_size: int) -> str:
+    """The text of `model.safetensors.index.json`."""
+    return json.dumps({"metadata": {"total_size": total_size}, "weight_map": weight_map}, indent=2)
+
+
+def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (name -> array) to `path`, atomically (a temporary file renamed into place)."""
+    arrays = {name: np.ascontiguousarray(value) for name, value in tensors.items()}
+    header = header_bytes([(name, a.dtype, a.shape) for name, a in arrays.items()], metadata)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(blob)
-        for name in order:
-            fh.write(np.ascontiguousarray(tensors[name]).tobytes())
+        fh.write(header)
+        for array in arrays.values():
+            fh.write(memoryview(array.reshape(-1).view(np.uint8)))
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -114,7 +148,7 @@ class HubCheckpoint:
 
     def __init__(self, directory: str):
         self.directory = os.fspath(directory)
-        index = os.path.join(self.directory, "model.safetensors.index.json")
+        index = os.path.join(self.directory, INDEX)
         self.files: dict[str, SafetensorsFile] = {}
         self.location: dict[str, str] = {}
         if os.path.exists(index):
@@ -139,8 +173,8 @@ class HubCheckpoint:
             if not files:
                 raise CheckpointError(f"{self.directory}: no *.safetensors files and no index")
             if len(files) > 1:
-                raise CheckpointError(f"{self.directory}: {len(files)} safetensors files but no "
-                                      f"model.safetensors.index.json to say which is which")
+                raise CheckpointError(f"{self.directory}: {len(files)} safetensors files but no {INDEX} to say "
+                                      f"which is which")
             self.files[files[0]] = SafetensorsFile(os.path.join(self.directory, files[0]))
             self.location = {name: files[0] for name in self.files[files[0]].names}
 

@@ -20,42 +20,11 @@ import numpy as np
 
 from inkling_jax import orbax_io, slabs
 from inkling_jax.config import load_config
-from inkling_jax.hub_source import INDEX
-from inkling_jax.loading import _keeps_fp32, hub_layout
-from inkling_jax.safetensors_io import DTYPES, NAMES
+from inkling_jax.loading import hub_layout, keeps_fp32
+from inkling_jax.safetensors_io import DTYPES, INDEX, group_into_shards, header_bytes, index_text, shard_name
 from inkling_jax.slabs import TensorPlan, plan_tensor
 from inkling_jax.streaming import Stream
 from inkling_jax.to_orbax import ConversionError, Tuning, one_line, combine_crcs
-
-
-def header_bytes(tensors: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict | None) -> bytes:
-    """A safetensors header (length prefix included), tensors in the given order, padded to 8 bytes."""
-    header, offset = {}, 0
-    if metadata:
-        header["__metadata__"] = metadata
-    for name, dtype, shape in tensors:
-        size = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": NAMES[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    return struct.pack("<Q", len(blob)) + blob
-
-
-def group_into_shards(items: list, nbytes, max_bytes: int) -> list[list]:
-    """Consecutive items, as many per shard as fit in max_bytes (at least one)."""
-    shards, current, size = [], [], 0
-    for item in items:
-        if current and size + nbytes(item) > max_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(item)
-        size += nbytes(item)
-    return shards + [current]
-
-
-def shard_name(index: int, count: int) -> str:
-    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
 def _layout(manifest: dict, rules, hub_shapes, dtype: str | None, max_shard_bytes: int):
@@ -77,7 +46,7 @@ def _layout(manifest: dict, rules, hub_shapes, dtype: str | None, max_shard_byte
             raise ValueError(f"{orbax_io.MANIFEST}: the recorded source headers lack tensor {missing[0]}")
         return headers, where, layout["index"]
     stored = dtype or manifest["dtype"]
-    dtypes = {n: np.dtype("float32" if _keeps_fp32(n) else stored) for n in rules}
+    dtypes = {n: np.dtype("float32" if keeps_fp32(n) else stored) for n in rules}
     shards = group_into_shards(list(rules), lambda n: math.prod(hub_shapes[n]) * dtypes[n].itemsize,
                                max_shard_bytes)
     weight_map = {}
@@ -90,7 +59,7 @@ def _layout(manifest: dict, rules, hub_shapes, dtype: str | None, max_shard_byte
             offset += math.prod(hub_shapes[name]) * dtypes[name].itemsize
         weight_map.update(dict.fromkeys(names, file))
     total = sum(math.prod(hub_shapes[n]) * dtypes[n].itemsize for n in rules)
-    return headers, where, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    return headers, where, index_text(weight_map, total)
 
 
 def export(src: str, out: str, *, dtype: str | None = None, max_shard_bytes: int = 5 << 30,
