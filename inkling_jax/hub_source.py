@@ -155,10 +155,10 @@ class HubSource:
         return self.read_rows(name, 0, max(st.shape(name)[0], 1)).view(st.dtype(name)).reshape(st.shape(name))
 
 
-def open_for_reading(path: str) -> tuple[int, bool]:
-    """(fd, direct): the file opened with O_DIRECT where the file system takes it (a read then costs no copy
-    through the page cache, and no reclaim of other cached pages to make room), else buffered."""
-    if hasattr(os, "O_DIRECT"):
+def open_for_reading(path: str, direct: bool = True) -> tuple[int, bool]:
+    """(fd, direct): the file opened with O_DIRECT if asked and the file system takes it (a read then costs no
+    copy through the page cache, and no reclaim of other cached pages to make room), else buffered."""
+    if direct and hasattr(os, "O_DIRECT"):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         except OSError:

@@ -45,11 +45,14 @@ class Tuning:
     slab_bytes: int = 128 << 20
     chunk_bytes: int = 32 << 20
     budget_bytes: int = 2 * workers * slab_bytes  # slabs queued or converting; readers hold one more slab each
+    # O_DIRECT reads skip the page-cache copy: cheaper in CPU (a few cores), slower on some disks (many cores)
+    direct_reads: bool = True
 
     @classmethod
-    def sized(cls, *, workers: int, readers: int, slab_bytes: int, chunk_bytes: int) -> "Tuning":
+    def sized(cls, *, workers: int, readers: int, slab_bytes: int, chunk_bytes: int,
+              direct_reads: bool = True) -> "Tuning":
         """A budget of two slabs per worker: one converting, one queued."""
-        return cls(workers, readers, slab_bytes, chunk_bytes, 2 * workers * slab_bytes)
+        return cls(workers, readers, slab_bytes, chunk_bytes, 2 * workers * slab_bytes, direct_reads)
 
 
 FLOATS = ("bfloat16", "float16", "float32", "float64")
@@ -150,7 +153,7 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
     def read_file(file: str):
         def produce(stream: Stream) -> None:
             path, digest = os.path.join(source.directory, file), hashlib.sha256()
-            fd, direct = open_for_reading(path)
+            fd, direct = open_for_reading(path, direct=tuning.direct_reads)
             try:
                 for seg in source.segments(file):
                     plan = plans.get(seg.tensor)
