@@ -138,21 +138,27 @@ class InklingModel(nnx.Module):
         return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)
 
     def extend(self, input_ids, cache: Cache, n_new=None, pixel_values=None, audio_input_ids=None,
-               audio_input_ids_mask=None):
+               audio_input_ids_mask=None, *, embeds=None, logits_at=None):
         """Append a chunk [B, T] to every row of the cache; returns (logits [B, T, V], cache).
 
         Row b's chunk holds `n_new[b]` real tokens (default T) followed by padding, which is neither cached nor
         counted. T == 1 is a decode step; any T is a prefill chunk (chunked prefill continues a row).
+        embeds [B, T, hidden]: input embeddings to use instead of embedding input_ids (media merged by the
+        caller). logits_at [B]: apply the head only at that index of each row's chunk; logits are then [B, V]
+        (the head is the largest matmul of a step at Inkling's vocabulary).
         """
         batch, seq = input_ids.shape
         if n_new is None:
             n_new = jnp.full((batch,), seq, jnp.int32)
-        x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask)
+        x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask) if embeds is None \
+            else embeds
         positions = cache.lengths[:, None] + jnp.arange(seq)[None, :]
         new_layers = []
         for layer, layer_cache in zip(self.layers, cache.layers):
             x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table)
             new_layers.append(new_cache)
+        if logits_at is not None:
+            x = x[jnp.arange(batch), logits_at]
         logits = self.logits(self.norm(x))
         return logits, cache.replace(lengths=cache.lengths + n_new, layers=tuple(new_layers))
 

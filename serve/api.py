@@ -111,9 +111,13 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         if service.chat is None:
             raise APIError(400, "this model's tokenizer has no chat format", param="messages")
         try:
-            prompt = service.chat.render([m.model_dump() for m in body.messages], body.reasoning_effort)
+            prompt, items = service.chat.render_with_media([m.model_dump(exclude_none=True) for m in body.messages],
+                                                           body.reasoning_effort)
         except ChatError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        media = None
+        if items and len(prompt) <= service.max_prompt_tokens:  # longer prompts get their 400 below
+            media = await asyncio.get_running_loop().run_in_executor(None, service.chat.media.encode, items)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
@@ -121,7 +125,7 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         params = _params(service, body, [prompt], max_tokens, logprobs)
         responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer)
         return await _generate(service, request, body, [prompt], params, responder,
-                               lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens))
+                               lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media)
 
     return app
 
@@ -198,13 +202,13 @@ async def _next_output(queue: asyncio.Queue, request: Request):
 
 
 async def _generate(service: Service, request: Request, body: SamplingFields, prompts: list[list[int]],
-                    params: SamplingParams, responder: Responder, make_parser) -> Response:
+                    params: SamplingParams, responder: Responder, make_parser, media=None) -> Response:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     request_id = responder.request_id
     try:
         service.engine.submit(request_id, prompts, params, body.n, make_parser,
-                              lambda out: loop.call_soon_threadsafe(queue.put_nowait, out))
+                              lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media)
     except QueueFull as exc:
         raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
                        code="rate_limit_exceeded") from None

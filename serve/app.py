@@ -6,6 +6,10 @@ model's output is noise, and /v1/models and the start-up log say so.
 
     python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny-random"
     python -m serve.app --model /path/to/Inkling --dtype bfloat16 --api-key SECRET
+    python -m serve.app --model /path/to/Inkling --mesh tensor=2,expert=4    # sharded over 8 devices
+
+Chat messages may carry images (`image_url` parts with base64 data URLs) and audio (`input_audio` parts with
+base64 WAV) when the checkpoint has the media towers; a text-only checkpoint answers such requests with 400.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from serve.api import Service, create_app
 from serve.chat import ChatError, ChatFormat
 from serve.config import EngineConfig
 from serve.engine import Engine
+from serve.media import MediaEncoder
+from serve.placement import Placement
 from serve.tokenizer import load_tokenizer
 
 log = logging.getLogger("serve")
@@ -51,6 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
       "(default: 1,16,64,256 on GPU, 1,16 on CPU, where each compilation takes seconds)")
     a("--row-buckets", help="compiled rows-per-step sizes, ending with max-num-seqs + 1 (default: powers of 2 "
       "on GPU, only all rows on CPU)")
+    a("--decode-steps", type=int, default=8, help="decode tokens per sequence per device call: fewer host "
+      "round-trips; stops are applied afterwards and the extra tokens discarded (1: one token per call)")
+    a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
+      "`tensor`, routed experts over `expert`; uses that many devices; default: one device)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--num-snapshots", type=int, help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=int, default=256, help="waiting sequences beyond which requests get 429")
@@ -76,7 +86,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
         prefix_caching=not args.no_prefix_caching,
-        num_snapshots=args.num_snapshots, max_queued=args.max_queued)
+        num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps)
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -96,14 +106,17 @@ def build_service(args: argparse.Namespace) -> Service:
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
     tokenizer = load_tokenizer(args.model)
+    config = engine_config(args)
+    placement = Placement.from_spec(args.mesh)
+    log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, placement.devices)
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # shards it
+    media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
     try:
-        chat = ChatFormat(tokenizer)
+        chat = ChatFormat(tokenizer, media)
     except ChatError as exc:
         log.warning("chat disabled: %s", exc)
         chat = None
-    config = engine_config(args)
-    log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, jax.devices()[0])
-    engine = Engine(model, config, eos_token_id=model.config.eos_token_id)
+    log.info("chat: %s", "disabled" if chat is None else " + ".join(("text",) + (media.kinds if media else ())))
     engine.start()
     max_len = config.max_model_len
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,

@@ -65,7 +65,8 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) < count:
             start = len(hashes) * self.page_size
-            hashes.append(chain_hash(hashes[-1] if hashes else b"", seq.token_ids[start:start + self.page_size]))
+            previous = hashes[-1] if hashes else seq.hash_seed
+            hashes.append(chain_hash(previous, seq.token_ids[start:start + self.page_size]))
         return hashes[:count]
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], int | None]:

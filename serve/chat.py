@@ -40,9 +40,14 @@ def format_effort(value: float) -> str:
     return f"{value:.2f}".rstrip("0").rstrip(".")
 
 
+MEDIA_FRAMING = {"image": ("<|content_image|>", ()), "audio": ("<|content_audio_input|>", ("<|audio_end|>",))}
+
+
 class ChatFormat:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, media=None):
+        """media: a `serve.media.MediaEncoder` for a checkpoint with media towers (None: text only)."""
         self.tokenizer = tokenizer
+        self.media = media
         names = set(ROLE_TOKENS.values()) | {"<|content_text|>", "<|content_thinking|>", "<|end_message|>",
                                               "<|content_model_end_sampling|>"}
         self.ids = {name: tokenizer.token_id(name) for name in names}
@@ -52,7 +57,15 @@ class ChatFormat:
         self.reasoning_start = self.ids["<|content_thinking|>"]
 
     def render(self, messages: list[dict], reasoning_effort: str | float | None = None) -> list[int]:
-        """Prompt ids of a conversation: dicts with `role`, `content` (text or text parts) and optional `name`."""
+        """Prompt ids of a text conversation: dicts with `role`, `content` (text or text parts) and `name`."""
+        ids, media = self.render_with_media(messages, reasoning_effort)
+        if media:
+            raise ChatError("this conversation holds media: use render_with_media")
+        return ids
+
+    def render_with_media(self, messages: list[dict], reasoning_effort: str | float | None = None):
+        """(prompt ids, [(start position, MediaItem)]): image and audio parts become blocks of placeholder
+        tokens (spec 6.1, 6.2) whose rows the media embeddings replace."""
         if not messages:
             raise ChatError("messages must not be empty")
         leading = 0
@@ -62,40 +75,60 @@ class ChatFormat:
             raise ChatError("messages need at least one non-system message")
         effort = f"Thinking effort level: {format_effort(effort_value(reasoning_effort))}"
         ids: list[int] = []
+        media: list = []
         for i, message in enumerate(messages):
             if i == leading:
                 ids += self._block("system", None, effort)
-            ids += self._message(message)
-        return ids
+            self._message(message, ids, media)
+        return ids, media
 
-    def _message(self, message: dict) -> list[int]:
-        role = message.get("role")
+    def _message(self, message: dict, ids: list[int], media: list) -> None:
+        role, name = message.get("role"), message.get("name")
         if role not in ROLE_TOKENS:
             raise ChatError(f"unknown role {role!r}; use one of {sorted(ROLE_TOKENS)}")
-        ids = self._block(role, message.get("name"), _text_of(message.get("content")))
+        for kind, value in _blocks(message.get("content")):
+            if kind == "text":
+                ids += self._block(role, name, value)
+                continue
+            if self.media is None:
+                raise ChatError("this model takes text only: image and audio content parts need a checkpoint "
+                                "with media towers")
+            item = self.media.item(value)
+            opener, closers = MEDIA_FRAMING[item.kind]
+            ids += self._head(role, name) + [self._special(opener)]
+            media.append((len(ids), item))
+            ids += [self.media.token_ids[item.kind]] * item.count
+            ids += [self._special(closer) for closer in closers] + [self.ids["<|end_message|>"]]
         if role == "assistant":
             ids.append(self.ids["<|content_model_end_sampling|>"])
-        return ids
+
+    def _head(self, role: str, name: str | None) -> list[int]:
+        return [self.ids[ROLE_TOKENS[role]]] + (self.tokenizer.encode(name) if name else [])
 
     def _block(self, role: str, name: str | None, text: str) -> list[int]:
-        ids = [self.ids[ROLE_TOKENS[role]]]
-        if name:
-            ids += self.tokenizer.encode(name)
-        return ids + [self.ids["<|content_text|>"]] + self.tokenizer.encode(text) + [self.ids["<|end_message|>"]]
+        return (self._head(role, name) + [self.ids["<|content_text|>"]] + self.tokenizer.encode(text)
+                + [self.ids["<|end_message|>"]])
+
+    def _special(self, name: str) -> int:
+        token = self.tokenizer.token_id(name)
+        if token is None:
+            raise ChatError(f"the tokenizer lacks {name}, which media content needs")
+        return token
 
 
-def _text_of(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
+def _blocks(content) -> list[tuple[str, object]]:
+    """A message's content as blocks: ("text", str) for each run of text parts, ("media", part) otherwise."""
+    if content is None or isinstance(content, str):
+        return [("text", content or "")]
+    blocks: list[tuple[str, object]] = []
     for part in content:
         if part.get("type") != "text":
-            raise ChatError(f"content parts of type {part.get('type')!r} are not supported by this server "
-                            "(text only)")
-        parts.append(part.get("text") or "")
-    return "".join(parts)
+            blocks.append(("media", part))
+        elif blocks and blocks[-1][0] == "text":
+            blocks[-1] = ("text", blocks[-1][1] + (part.get("text") or ""))
+        else:
+            blocks.append(("text", part.get("text") or ""))
+    return blocks or [("text", "")]
 
 
 class ChatOutput:

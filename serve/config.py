@@ -26,6 +26,7 @@ class EngineConfig:
     num_snapshots: int | None = None  # saved ring + conv states for prefix hits; None: 2 per slot
     max_queued: int = 256  # waiting requests beyond this get 429
     max_logprobs: int = 20
+    decode_steps: int = 8  # decode tokens per row per device call (the host applies stops afterwards)
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -43,6 +44,8 @@ class EngineConfig:
         if rows[0] * self.max_chunk > self.max_num_batched_tokens:
             raise ValueError(f"a prefill step of {rows[0]} row(s) x {self.max_chunk} tokens exceeds the token budget "
                              f"({self.max_num_batched_tokens}): add a smaller row bucket or raise the budget")
+        if self.decode_steps < 1:
+            raise ValueError("decode_steps must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError("memory_fraction must be in (0, 1]")
 

@@ -19,6 +19,7 @@ from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.metrics import Metrics
 from serve.model_runner import ModelRunner
+from serve.placement import Placement
 from serve.sampling import SamplingParams
 from serve.scheduler import Chunk, Scheduler
 from serve.sequence import Sequence
@@ -58,11 +59,11 @@ class Request:
 
 class Engine:
     def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, placement: Placement | None = None):
         self.config = config
         self.eos_token_id = eos_token_id
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, config, placement)
         self._new_state()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -72,6 +73,7 @@ class Engine:
         self._owner: dict[int, Request] = {}  # seq_id -> its request
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
+        self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
         self._accepting = True
         self._cancel_all = False
         self._stop = threading.Event()
@@ -91,11 +93,12 @@ class Engine:
         self._thread.start()
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-               make_parser: Callable[[], object], sink: Callable[[Output], None]) -> Request:
-        """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. Raises QueueFull or
-        EngineStopped."""
+               make_parser: Callable[[], object], sink: Callable[[Output], None], media=None) -> Request:
+        """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.media.Media`
+        of the (single) prompt's placeholders. Raises QueueFull or EngineStopped."""
         seed = random.getrandbits(32)
-        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j)
+        extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}
+        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, **extra)
                 for i, prompt in enumerate(prompts) for j in range(n)]
         request = Request(request_id, seqs, [make_parser() for _ in seqs], sink)
         with self._lock:
@@ -186,20 +189,45 @@ class Engine:
         for chunk in chunks:
             if chunk.admitted:
                 self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
+        self._plan_decode_steps(chunks)
         results = self.runner.execute(chunks)
         now = time.monotonic()
         for chunk in chunks:
-            self._advance(chunk)
-            if chunk.seq.seq_id in results:
-                self._on_token(chunk.seq, *results[chunk.seq.seq_id], now)
+            seq = chunk.seq
+            self._advance(seq, chunk.num_tokens)
+            for k, sample in enumerate(results.get(seq.seq_id, ())):
+                if seq.finished:  # a stop: the device's later tokens of this row are discarded
+                    break
+                if k:
+                    self._advance(seq, 1)  # the token fed back on device is in the cache
+                self._on_token(seq, *sample, now)
 
-    def _advance(self, chunk: Chunk) -> None:
-        """The chunk is in the cache: publish its full pages, and snapshot a prefill chunk's end."""
-        seq = chunk.seq
-        seq.num_cached += chunk.num_tokens
+    def _plan_decode_steps(self, chunks: list[Chunk]) -> None:
+        """Let a step of decodes only run up to `decode_steps` tokens per row on device, when no waiting
+        sequence could be admitted meanwhile and pages for all of them are free. Each row stops at its
+        max_tokens and the context length."""
+        cfg, blocks = self.config, self.blocks
+        steps = min(self.decode_steps, cfg.decode_steps)
+        admissible = self.scheduler.waiting and self.scheduler.free_slots
+        if steps == 1 or admissible or any(c.num_tokens > 1 for c in chunks):
+            return
+        plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output, cfg.max_model_len - len(c.seq))
+                for c in chunks]
+        needed = sum(max(0, blocks.blocks_for(c.seq.num_cached + n) - len(c.seq.block_ids))
+                     for c, n in zip(chunks, plan))
+        if needed > blocks.num_free:
+            return
+        for chunk, n in zip(chunks, plan):
+            blocks.grow(chunk.seq, chunk.seq.num_cached + n)
+            chunk.steps = n
+
+    def _advance(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` more tokens are in the cache: publish its full pages, and snapshot a prefill chunk's
+        end."""
+        seq.num_cached += num_tokens
         if self.config.prefix_caching:
             self.blocks.register(seq)
-            snapshot = self.blocks.snapshot_slot(seq) if chunk.num_tokens > 1 else None
+            snapshot = self.blocks.snapshot_slot(seq) if num_tokens > 1 else None
             if snapshot is not None:
                 self.runner.save_snapshot(seq.slot, snapshot)
 

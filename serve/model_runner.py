@@ -1,28 +1,31 @@
-"""Runs scheduled chunks on the device: the cache, the compiled steps (one per shape bucket), the sampler state
-(penalty counts) and the snapshot pool.
+"""Runs scheduled chunks on the device: the cache, the compiled steps (`serve.steps`, one per shape bucket),
+the sampler state (penalty counts) and the snapshot pool.
 
-A step of R rows and T tokens per row gathers its rows' state out of the cache (the bucket "all rows" runs on the
-whole cache in place), extends them, samples one token per row from its last real position, and scatters the
-rows back; cache and sampler state are donated. Every bucket is compiled ahead of time by `warm_up`, and a call
-outside the buckets is an error, never a silent compilation.
+Every bucket is compiled ahead of time by `warm_up`, and a call outside the buckets is an error, never a silent
+compilation. A decode group runs as one `decode` program of up to `decode_steps` tokens per row (each chunk's
+`steps`); a prefill group as one `prefill` program.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import os
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from inkling_jax.cache import cache_bytes
 from inkling_jax.model import InklingModel
 from serve import cache_rows
 from serve.config import EngineConfig
-from serve.sampler import Sampled, SamplingBatch, sample
+from serve.placement import Placement
+from serve.sampler import Sampled, SamplingBatch
 from serve.scheduler import Chunk
+from serve.steps import PenaltyState, StepInputs, StepPrograms
 
 log = logging.getLogger(__name__)
 
@@ -43,49 +46,49 @@ def _count_compilation(event: str, *_, **__) -> None:
         _compilations[0] += 1
 
 
-@struct.dataclass
-class StepInputs:
-    rows: jax.Array  # [R] cache row of each step row (the scratch row for padding)
-    ids: jax.Array  # [R, T]
-    n_new: jax.Array  # [R] real tokens per row
-    lengths: jax.Array  # [R] tokens already cached
-    page_rows: jax.Array  # [R, pages_per_row]
-    keep: jax.Array  # [R] bool: the row's sample becomes its next token
-    params: SamplingBatch
-
-
-@struct.dataclass
-class PenaltyState:
-    counts: jax.Array  # [rows, V] int32: output tokens so far
-    prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt
-
-
 class ModelRunner:
-    def __init__(self, model: InklingModel, config: EngineConfig):
+    def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None):
         self.config = config
+        self.placement = placement or Placement()
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
-        self.graphdef, self.params = nnx.split(model)
-        self.model = model
+        self.model = self.placement.shard_model(model)
+        self.graphdef, self.params = nnx.split(self.model)
+        self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or self._pages_for_memory(model)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
+        self.programs = StepPrograms(self.graphdef, self.text, config.max_logprobs, config.decode_steps,
+                                     self._constrain_cache)
         self._steps: dict[tuple[int, int], object] = {}
         self._save = self._restore = self._init_penalties = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
-                 "(%.1f MiB each); %d prefix snapshots", self.num_pages, config.page_size,
+                 "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
                  self._page_bytes() * self.num_pages / 2**20, config.max_num_seqs,
-                 cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots)
+                 cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots,
+                 self.placement.devices)
 
     def reset(self) -> None:
         """Fresh device state (also after a failed step, whose donated buffers may be gone)."""
         cfg = self.config
-        self.cache = self.model.init_cache(cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size,
-                                           num_pages=self.num_pages)
-        self.snapshots = cache_rows.empty_snapshots(self.text, self.cache, cfg.snapshots)
-        self.penalties = PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
-                                      jnp.zeros((cfg.num_rows, self.vocab), bool))
+        cache = jax.eval_shape(lambda: self.model.init_cache(cfg.num_rows, cfg.max_model_len,
+                                                             page_size=cfg.page_size, num_pages=self.num_pages))
+        self.cache_shardings = self.placement.cache_shardings(self.text, cache)
+        self.snapshot_shardings = None if self.cache_shardings is None else cache_rows.row_state(
+            self.text, self.cache_shardings)
+        self.cache = self.placement.put(self.model.init_cache(cfg.num_rows, cfg.max_model_len,
+                                                              page_size=cfg.page_size, num_pages=self.num_pages),
+                                        self.cache_shardings)
+        self.snapshots = self.placement.put(cache_rows.empty_snapshots(self.text, self.cache, cfg.snapshots),
+                                            self.snapshot_shardings)
+        self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
+                                                         jnp.zeros((cfg.num_rows, self.vocab), bool)))
+
+    def _constrain_cache(self, cache):
+        if self.cache_shardings is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, self.cache_shardings)
 
     # ------------------------------------------------------------------------------------------------------
     # Memory
@@ -97,8 +100,8 @@ class ModelRunner:
 
     def _pages_for_memory(self, model: InklingModel) -> int:
         """Pages that fit in `memory_fraction` of the free device memory after the per-slot state, the
-        snapshots, the sampler state and the largest step's logits; without memory statistics (CPU) enough
-        pages for every slot at full length."""
+        snapshots, the sampler state and the steps' logits; without memory statistics (CPU) enough pages for
+        every slot at full length."""
         cfg = self.config
         stats = jax.devices()[0].memory_stats() or {}
         if "bytes_limit" not in stats:
@@ -108,7 +111,8 @@ class ModelRunner:
                             num_pages=1) - self._page_bytes()
         per_row = fixed // cfg.num_rows
         fixed += cfg.snapshots * per_row + cfg.num_rows * self.vocab * 5
-        fixed += 3 * cfg.rows[-1] * cfg.max_chunk * self.vocab * 4  # logits and their softmax, in fp32
+        fixed += 4 * cfg.rows[-1] * self.vocab * 4  # one logits row per step row, its softmax and draws, fp32
+        fixed += 2 * max(r * t for r, t in cfg.buckets) * self.text.hidden_size * 4 * 4  # the widest activations
         pages = int((free - fixed) // self._page_bytes())
         log.info("device memory: %.1f GiB free x %.2f; %.1f GiB for slots, snapshots and step buffers; "
                  "%d pages", free / cfg.memory_fraction / 2**30, cfg.memory_fraction, fixed / 2**30, pages)
@@ -122,44 +126,37 @@ class ModelRunner:
         start = time.perf_counter()
         # On CPU (tests, demos) compile time dominates: XLA's cheaper backend passes cut it by about half.
         options = CPU_COMPILE_OPTIONS if jax.default_backend() == "cpu" else None
-        step = jax.jit(self._step_fn, static_argnames="gather", donate_argnums=(1, 2))
+        jit = self.placement.jit
+        step_out = None
+        if self.cache_shardings is not None:
+            step_out = (self.cache_shardings, self.placement.replicated(), self.placement.replicated())
+        programs = {kind: jit(fn, out_shardings=step_out, static_argnames="gather", donate_argnums=(1, 2))
+                    for kind, fn in (("decode", self.programs.decode), ("prefill", self.programs.prefill))}
+        lowered = {}
         for rows, chunk in self.config.buckets:
-            inputs = jax.device_put(self._inputs([], rows, chunk))
-            self._steps[rows, chunk] = step.lower(self.params, self.cache, self.penalties, inputs,
-                                                  gather=rows != self.config.num_rows).compile(options)
-        scalar = np.int32(0)
-        tokens = np.zeros((self.config.max_model_len,), np.int32)
-        self._init_penalties = jax.jit(self._init_penalties_fn, donate_argnums=0).lower(
-            self.penalties, scalar, tokens, scalar).compile(options)
+            inputs = self.placement.put(self._inputs([], rows, chunk))
+            program = programs["decode" if chunk == 1 else "prefill"]
+            lowered[rows, chunk] = program.lower(self.params, self.cache, self.penalties, inputs,
+                                                 gather=rows != self.config.num_rows)
+        scalar = self.placement.put(np.int32(0))
+        tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
+        lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
+            self.penalties, scalar, tokens, scalar)
         if self.config.snapshots:
-            self._save = jax.jit(self._save_fn, donate_argnums=1).lower(
-                self.cache, self.snapshots, scalar, scalar).compile(options)
-            self._restore = jax.jit(self._restore_fn, donate_argnums=0).lower(
-                self.cache, self.snapshots, scalar, scalar).compile(options)
+            lowered["save"] = jit(self._save_fn, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
+                self.cache, self.snapshots, scalar, scalar)
+            lowered["restore"] = jit(self._restore_fn, out_shardings=self.cache_shardings, donate_argnums=0).lower(
+                self.cache, self.snapshots, scalar, scalar)
+        # XLA compiles outside the GIL: the buckets compile side by side.
+        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda program: program.compile(options), lowered.values())))
+        self._init_penalties = compiled.pop("init_penalties")
+        self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
+        self._steps = compiled
         seconds = time.perf_counter() - start
-        log.info("compiled %d step buckets (rows x tokens: %s) in %.1fs", len(self._steps), self.config.buckets,
-                 seconds)
+        log.info("compiled %d step buckets (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
+                 len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
         return seconds
-
-    def _step_fn(self, params, cache, penalties: PenaltyState, inp: StepInputs, *, gather: bool):
-        model = nnx.merge(self.graphdef, params)
-        sub = cache_rows.take_rows(self.text, cache, inp.rows) if gather else cache
-        sub = sub.replace(lengths=inp.lengths, page_table=inp.page_rows)
-        logits, sub = model.extend(inp.ids, sub, inp.n_new)
-        cache = cache_rows.put_rows(self.text, cache, inp.rows, sub) if gather else sub
-        num_rows = inp.ids.shape[0]
-        last = logits[jnp.arange(num_rows), jnp.maximum(inp.n_new - 1, 0)]
-        p = inp.params
-        penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
-        any_penalised = jnp.any(penalised)
-        counts, prompt_mask = jax.lax.cond(
-            any_penalised, lambda: (penalties.counts[inp.rows], penalties.prompt_mask[inp.rows]),
-            lambda: (jnp.zeros((num_rows, self.vocab), jnp.int32), jnp.zeros((num_rows, self.vocab), bool)))
-        out = sample(last, p, counts, prompt_mask, self.config.max_logprobs)
-        counted = (inp.keep & penalised).astype(jnp.int32)
-        new_counts = jax.lax.cond(any_penalised, lambda c: c.at[inp.rows, out.tokens].add(counted), lambda c: c,
-                                  penalties.counts)
-        return cache, penalties.replace(counts=new_counts), out
 
     def _init_penalties_fn(self, penalties: PenaltyState, row, tokens, num_prompt):
         """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt`
@@ -181,31 +178,34 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------------
     # Execution
 
-    def execute(self, chunks: list[Chunk]) -> dict[int, tuple]:
-        """Run one scheduled step; returns seq_id -> (token, logprob, top_ids, top_logprobs) for every chunk
-        that ends its sequence's known tokens."""
+    def execute(self, chunks: list[Chunk]) -> dict[int, list[tuple]]:
+        """Run one scheduled step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
+        chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
+        put = self.placement.put
         for chunk in chunks:
             seq = chunk.seq
             if chunk.restore is not None:
-                self.cache = self._restore(self.cache, self.snapshots, np.int32(seq.slot), np.int32(chunk.restore))
+                self.cache = self._restore(self.cache, self.snapshots, put(np.int32(seq.slot)),
+                                           put(np.int32(chunk.restore)))
             if chunk.admitted and seq.params.uses_penalties:
                 tokens = np.full((self.config.max_model_len,), -1, np.int32)
                 tokens[:len(seq)] = seq.token_ids
-                self.penalties = self._init_penalties(self.penalties, np.int32(seq.slot), tokens,
-                                                      np.int32(seq.num_prompt))
+                self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
+                                                                            np.int32(seq.num_prompt))))
         dispatched = [(group, self._dispatch(group)) for group in self._groups(chunks)]
         results = {}
         for group, out in dispatched:
             host: Sampled = jax.device_get(out)
-            rows = self._row_index(group)
-            for chunk, row in zip(group, rows):
+            for chunk, row in zip(group, self._row_index(group)):
                 if chunk.seq.num_cached + chunk.num_tokens == len(chunk.seq):
-                    results[chunk.seq.seq_id] = (int(host.tokens[row]), float(host.logprobs[row]),
-                                                 host.top_ids[row], host.top_logprobs[row])
+                    results[chunk.seq.seq_id] = [(int(host.tokens[k, row]), float(host.logprobs[k, row]),
+                                                  host.top_ids[k, row], host.top_logprobs[k, row])
+                                                 for k in range(chunk.steps)]
         return results
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
-        self.snapshots = self._save(self.cache, self.snapshots, np.int32(slot), np.int32(snapshot))
+        put = self.placement.put
+        self.snapshots = self._save(self.cache, self.snapshots, put(np.int32(slot)), put(np.int32(snapshot)))
 
     @staticmethod
     def _groups(chunks: list[Chunk]) -> list[list[Chunk]]:
@@ -221,7 +221,7 @@ class ModelRunner:
     def _dispatch(self, group: list[Chunk]):
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
-        inputs = jax.device_put(self._inputs(group, rows, chunk))
+        inputs = self.placement.put(self._inputs(group, rows, chunk))
         self.cache, self.penalties, out = self._steps[rows, chunk](self.params, self.cache, self.penalties, inputs)
         return out
 
@@ -232,25 +232,36 @@ class ModelRunner:
         index = self._row_index(group) if group else []
         cache_row = np.arange(rows, dtype=np.int32) if every_row else np.full((rows,), cfg.scratch_row, np.int32)
         ids = np.zeros((rows, chunk), np.int32)
-        n_new, lengths, index_out = (np.zeros((rows,), np.int32) for _ in range(3))
+        n_new, lengths, index_out, steps = (np.zeros((rows,), np.int32) for _ in range(4))
         page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
-        keep = np.zeros((rows,), bool)
+        want_top = np.zeros((rows,), bool)
         floats = {name: np.full((rows,), value, np.float32) for name, value in
                   (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("presence", 0.0), ("frequency", 0.0),
                    ("repetition", 1.0))}
         top_k = np.zeros((rows,), np.int32)
         seed = np.zeros((rows,), np.uint32)
+        media = is_media = None
+        if self.multimodal and chunk > 1:
+            media = np.zeros((rows, chunk, self.text.hidden_size), self.model.dtype)
+            is_media = np.zeros((rows, chunk), bool)
         for c, row in zip(group, index):
             seq, p = c.seq, c.seq.params
             cache_row[row] = seq.slot
-            ids[row, :c.num_tokens] = seq.token_ids[seq.num_cached:seq.num_cached + c.num_tokens]
-            n_new[row], lengths[row] = c.num_tokens, seq.num_cached
+            start, end = seq.num_cached, seq.num_cached + c.num_tokens
+            ids[row, :c.num_tokens] = seq.token_ids[start:end]
+            n_new[row], lengths[row] = c.num_tokens, start
             page_rows[row, :len(seq.block_ids)] = seq.block_ids
-            keep[row] = seq.num_cached + c.num_tokens == len(seq)
+            steps[row] = c.steps if end == len(seq) else 0
+            want_top[row] = bool(p.logprobs)
             for name, value in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
                                 ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
                                 ("repetition", p.repetition_penalty)):
                 floats[name][row] = value
             top_k[row], seed[row], index_out[row] = p.top_k, p.seed or 0, seq.num_output
+            if media is not None and seq.media is not None:
+                positions, features = seq.media
+                inside = (positions >= start) & (positions < end)
+                media[row, positions[inside] - start] = features[inside]
+                is_media[row, positions[inside] - start] = True
         params = SamplingBatch(top_k=top_k, seed=seed, index=index_out, **floats)
-        return StepInputs(cache_row, ids, n_new, lengths, page_rows, keep, params)
+        return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, want_top, params, media, is_media)

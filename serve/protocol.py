@@ -67,16 +67,32 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    data: str
+    format: str = "wav"
+
+
+class ContentPart(BaseModel):
+    """A text, image_url (base64 data URL) or input_audio (base64 wav) part."""
+
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     name: str | None = None
 
 

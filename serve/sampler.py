@@ -36,15 +36,27 @@ class Sampled:
 
 def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int) -> Sampled:
     """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties."""
-    logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
     penalised = jnp.any((params.presence != 0) | (params.frequency != 0) | (params.repetition != 1))
-    x = jax.lax.cond(penalised, apply_penalties, lambda x, *_: x, logits, counts, prompt_mask, params)
-    greedy = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    drawn = _draw(x, params)
-    tokens = jnp.where(params.temperature == 0, greedy, drawn)
+    logits = logits.astype(jnp.float32)
+    adjusted = jax.lax.cond(penalised, apply_penalties, lambda x, *_: x, logits, counts, prompt_mask, params)
+    return choose(logits, adjusted, params, num_top)
+
+
+def choose(logits, adjusted, params: SamplingBatch, num_top: int, want_top=True) -> Sampled:
+    """Pick each row's token from its penalised logits `adjusted`; logprobs come from the model's `logits`.
+    The random draw and the top-`num_top` list are only computed when a row needs them (`want_top`: a traced
+    bool), since both cost a pass over [R, V]."""
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    adjusted = adjusted.astype(jnp.float32)
+    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.any(params.temperature > 0),
+                          lambda: jnp.where(params.temperature == 0, greedy, _draw(adjusted, params)),
+                          lambda: greedy)
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw, num_top)
+    rows = logits.shape[0]
+    top_logprobs, top_ids = jax.lax.cond(
+        want_top, lambda: tuple(jax.lax.top_k(raw, num_top)),
+        lambda: (jnp.zeros((rows, num_top), jnp.float32), jnp.zeros((rows, num_top), jnp.int32)))
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 

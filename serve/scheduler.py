@@ -28,6 +28,7 @@ class Chunk:
     num_tokens: int
     restore: int | None = None  # snapshot to load into the sequence's slot first (a prefix-cache hit)
     admitted: bool = False  # the sequence (re)entered a slot in this step
+    steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
 
 
 class Scheduler:

@@ -23,7 +23,8 @@ _ids = itertools.count()
 
 
 class Sequence:
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "", index: int = 0):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "", index: int = 0,
+                 media=None, hash_seed: bytes = b""):
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = next(_ids)
@@ -40,6 +41,8 @@ class Sequence:
         self.num_registered = 0  # leading blocks already published to the prefix cache
         self.num_preemptions = 0
         self.prefix_hit = 0  # prompt tokens taken from the prefix cache at the last admission
+        self.media = media  # (prompt positions [M], embeddings [M, hidden]) that replace those tokens, or None
+        self.hash_seed = hash_seed  # starts the block-hash chain: prompts with different media never share pages
 
     def __len__(self) -> int:
         return len(self.token_ids)

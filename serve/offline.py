@@ -1,0 +1,67 @@
+"""Blocking generation on a started engine, without HTTP (tests, benchmarks, notebooks).
+
+    results = generate(engine, [prompt_ids], SamplingParams(max_tokens=8, temperature=0))
+    results[0].token_ids, results[0].finish_reason
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+from serve.engine import Engine, Output
+from serve.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Generated:
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class TokenRecorder:
+    """An output parser that keeps token ids and their logprobs instead of text (stop strings do not apply)."""
+
+    stopped = False
+
+    def __init__(self):
+        self.result = Generated()
+
+    def feed(self, token_id: int, entry=None) -> list:
+        self.result.token_ids.append(token_id)
+        if entry is not None:
+            self.result.logprobs.append(entry.logprob)
+        return []
+
+    def finish(self) -> list:
+        return []
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, media=None,
+             timeout: float = 600.0) -> list[Generated]:
+    """Choice i * n + j of prompt i, once every choice has finished."""
+    pending = [len(prompts) * n]
+    reasons: dict[int, str] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def sink(output: Output) -> None:
+        if output.finish_reason is not None:
+            with lock:
+                reasons[output.index] = output.finish_reason
+                pending[0] -= 1
+                if not pending[0]:
+                    done.set()
+
+    request = engine.submit(f"offline-{next(_ids)}", prompts, params, n, TokenRecorder, sink, media=media)
+    if not done.wait(timeout):
+        engine.abort(request.request_id)
+        raise TimeoutError(f"generation did not finish within {timeout}s")
+    results = [request.parsers[seq.seq_id].result for seq in request.seqs]
+    for seq, result in zip(request.seqs, results):
+        result.finish_reason = reasons[seq.index]
+    return results

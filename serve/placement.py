@@ -1,0 +1,78 @@
+"""Where the engine's arrays live: the default device, or a device mesh (`--mesh tensor=..,expert=..`).
+
+On a mesh the parameters are placed by `inkling_jax.sharding`'s logical-axis table (experts over `expert`,
+heads and MLP widths over `tensor`), and the cache follows the attention's K/V heads: K/V and their ShortConv
+states split over `tensor` when the layer's KV heads divide evenly, else replicated; everything else (rows,
+lengths, page tables, the residual-width conv states, sampler state, step inputs) is replicated. Every program
+gets explicit output shardings, so a donated cache comes back laid out as it went in and the compiled steps
+accept it again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from inkling_jax.cache import Cache
+from inkling_jax.config import TextConfig
+from inkling_jax.sharding import make_mesh, parse_mesh_spec, shard_model, spec_for
+
+# LayerCache field -> logical names of its dimensions (see `inkling_jax.cache`)
+CACHE_AXES = {"k": (None, None, "kv_heads", None), "v": (None, None, "kv_heads", None),
+              "k_conv": (None, None, "kv_heads"), "v_conv": (None, None, "kv_heads"),
+              "attn_conv": (None, None, None), "mlp_conv": (None, None, None)}
+
+
+class Placement:
+    def __init__(self, mesh: Mesh | None = None):
+        self.mesh = mesh
+
+    @classmethod
+    def from_spec(cls, spec: str | None) -> "Placement":
+        """"tensor=2,expert=4": a mesh over that many devices (the first ones); None or "": one device."""
+        if not spec:
+            return cls()
+        count = math.prod(parse_mesh_spec(spec).values())
+        if count > jax.device_count():
+            raise ValueError(f"mesh {spec!r} needs {count} devices; {jax.device_count()} available")
+        return cls(make_mesh(spec, jax.devices()[:count]))
+
+    @property
+    def devices(self) -> str:
+        return str(jax.devices()[0]) if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
+
+    def shard_model(self, model):
+        return model if self.mesh is None else shard_model(model, self.mesh)
+
+    def replicated(self):
+        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def cache_shardings(self, text: TextConfig, cache: Cache):
+        """A pytree like `cache` of shardings (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        tensor = self.mesh.shape["tensor"]
+        layers = []
+        for i, layer in enumerate(cache.layers):
+            split = text.attention(text.is_local(i)).num_kv_heads % tensor == 0
+            fields = {}
+            for name, axes in CACHE_AXES.items():
+                shape = getattr(layer, name).shape
+                axes = axes if split else (None,) * len(axes)
+                fields[name] = NamedSharding(self.mesh, spec_for(axes, shape, self.mesh))
+            layers.append(layer.replace(**fields))
+        return cache.replace(lengths=self.replicated(), page_table=self.replicated(), layers=tuple(layers))
+
+    def put(self, tree, shardings=None):
+        """Host or device arrays onto the placement (`shardings`: a matching pytree; default replicated)."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, shardings if shardings is not None else self.replicated())
+
+    def jit(self, fn, out_shardings=None, **kwargs):
+        """jax.jit with explicit output shardings on a mesh (replicated unless given)."""
+        if self.mesh is not None:
+            kwargs["out_shardings"] = out_shardings if out_shardings is not None else self.replicated()
+        return jax.jit(fn, **kwargs)

@@ -1,0 +1,83 @@
+"""Several decode steps per device call (the engine's `decode_steps`) give exactly the tokens of one step per
+call: greedy, seeded sampling with filters and penalties, rows with different remaining budgets, and stop
+tokens that land inside a multi-step call (the tokens after them are discarded)."""
+
+import concurrent.futures
+
+import numpy as np
+import pytest
+
+from inkling_jax import kernels, preset
+from serve.config import EngineConfig
+from serve.engine import Engine
+from serve.offline import generate
+from serve.random_weights import random_model
+from serve.sampling import SamplingParams
+
+CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+RNG = np.random.default_rng(3)
+PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 21, 11)]
+SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40, frequency_penalty=0.4, seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with kernels.use("jnp", moe="dense"):
+        engine = Engine(random_model(CONFIG, seed=0), EngineConfig(
+            max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, page_size=8, chunk_buckets=(1, 16),
+            row_buckets=(4,), num_pages=12, decode_steps=4), eos_token_id=CONFIG.eos_token_id)
+        engine.start()
+    calls = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda chunks: calls.append(max(c.steps for c in chunks)) or execute(chunks)
+    engine.calls = calls
+    yield engine
+    engine.shutdown(drain_seconds=0)
+
+
+def both(engine, fn, **params):
+    """fn's results with one token per device call, then with up to four (same compiled programs)."""
+    engine.decode_steps = 1
+    single = fn(engine, **params)
+    engine.decode_steps = 4
+    engine.calls.clear()
+    multi = fn(engine, **params)
+    assert max(engine.calls) == 4  # several tokens per call really happened
+    return single, multi
+
+
+def run(engine, **params):
+    """One request per prompt, submitted at once, with different budgets: rows of one call stop at different
+    steps."""
+    def one(i):
+        params_i = SamplingParams(ignore_eos=True, logprobs=0, max_tokens=9 + i, **params)
+        return generate(engine, [PROMPTS[i]], params_i)[0]
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, range(len(PROMPTS))))
+
+
+def run_together(engine, **params):
+    """All prompts in one request (one sequence each, decoded in the same steps)."""
+    return generate(engine, PROMPTS, SamplingParams(ignore_eos=True, logprobs=0, max_tokens=10, **params))
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), SAMPLED], ids=["greedy", "seeded"])
+def test_multi_step_decode_equals_single_steps(engine, params):
+    expected, got = both(engine, run_together, **params)
+    for a, b in zip(expected, got):
+        assert b.token_ids == a.token_ids and len(a.token_ids) == 10 and b.finish_reason == "length"
+        np.testing.assert_allclose(b.logprobs, a.logprobs, rtol=1e-5, atol=1e-5)
+    expected, got = both(engine, run, **params)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert [len(g.token_ids) for g in got] == [9, 10, 11]
+
+
+def test_stop_token_inside_a_multi_step_call_discards_the_rest(engine):
+    engine.decode_steps = 1
+    free = run_together(engine, temperature=0.0)
+    stop = free[1].token_ids[5]  # sampled at output index 5: inside the second call of four tokens
+    expected, got = both(engine, run_together, temperature=0.0, stop_token_ids=(stop,))
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert got[1].finish_reason == "stop" and len(got[1].token_ids) <= 5
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # every page came back

@@ -1,0 +1,47 @@
+"""The engine sharded over 8 simulated CPU devices (tensor=2, expert=4) gives the greedy tokens and logprobs
+of the one-device model: K/V heads of the sliding layer split over `tensor`, the full layer's single KV head
+replicated, experts spread over `expert`."""
+
+import jax
+import numpy as np
+import pytest
+
+from inkling_jax import kernels, preset
+from inkling_jax.generate import StepFunctions
+from serve.config import EngineConfig
+from serve.engine import Engine
+from serve.offline import generate
+from serve.placement import Placement
+from serve.random_weights import random_model
+from serve.sampling import SamplingParams
+
+CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+PROMPTS = [np.random.default_rng(seed).integers(0, 256, n).tolist() for seed, n in enumerate((7, 19))]
+NEW = 9
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_sharded_engine_equals_one_device_model():
+    with kernels.use("jnp", moe="dense"):
+        engine = Engine(random_model(CONFIG, seed=1), EngineConfig(
+            max_num_seqs=2, max_model_len=48, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
+            row_buckets=(3,), prefix_caching=False, decode_steps=4), eos_token_id=CONFIG.eos_token_id,
+            placement=Placement.from_spec("tensor=2,expert=4"))
+        engine.start()
+    try:
+        got = generate(engine, PROMPTS, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0))
+    finally:
+        engine.shutdown(drain_seconds=0)
+    cache = engine.runner.cache
+    assert len(cache.layers[0].k.sharding.device_set) == 8 and not cache.layers[0].k.sharding.is_fully_replicated
+    assert cache.layers[1].k.sharding.is_fully_replicated  # one KV head: not split over tensor=2
+    assert not engine.runner.model.layers[1].mlp.w_gate[...].sharding.is_fully_replicated
+    # The one-device model over each prompt and its output: greedy picks and logprobs at every new position.
+    with kernels.use("jnp", moe="dense"):
+        steps = StepFunctions(random_model(CONFIG, seed=1))
+        for prompt, out in zip(PROMPTS, got):
+            assert len(out.token_ids) == NEW
+            logits = np.asarray(steps.forward(np.array([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
+            logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+            assert out.token_ids == logits.argmax(-1).tolist()
+            np.testing.assert_allclose(out.logprobs, logprobs[np.arange(NEW), out.token_ids], rtol=1e-4, atol=1e-4)
