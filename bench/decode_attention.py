@@ -3,8 +3,10 @@ bandwidth measured in the same run, the jitted jnp reference and the peer decode
 ../shared/peers at the same shape.
 
 Run: PYTHONPATH=. python bench/decode_attention.py   (prints one table last; KV GB/s = K+V bytes read / time)
+The input builders and timers take a `CacheShape` so that bench/kernels.py can reuse them (also tiny, on CPU).
 """
 
+import dataclasses
 import functools
 import math
 import os
@@ -26,6 +28,25 @@ from pallas_kernels.decode_attention import (contiguous_as_pages, paged_decode_a
 
 HEADS, DIM, D_REL, EXTENT_FULL, WINDOW = 64, 128, 16, 1024, 512
 KV_FULL, KV_RING, CONTEXT, PAGE = 8, 16, 8192, 128
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    kv_heads: int
+    context: int  # keys per sequence: the full context (paged) or the window (ring)
+    extent: int
+    heads: int = HEADS
+    dim: int = DIM
+    d_rel: int = D_REL
+    page: int = PAGE
+
+    def kv_bytes(self, batch):
+        """K + V bytes (bf16) of every visible key."""
+        return 2 * batch * self.context * self.kv_heads * self.dim * 2
+
+
+PAGED = CacheShape(kv_heads=KV_FULL, context=CONTEXT, extent=EXTENT_FULL)
+RING = CacheShape(kv_heads=KV_RING, context=WINDOW, extent=WINDOW)
 L2_DEFEAT_BYTES = 256 << 20  # rotate input copies until this many bytes: the H200's L2 is 60 MB
 ROWS = []  # (case, ms, bytes, reference ms, best peer ms)
 TORCH = {}  # torch peer times (ms) measured in a child process, so torch and JAX never share one CUDA context
@@ -116,20 +137,46 @@ def copy_ceilings():
     return best  # bytes per ms
 
 
-def paged_inputs(key, batch, shuffle, copies):
-    """`copies` independent caches [B*L/PAGE, PAGE, Hkv, D] (contiguous layout, identity or shuffled table)."""
+def paged_inputs(key, batch, shuffle, copies, shape=PAGED):
+    """`copies` independent caches [B*L/page, page, Hkv, D] (contiguous layout, identity or shuffled table),
+    every sequence full."""
     sets = []
+    dense = (batch, shape.context, shape.kv_heads, shape.dim)
     for c in range(copies):
         ks = jax.random.split(jax.random.fold_in(key, c), 6)
-        k_pages, table = contiguous_as_pages(normal(ks[0], (batch, CONTEXT, KV_FULL, DIM)), PAGE)
-        v_pages, _ = contiguous_as_pages(normal(ks[1], (batch, CONTEXT, KV_FULL, DIM)), PAGE)
+        k_pages, table = contiguous_as_pages(normal(ks[0], dense), shape.page)
+        v_pages, _ = contiguous_as_pages(normal(ks[1], dense), shape.page)
         if shuffle:
             table = jax.random.permutation(ks[2], table.size).reshape(table.shape).astype(jnp.int32)
-        lengths = jnp.full((batch,), CONTEXT, jnp.int32)
+        lengths = jnp.full((batch,), shape.context, jnp.int32)
         tau = 1.0 + 0.1 * jnp.log(jnp.maximum(1.0, lengths / 128000.0))
-        sets.append((normal(ks[3], (batch, HEADS, DIM)), k_pages, v_pages, table, lengths,
-                     normal(ks[4], (batch, HEADS, D_REL)), normal(ks[5], (D_REL, EXTENT_FULL)), tau))
+        sets.append((normal(ks[3], (batch, shape.heads, shape.dim)), k_pages, v_pages, table, lengths,
+                     normal(ks[4], (batch, shape.heads, shape.d_rel)), normal(ks[5], (shape.d_rel, shape.extent)),
+                     tau))
     return sets
+
+
+def ring_inputs(batch, copies, shape=RING):
+    """`copies` independent rings [B, window, Hkv, D], each sequence 7893..8192 tokens long (rings wrapped)."""
+    sets = []
+    ring = (batch, shape.context, shape.kv_heads, shape.dim)
+    for c in range(copies):
+        ks = jax.random.split(jax.random.fold_in(jax.random.key(100 + batch), c), 6)
+        sets.append((normal(ks[0], (batch, shape.heads, shape.dim)), normal(ks[1], ring), normal(ks[2], ring),
+                     CONTEXT - jax.random.randint(ks[3], (batch,), 0, 300, jnp.int32),
+                     normal(ks[4], (batch, shape.heads, shape.d_rel)), normal(ks[5], (shape.d_rel, shape.extent))))
+    return sets
+
+
+def ring_fn(impl=ring_decode_attention, shape=RING, **launch):
+    """jit of impl over the positional tuples of `ring_inputs` (the window is the ring's length)."""
+    return jax.jit(functools.partial(impl, window=shape.context, **launch))
+
+
+def cudnn_decode_ms(q, k, v, implementation="cudnn"):
+    """jax.nn.dot_product_attention of one query per sequence over dense k, v [B, S, Hkv, D], no bias."""
+    return timed_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q[:, None], k, v, implementation=implementation)), [(q, k, v)])
 
 
 def paged_fn(impl=paged_decode_attention, **launch):
@@ -147,8 +194,7 @@ def peers_full(q, k, v):
         lambda q, k, v: jnp.einsum("bhgs,bshd->bhgd", jax.nn.softmax(jnp.einsum(
             "bhgd,bshd->bhgs", q.reshape(batch, kv_heads, -1, dim).astype(jnp.float32), k.astype(jnp.float32)),
             axis=-1), v.astype(jnp.float32))), [(q, k, v)]))
-    times["peer jax.nn.dpa[cudnn] T=1"] = attempt("cudnn", lambda: timed_ms(jax.jit(
-        lambda q, k, v: jax.nn.dot_product_attention(q[:, None], k, v, implementation="cudnn")), [(q, k, v)]))
+    times["peer jax.nn.dpa[cudnn] T=1"] = attempt("cudnn", lambda: cudnn_decode_ms(q, k, v))
 
     def triton_peer():
         from jax.experimental.pallas.ops.gpu import decode_attention as da
@@ -169,7 +215,7 @@ def peers_full(q, k, v):
 
 def bench_paged(batch, configs):
     key = jax.random.key(batch)
-    kv_bytes = 2 * batch * CONTEXT * KV_FULL * DIM * 2
+    kv_bytes = PAGED.kv_bytes(batch)
     sets = paged_inputs(key, batch, shuffle=True, copies=copies_for(kv_bytes))
     print(f"--- paged B={batch} context={CONTEXT} Hq={HEADS} Hkv={KV_FULL} D={DIM} page={PAGE} bf16, "
           f"KV {kv_bytes / 1e9:.3f} GB, {len(sets)} input copies", flush=True)
@@ -208,32 +254,24 @@ def check_against_reference(kernel, reference, args):
 
 
 def bench_ring(batch, configs):
-    kv_bytes = 2 * batch * WINDOW * KV_RING * DIM * 2
-    sets = []
-    for c in range(copies_for(kv_bytes)):
-        ks = jax.random.split(jax.random.fold_in(jax.random.key(100 + batch), c), 6)
-        sets.append((normal(ks[0], (batch, HEADS, DIM)), normal(ks[1], (batch, WINDOW, KV_RING, DIM)),
-                     normal(ks[2], (batch, WINDOW, KV_RING, DIM)),
-                     CONTEXT - jax.random.randint(ks[3], (batch,), 0, 300, jnp.int32),  # wrapped rings
-                     normal(ks[4], (batch, HEADS, D_REL)), normal(ks[5], (D_REL, WINDOW))))
+    kv_bytes = RING.kv_bytes(batch)
+    sets = ring_inputs(batch, copies_for(kv_bytes))
     print(f"--- ring B={batch} window={WINDOW} Hq={HEADS} Hkv={KV_RING} D={DIM} bf16, KV {kv_bytes / 1e9:.3f} GB, "
           f"{len(sets)} input copies", flush=True)
     results = {}
     for launch in [dict()] + configs:
-        fn = jax.jit(functools.partial(ring_decode_attention, window=WINDOW, **launch))
+        fn = ring_fn(**launch)
         ms = attempt(f"ring {launch}", lambda fn=fn: timed_ms(fn, sets))
         report(f"kernel {launch or 'defaults'}", ms, kv_bytes)
         if ms is not None:
             results[str(launch or "defaults")] = ms
-    reference = jax.jit(functools.partial(ring_decode_reference, window=WINDOW))
+    reference = ring_fn(ring_decode_reference)
     ref_ms = attempt("ring reference", lambda: timed_ms(reference, sets[:1]))
     report("jnp reference (jitted)", ref_ms, kv_bytes)
-    kernel = jax.jit(functools.partial(ring_decode_attention, window=WINDOW))
-    err = attempt("ring check", lambda: check_against_reference(kernel, reference, sets[0]))
+    err = attempt("ring check", lambda: check_against_reference(ring_fn(), reference, sets[0]))
     print(f"  defaults vs fp32 reference: relative error {err}")
     q, k, v = sets[0][:3]
-    cudnn = attempt("ring cudnn", lambda: timed_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q[:, None], k, v, implementation="cudnn")), [(q, k, v)]))
+    cudnn = attempt("ring cudnn", lambda: cudnn_decode_ms(q, k, v))
     report("  peer jax.nn.dpa[cudnn] T=1 over the 512 window keys (no bias)", cudnn, kv_bytes)
     sdpa = TORCH.get(f"sdpa {batch} {WINDOW} {KV_RING}")
     report("  peer torch sdpa (enable_gqa) over the 512 window keys (no bias)", sdpa, kv_bytes)

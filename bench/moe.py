@@ -1,17 +1,25 @@
-"""MoE grouped-matmul kernels on one GPU, at Inkling's expert shapes, against the peers in the same run.
+"""MoE on one GPU at Inkling's expert shapes, against the peers and the ceilings in the same run.
 
-Prefill/training: 16k tokens routed top-6 over 32 local experts + 2 shared experts as 2 extra groups
-(131072 rows), hidden 6144, width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
-Peers: `jax.lax.ragged_dot` (XLA) and jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a
-custom_vjp (fused gate/up weight, SwiGLU in XLA). Ceilings measured here: device copy bandwidth and an XLA
-bf16 matmul. Decode (1/8/64 tokens): bytes of the touched experts' weights per second vs copy bandwidth.
+Prefill/training: 16k tokens routed top-6 over 32 local experts + 2 shared experts (131072 rows), hidden 6144,
+width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
+- kernel rows: the grouped FFN on rows already sorted by expert, the 2 shared experts as 2 more groups of a
+  weight stack that holds all 34 (the linearised layout with the weights stored stacked): ours (`moe_ffn`),
+  jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a custom_vjp and `jax.lax.ragged_dot`
+  (fused [gate|up] weight, SwiGLU in XLA). ragged_dot pads every group to all rows (a [34, M, 6144] buffer), so
+  it runs at a reduced token count, stated in its row.
+- layer rows: `inkling_jax.mlp.experts` with the Pallas backend (routing sort, gathers, combine included) on
+  the model's separate routed / shared weights: shared experts as an XLA einsum, or in the same launch
+  (which first copies the 34 experts' weights into one stack).
+Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
+bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
-    PYTHONPATH=. python bench/moe.py [--quick]
+    PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU)
 """
 
 import functools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -19,17 +27,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inkling_jax import kernels
+from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.tuning import GmmConfig, WgradConfig
 
-H, I, LOCAL, SHARED, TOP_K, TOKENS = 6144, 3072, 32, 2, 6, 16384
-QUICK = "--quick" in sys.argv
-START = time.perf_counter()
-SWEEP_UNTIL_S = float(os.environ.get("MOE_BENCH_SWEEP_UNTIL_S", "1e9"))  # stop trying tile configs after this
+H, I, LOCAL, SHARED, TOP_K, TOKENS, RAGGED_TOKENS = 6144, 3072, 32, 2, 6, 16384, 2048
 CEIL_COPY, CEIL_MM = 1 << 30, 8192
-if "--dry-run" in sys.argv:  # tiny shapes, to check the script's plumbing on CPU
-    H, I, TOKENS, CEIL_COPY, CEIL_MM = 256, 128, 64, 1 << 20, 256
-RESULTS = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind)}
+DRY = "--dry-run" in sys.argv  # tiny shapes, to check the script's plumbing on CPU
+if DRY:
+    H, I, TOKENS, RAGGED_TOKENS, CEIL_COPY, CEIL_MM = 256, 128, 64, 32, 1 << 20, 256
+START = time.perf_counter()
+SWEEP_UNTIL_S = float(os.environ.get("MOE_BENCH_SWEEP_UNTIL_S", "240"))  # stop trying tile configs after this
+R = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "rows": {}, "decode": {}}
 
 
 def timed(f, *args, reps=5, warm=2):
@@ -46,53 +56,58 @@ def timed(f, *args, reps=5, warm=2):
 
 def timed_loop(f, *args, iters=50):
     """Mean seconds per call over a loop of asynchronous calls (decode-sized work)."""
-    jax.block_until_ready(f(*args))
-    jax.block_until_ready(f(*args))
+    for _ in range(2):
+        jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
-    outs = [f(*args) for _ in range(iters)]
-    jax.block_until_ready(outs)
+    jax.block_until_ready([f(*args) for _ in range(iters)])
     return (time.perf_counter() - t0) / iters
 
 
 def guarded(name, fn):
+    """fn(), or None with the error recorded (an OOM is a result too)."""
     try:
         return fn()
     except Exception as e:  # report and keep measuring the rest
-        msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
-        RESULTS.setdefault("errors", {})[name] = msg
+        msg = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        R.setdefault("errors", {})[name] = msg
         print(f"  {name} FAILED {msg}", flush=True)
         return None
 
 
-def group_sizes(tokens, seed):
-    """Random top-k routing over the local experts, then the two shared experts (every token)."""
+def routing(tokens, seed):
+    """Random top-6 picks over the local experts: (ids [T, 6], group sizes of the 34 groups)."""
     rng = np.random.default_rng(seed)
-    picks = np.argsort(rng.random((tokens, LOCAL)), axis=1)[:, :TOP_K]
-    return jnp.array(list(np.bincount(picks.ravel(), minlength=LOCAL)) + [tokens] * SHARED, jnp.int32)
+    ids = np.argsort(rng.random((tokens, LOCAL)), axis=1)[:, :TOP_K].astype(np.int32)
+    return ids, jnp.array(list(np.bincount(ids.ravel(), minlength=LOCAL)) + [tokens] * SHARED, jnp.int32)
 
 
-def inputs(tokens, seed=0):
-    ks = jax.random.split(jax.random.key(seed), 6)
-    gs = group_sizes(tokens, seed)
-    m, g = int(gs.sum()), LOCAL + SHARED
-    rnd = lambda k, shape, s: (s * jax.random.normal(k, shape, jnp.float32)).astype(jnp.bfloat16)  # noqa: E731
-    return dict(x=rnd(ks[0], (m, H), 1.0), wg=rnd(ks[1], (g, H, I), H ** -0.5), wu=rnd(ks[2], (g, H, I), H ** -0.5),
-                wd=rnd(ks[3], (g, I, H), I ** -0.5), gs=gs,
-                rw=jax.random.uniform(ks[4], (m,), jnp.float32, 0.05, 1.0), dy=rnd(ks[5], (m, H), 1.0))
+def rnd(key, shape, scale=1.0):
+    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(jnp.bfloat16)
+
+
+def weights(seed=1):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    g = LOCAL + SHARED
+    return rnd(ks[0], (g, H, I), H ** -0.5), rnd(ks[1], (g, H, I), H ** -0.5), rnd(ks[2], (g, I, H), I ** -0.5)
+
+
+def rows_inputs(tokens, seed=0):
+    """Sorted rows of the linearised layout: x [M, H], group sizes, row weights, output cotangent."""
+    ids, gs = routing(tokens, seed)
+    m = int(gs.sum())
+    ks = jax.random.split(jax.random.key(seed), 3)
+    return dict(x=rnd(ks[0], (m, H)), gs=gs, rw=jax.random.uniform(ks[1], (m,), jnp.float32, 0.05, 1.0),
+                dy=rnd(ks[2], (m, H)), ids=jnp.asarray(ids))
 
 
 def ceilings():
     x = jax.random.normal(jax.random.key(9), (CEIL_COPY,), jnp.bfloat16)  # 2 GiB
-    t = timed(jax.jit(lambda x: x * 2), x, reps=10)
-    RESULTS["copy_GBps"] = 2 * x.nbytes / t / 1e9
+    R["copy_GBps"] = 2 * x.nbytes / timed(jax.jit(lambda x: x * 2), x, reps=10) / 1e9
     a = jax.random.normal(jax.random.key(1), (CEIL_MM, CEIL_MM), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (CEIL_MM, CEIL_MM), jnp.bfloat16)
-    t = timed(jax.jit(lambda a, b: a @ b), a, b, reps=10)
-    RESULTS["matmul_TFLOPs"] = 2 * CEIL_MM ** 3 / t / 1e12
-    print(f"copy {RESULTS['copy_GBps']:.0f} GB/s, XLA bf16 matmul {RESULTS['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
+    R["matmul_TFLOPs"] = 2 * CEIL_MM ** 3 / timed(jax.jit(lambda a, b: a @ b), a, a, reps=10) / 1e12
+    print(f"copy {R['copy_GBps']:.0f} GB/s, XLA bf16 matmul {R['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
 
 
-# ---- peers ---------------------------------------------------------------------------------------------------
 def mgpu_peer():
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
@@ -102,37 +117,37 @@ def mgpu_peer():
     def mm(x, w, gs):
         return rd.ragged_dot(x, w, group_sizes=gs, grid_block_n=8, **tiles)
 
-    def mm_fwd(x, w, gs):
-        return mm(x, w, gs), (x, w, gs)
-
     def mm_bwd(res, dy):
         x, w, gs = res
         dx = rd.ragged_dot(dy, w, group_sizes=gs, grid_block_n=8, transpose_rhs=True, **tiles)
         return dx, trd.transposed_ragged_dot(x, dy, group_sizes=gs, grid_block_n=4, **tiles), None
 
-    mm.defvjp(mm_fwd, mm_bwd)
+    mm.defvjp(lambda x, w, gs: (mm(x, w, gs), (x, w, gs)), mm_bwd)
     return mm
 
 
-def swiglu_ffn(mm, x, w13, wd, gs, rw):
-    """Unfused layout of the peers: one matmul to [gate | up], SwiGLU and row weight in XLA, then down."""
-    z = mm(x, w13, gs).astype(jnp.float32)
+def unfused_ffn(mm, x, wg, wu, wd, gs, rw):
+    """The peers' layout: one matmul to [gate | up], SwiGLU and row weight in XLA, then down."""
+    z = mm(x, jnp.concatenate([wg, wu], -1), gs).astype(jnp.float32)
     h = jax.nn.silu(z[:, :I]) * z[:, I:] * rw[:, None]
     return mm(h.astype(x.dtype), wd, gs)
 
 
-def fwd_bwd(ffn, gs_index):
-    """jit of (out, grads of every float argument) for a given output cotangent (last argument)."""
-    def run(*args_and_dy):
-        *args, dy = args_and_dy
-        gs = args[gs_index]
-
-        def f(*floats):
-            return ffn(*floats[:gs_index], gs, *floats[gs_index:])
-
-        out, vjp = jax.vjp(f, *args[:gs_index], *args[gs_index + 1:])
+def train_step(f, num_diff):
+    """jit of (out, grads of the first num_diff arguments) for an output cotangent given last."""
+    def run(*args):
+        *args, dy = args
+        out, vjp = jax.vjp(lambda *d: f(*d, *args[num_diff:]), *args[:num_diff])
         return out, vjp(dy)
     return jax.jit(run)
+
+
+def measure(name, f, args, num_diff, flops, note="", reps=5):
+    t = guarded(f"{name} fwd", lambda: timed(jax.jit(f), *args[:-1], reps=reps, warm=min(2, reps)))
+    tb = guarded(f"{name} fwd+bwd", lambda: timed(train_step(f, num_diff), *args, reps=reps, warm=min(2, reps)))
+    R["rows"][name] = dict(note=note, fwd_ms=t and t * 1e3, fwd_TFLOPs=t and flops / t / 1e12,
+                           fwdbwd_ms=tb and tb * 1e3, fwdbwd_TFLOPs=tb and 3 * flops / tb / 1e12)
+    print(name, json.dumps(R["rows"][name]), flush=True)
 
 
 def rel(a, b):
@@ -140,133 +155,162 @@ def rel(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
 
 
-def prefill():
-    d = inputs(TOKENS)
-    m = d["x"].shape[0]
-    flops = 6 * m * H * I
-    w13 = jnp.concatenate([d["wg"], d["wu"]], axis=-1)
-    ours_args = (d["x"], d["wg"], d["wu"], d["wd"], d["gs"], d["rw"])
-    peer_args = (d["x"], w13, d["wd"], d["gs"], d["rw"])
-    candidates = [("ours (moe_ffn)", moe_ffn, ours_args, 4)]
-    peer_mm = guarded("mgpu_import", mgpu_peer)
+def prefill(w):
+    d = rows_inputs(TOKENS)
+    flops = 6 * d["x"].shape[0] * H * I
+    ours = lambda x, wg, wu, wd, rw, gs: moe_ffn(x, wg, wu, wd, gs, rw)  # noqa: E731
+    kargs = (d["x"], *w, d["rw"], d["gs"], d["dy"])
+    measure("kernel: ours (moe_ffn)", ours, kargs, 5, flops)
+    peer_mm = guarded("mgpu peer import", mgpu_peer)
     if peer_mm is not None:
-        candidates.append(("mgpu ragged_dot peer", functools.partial(swiglu_ffn, peer_mm), peer_args, 3))
-    candidates.append(("lax.ragged_dot", functools.partial(swiglu_ffn, jax.lax.ragged_dot), peer_args, 3))
-    outs = {}
-    rows = {}
-    for name, ffn, args, gs_index in candidates:
-        slow = name.startswith("lax")  # XLA pads to dense here: seconds per call
-        reps = dict(reps=2, warm=1) if slow else dict(reps=5)
-        train = fwd_bwd(ffn, gs_index)
-        t = guarded(f"{name} fwd", lambda: timed(jax.jit(ffn), *args, **reps))
-        tb = guarded(f"{name} fwd+bwd", lambda: timed(train, *args, d["dy"], **reps))
-        rows[name] = dict(fwd_ms=t and t * 1e3, fwd_TFLOPs=t and flops / t / 1e12,
-                          fwdbwd_ms=tb and tb * 1e3, fwdbwd_TFLOPs=tb and 3 * flops / tb / 1e12)
-        print(name, json.dumps(rows[name]), flush=True)
-        if not slow:
-            outs[name] = guarded(f"{name} outputs", lambda: train(*args, d["dy"]))
-        if len(outs) == 2 and all(v is not None for v in outs.values()):  # ours vs the Mosaic peer, full size
-            (y1, (dx1, dwg, dwu, dwd1, drw1)), (y2, (dx2, dw13, dwd2, drw2)) = outs.values()
-            RESULTS["rel_err_ours_vs_mgpu_peer"] = dict(
-                y=rel(y1, y2), dx=rel(dx1, dx2), dw_gate_up=rel(jnp.concatenate([dwg, dwu], -1), dw13),
-                dw_down=rel(dwd1, dwd2), drow_weights=rel(drw1, drw2))
-            outs.clear()
-    RESULTS["prefill"] = rows
+        peer = lambda x, wg, wu, wd, rw, gs: unfused_ffn(peer_mm, x, wg, wu, wd, gs, rw)  # noqa: E731
+        measure("kernel: jax Mosaic-GPU ragged_dot", peer, kargs, 5, flops)
+        got = guarded("ours outputs", lambda: train_step(ours, 5)(*kargs))
+        want = guarded("peer outputs", lambda: train_step(peer, 5)(*kargs))
+        if got is not None and want is not None:
+            names = ("y", "dx", "dw_gate", "dw_up", "dw_down", "drow_weights")
+            R["rel_err_ours_vs_mgpu_peer"] = {n: rel(a, b) for n, a, b in
+                                               zip(names, [got[0], *got[1]], [want[0], *want[1]])}
     return d
 
 
-def kernel_sweep(d):
-    """Per-kernel TFLOP/s of ours at the bench shape, for a few tile configurations."""
+def layer(w, d):
+    """`mlp.experts` (what the model runs) with the shared experts dense or in the same launch."""
+    wg, wu, wd = w
+    routed, shared = (wg[:LOCAL], wu[:LOCAL], wd[:LOCAL]), (wg[LOCAL:], wu[LOCAL:], wd[LOCAL:])
+    x = d["x"][:TOKENS]
+    ks = jax.random.split(jax.random.key(5), 2)
+    wts = jax.random.uniform(ks[0], (TOKENS, TOP_K), jnp.float32, 0.1, 1.0)
+    shared_wts = jax.random.uniform(ks[1], (TOKENS, SHARED), jnp.float32, 0.1, 1.0)
+    flops = 6 * TOKENS * (TOP_K + SHARED) * H * I
+    for in_launch in (False, True):
+        def f(x, routed, shared, wts, shared_wts, ids, in_launch=in_launch):
+            return experts(x, routed, shared, ids, wts, shared_wts, shared_in_launch=in_launch).astype(x.dtype)
+        name = f"layer: ours, shared {'in the same launch' if in_launch else 'as XLA einsum'}"
+        measure(name, f, (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:TOKENS]), 5, flops,
+                note="incl. routing sort/gather/combine" + (", weight stack copy" if in_launch else ""))
+
+
+def ragged_peer(w):
+    d = rows_inputs(RAGGED_TOKENS, seed=2)
+    flops = 6 * d["x"].shape[0] * H * I
+    f = lambda x, wg, wu, wd, rw, gs: unfused_ffn(jax.lax.ragged_dot, x, wg, wu, wd, gs, rw)  # noqa: E731
+    measure("kernel: jax.lax.ragged_dot", f, (d["x"], *w, d["rw"], d["gs"], d["dy"]), 5, flops, reps=2,
+            note=f"at {RAGGED_TOKENS} tokens ({d['x'].shape[0]} rows): it pads every group to all rows")
+    measure("kernel: ours at the same size", lambda x, wg, wu, wd, rw, gs: moe_ffn(x, wg, wu, wd, gs, rw),
+            (d["x"], *w, d["rw"], d["gs"], d["dy"]), 5, flops, note=f"at {RAGGED_TOKENS} tokens")
+
+
+def decode(w):
+    wg, wu, wd = w
+    for tokens in (1, 8, 64):
+        d = rows_inputs(tokens, seed=tokens)
+        touched = int((d["gs"] > 0).sum())
+        nbytes = touched * 3 * H * I * 2
+        row = R["decode"][tokens] = dict(touched_experts=touched, weight_GB=nbytes / 1e9)
+        kernel = jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens))
+        cases = {"kernel": (kernel, (d["x"], wg, wu, wd, d["gs"], d["rw"]))}
+        x, ids = d["x"][:tokens], d["ids"]
+        wts, swts = jnp.full((tokens, TOP_K), 0.1), jnp.full((tokens, SHARED), 0.2)
+        routed, shared = (wg[:LOCAL], wu[:LOCAL], wd[:LOCAL]), (wg[LOCAL:], wu[LOCAL:], wd[LOCAL:])
+        for in_launch in (False, True):
+            f = jax.jit(functools.partial(experts, shared_in_launch=in_launch))
+            cases[f"layer_shared_{'in_launch' if in_launch else 'einsum'}"] = (f, (x, routed, shared, ids, wts, swts))
+        cases["ragged_dot"] = (jax.jit(functools.partial(unfused_ffn, jax.lax.ragged_dot)),
+                               (d["x"], wg, wu, wd, d["gs"], d["rw"]))
+        for name, (f, args) in cases.items():
+            iters = 10 if name == "ragged_dot" else 50
+            t = guarded(f"decode {tokens} {name}", lambda: timed_loop(f, *args, iters=iters))
+            row[f"{name}_us"] = t and t * 1e6
+            row[f"{name}_of_copy"] = t and nbytes / t / 1e9 / R["copy_GBps"]
+        print(f"decode {tokens}", json.dumps(row), flush=True)
+
+
+def kernel_sweep(d, w):
+    """Per-kernel TFLOP/s of ours at the prefill shape, for a few tile configurations, while time is left."""
     m = d["x"].shape[0]
     hmid = (0.5 * d["dy"][:, :I]).astype(jnp.bfloat16)
     swiglu = functools.partial(epilogues.swiglu, keep_preactivations=False)
 
-    def gmm(transpose_rhs, pairs, epilogue, rows=()):
-        def make(cfg):
-            def run(lhs, weights, gs, rows):
-                return matmuls.gmm(lhs, weights, gs, transpose_rhs=transpose_rhs, pairs=pairs, epilogue=epilogue,
-                                   num_outputs=1, cfg=cfg, interpret=False, row_inputs=rows)
-            return run
-        return make
+    def gmm(transpose_rhs, pairs, epilogue):
+        return lambda cfg: lambda lhs, weights, gs, rows: matmuls.gmm(
+            lhs, weights, gs, transpose_rhs=transpose_rhs, pairs=pairs, epilogue=epilogue, num_outputs=1, cfg=cfg,
+            interpret=False, row_inputs=rows)
 
     plain = ((0, 0, 0),)
     roles = {
         "swiglu": (2 * m * H * 2 * I, gmm(False, ((0, 0, 0), (0, 1, 1)), swiglu),
-                   ([d["x"]], [d["wg"], d["wu"]], d["gs"], (d["rw"],)),
+                   ([d["x"]], [w[0], w[1]], d["gs"], (d["rw"],)),
                    [GmmConfig(block_n=128), GmmConfig(block_n=128, grid_tile_width=16),
-                    GmmConfig(block_n=128, grid_tile_width=4), GmmConfig(block_n=128, stages=3)]),
-        "down": (2 * m * I * H, gmm(False, plain, epilogues.plain), ([hmid], [d["wd"]], d["gs"], ()),
+                    GmmConfig(block_n=128, stages=3)]),
+        "down": (2 * m * I * H, gmm(False, plain, epilogues.plain), ([hmid], [w[2]], d["gs"], ()),
                  [GmmConfig(), GmmConfig(grid_tile_width=16), GmmConfig(block_n=128)]),
-        "dgrad": (2 * m * H * I, gmm(True, plain, epilogues.plain), ([d["dy"]], [d["wd"]], d["gs"], ()),
+        "dgrad": (2 * m * H * I, gmm(True, plain, epilogues.plain), ([d["dy"]], [w[2]], d["gs"], ()),
                   [GmmConfig(), GmmConfig(grid_tile_width=16)]),
         "dx_pairs": (2 * m * 2 * I * H, gmm(True, ((0, 0, 0), (1, 1, 0)), epilogues.plain),
-                     ([hmid, hmid], [d["wg"], d["wu"]], d["gs"], ()),
+                     ([hmid, hmid], [w[0], w[1]], d["gs"], ()),
                      [GmmConfig(block_k=32), GmmConfig(block_k=32, grid_tile_width=16)]),
         "wgrad": (2 * m * H * I, lambda cfg: lambda x, dy, gs: matmuls.tgmm(x, dy, gs, cfg=cfg, interpret=False),
-                  (d["x"], hmid, d["gs"]),
-                  [WgradConfig(), WgradConfig(grid_tile_width=8), WgradConfig(block_n=128)]),
+                  (d["x"], hmid, d["gs"]), [WgradConfig(), WgradConfig(grid_tile_width=8), WgradConfig(block_n=128)]),
     }
-    sweep = {}
+    sweep = R["kernels"] = {}
     for role, (flops, make, args, cfgs) in roles.items():
-        for cfg in cfgs[:1] if QUICK else cfgs:
+        for cfg in cfgs:
             if time.perf_counter() - START > SWEEP_UNTIL_S:
-                RESULTS.setdefault("skipped", []).append(f"{role} {cfg}")
+                R.setdefault("skipped", []).append(f"{role} {cfg}")
                 continue
             t = guarded(f"{role} {cfg}", lambda: timed(jax.jit(make(cfg)), *args, reps=5))
             if t:
                 sweep.setdefault(role, []).append((flops / t / 1e12, repr(cfg)))
                 print(f"  {role:9s} {flops / t / 1e12:6.1f} TFLOP/s  {cfg}", flush=True)
-    RESULTS["kernels"] = {r: sorted(v, reverse=True) for r, v in sweep.items()}
-
-
-def decode():
-    rows = {}
-    for tokens in (1, 8, 64):
-        d = inputs(tokens, seed=tokens)
-        touched = int((d["gs"] > 0).sum())
-        weight_bytes = touched * 3 * H * I * 2
-        args = (d["x"], d["wg"], d["wu"], d["wd"], d["gs"], d["rw"])
-        ours = jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens))
-        t = guarded(f"decode {tokens}", lambda: timed_loop(ours, *args))
-        w13 = jnp.concatenate([d["wg"], d["wu"]], -1)
-        tr = guarded(f"decode {tokens} ragged", lambda: timed_loop(
-            jax.jit(functools.partial(swiglu_ffn, jax.lax.ragged_dot)), d["x"], w13, d["wd"], d["gs"], d["rw"],
-            iters=10))
-        rows[tokens] = dict(touched_experts=touched, weight_GB=weight_bytes / 1e9, ours_us=t and t * 1e6,
-                            ours_GBps=t and weight_bytes / t / 1e9, ragged_dot_us=tr and tr * 1e6,
-                            ours_frac_of_copy=t and weight_bytes / t / 1e9 / RESULTS["copy_GBps"])
-        print(f"decode {tokens}", json.dumps(rows[tokens]), flush=True)
-    RESULTS["decode"] = rows
 
 
 def summary():
-    copy, peak = RESULTS["copy_GBps"], RESULTS["matmul_TFLOPs"]
-    lines = [f"device {RESULTS['device']}, jax {RESULTS['jax']}; copy {copy:.0f} GB/s; XLA bf16 matmul {peak:.0f} TFLOP/s",
-             f"prefill M={TOKENS * (TOP_K + SHARED)} rows, 34 groups, H={H} I={I} bf16",
-             f"{'impl':24s} {'fwd ms':>8s} {'fwd TF/s':>9s} {'/matmul':>8s} {'f+b ms':>8s} {'f+b TF/s':>9s} {'/matmul':>8s}"]
-    fmt = lambda v, f: format("-", f.split(".")[0] + "s") if v is None else format(v, f)  # noqa: E731
-    for name, r in RESULTS.get("prefill", {}).items():
-        lines.append(f"{name:24s} {fmt(r['fwd_ms'], '8.2f')} {fmt(r['fwd_TFLOPs'], '9.1f')} "
-                     f"{fmt(r['fwd_TFLOPs'] and r['fwd_TFLOPs'] / peak, '8.2f')} {fmt(r['fwdbwd_ms'], '8.2f')} "
-                     f"{fmt(r['fwdbwd_TFLOPs'], '9.1f')} {fmt(r['fwdbwd_TFLOPs'] and r['fwdbwd_TFLOPs'] / peak, '8.2f')}")
-    for role, v in RESULTS.get("kernels", {}).items():
-        lines.append(f"kernel {role:9s} best {v[0][0]:6.1f} TFLOP/s  {v[0][1]}")
-    lines.append(f"{'decode tokens':14s} {'experts':>7s} {'GB':>6s} {'ours us':>8s} {'GB/s':>7s} {'/copy':>6s} {'ragged us':>9s}")
-    for tokens, r in RESULTS.get("decode", {}).items():
-        lines.append(f"{tokens:<14d} {r['touched_experts']:7d} {r['weight_GB']:6.2f} {fmt(r['ours_us'], '8.0f')} "
-                     f"{fmt(r['ours_GBps'], '7.0f')} {fmt(r['ours_frac_of_copy'], '6.2f')} {fmt(r['ragged_dot_us'], '9.0f')}")
-    for k in ("rel_err_ours_vs_mgpu_peer", "errors"):
-        if k in RESULTS:
-            lines.append(f"{k}: {RESULTS[k]}")
+    copy, peak = R.get("copy_GBps", float("nan")), R.get("matmul_TFLOPs", float("nan"))
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    lines = ["", f"device {R['device']}, jax {R['jax']}; copy {copy:.0f} GB/s; XLA bf16 matmul {peak:.0f} TFLOP/s; "
+             f"prefill {TOKENS} tokens x (top-{TOP_K} + {SHARED} shared), H={H} I={I} bf16; "
+             f"{time.perf_counter() - START:.0f} s",
+             "| case | fwd ms | fwd TFLOP/s | /matmul | fwd+bwd ms | fwd+bwd TFLOP/s | /matmul | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, r in R["rows"].items():
+        lines.append(f"| {name} | {fmt(r['fwd_ms'], '.2f')} | {fmt(r['fwd_TFLOPs'], '.1f')} | "
+                     f"{fmt(r['fwd_TFLOPs'] and r['fwd_TFLOPs'] / peak, '.2f')} | {fmt(r['fwdbwd_ms'], '.2f')} | "
+                     f"{fmt(r['fwdbwd_TFLOPs'], '.1f')} | "
+                     f"{fmt(r['fwdbwd_TFLOPs'] and r['fwdbwd_TFLOPs'] / peak, '.2f')} "
+                     f"| {r['note']} |")
+    for tokens, r in R["decode"].items():
+        cells = [f"{k[:-3]} {fmt(r.get(k), '.0f')} us = {fmt(r.get(k[:-3] + '_of_copy'), '.2f')} of copy"
+                 for k in r if k.endswith("_us")]
+        lines.append(f"| decode {tokens} tok: {r['touched_experts']} experts, {r['weight_GB']:.2f} GB | "
+                     + " | ".join(cells) + " |")
+    for role, v in R.get("kernels", {}).items():
+        best = max(v)
+        lines.append(f"| sweep {role}: best {best[0]:.1f} TFLOP/s | {best[1]} |")
+    for k in ("rel_err_ours_vs_mgpu_peer", "errors", "skipped"):
+        if k in R:
+            lines.append(f"{k}: {R[k]}")
     print("\n".join(lines), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "moe_bench.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1, default=str)
+            json.dump(R, f, indent=1, default=str)
+
+
+def main():
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))  # a `timeout` still gets the summary below
+    try:
+        ceilings()
+        w = weights()
+        with kernels.use(moe="pallas"):
+            d = prefill(w)
+            decode(w)
+            layer(w, d)
+        ragged_peer(w)
+        if not DRY:
+            kernel_sweep(d, w)
+    finally:
+        summary()
 
 
 if __name__ == "__main__":
-    ceilings()
-    data = prefill()
-    decode()
-    kernel_sweep(data)
-    summary()
+    main()

@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python bench/shortconv.py [--out DIR] [--sweep-seconds S]
 
-- prefill: the kernel's bandwidth against a plain jitted `y = 2x` over the same bytes (the copy roofline)
-  and its speed against the jitted jnp reference; a few tile settings are swept and each is printed;
+- prefill: the tiled and the strip kernels' bandwidth against a plain jitted `y = 2x` over the same bytes (the
+  copy roofline) and their speed against the jitted jnp reference; a few tile settings of each are swept and
+  each is printed;
 - decode: the state-pool kernel against the jitted jnp reference;
 - prologue: the fused kernel against the jitted unfused jnp sequence (pools and caches donated in both).
 Each time is the median over trials of a jitted chain of `reps` dependent calls kept apart by optimization
@@ -24,13 +25,16 @@ import jax.numpy as jnp
 
 from pallas_kernels.attn_prologue import PrologueBlocks, attn_prologue
 from pallas_kernels.attn_prologue import reference as prologue_ref
-from pallas_kernels.shortconv import DecodeBlocks, PrefillBlocks, reference, shortconv_decode, shortconv_prefill
+from pallas_kernels.shortconv import (DecodeBlocks, PrefillBlocks, StripBlocks, reference, shortconv_decode,
+                                      shortconv_prefill, shortconv_prefill_strip)
 
 BF16, WIDTH = jnp.bfloat16, 4
 PREFILL_SHAPES = [(1, 8192, 6144), (1, 8192, 2048), (4, 8192, 2048)]
 PREFILL_SWEEP = [PrefillBlocks(16, 256, 4), PrefillBlocks(16, 128, 2), PrefillBlocks(8, 256, 4),
                  PrefillBlocks(8, 512, 4), PrefillBlocks(16, 512, 8), PrefillBlocks(32, 256, 8),
                  PrefillBlocks(8, 256, 2)]
+STRIP_SWEEP = [StripBlocks(), StripBlocks(256, 256, 8, 1), StripBlocks(1024, 256, 8, 4), StripBlocks(512, 512, 8, 2),
+               StripBlocks(512, 128, 8, 2), StripBlocks(512, 256, 16, 2), StripBlocks(256, 128, 8, 1)]
 DECODE_SHAPES = [(1, 6144), (256, 6144), (256, 2048)]  # (tokens, channels)
 DECODE_SWEEP = [DecodeBlocks(512, 4), DecodeBlocks(1024, 4), DecodeBlocks(512, 2), DecodeBlocks(256, 2)]
 PROLOGUE_LAYERS = {"global": (64, 8, True), "local": (64, 16, False)}  # Hq, Hkv, tau
@@ -90,30 +94,50 @@ def best_of(sweep, measure, log, label):
 
 
 def kernel_vs_jnp(rows, log, op, name, measure, kernel, jnp_path, sweep, moved, base_rate):
-    """Sweeps the kernel's settings, times the jitted jnp path, and appends a row for each."""
+    """Sweeps the kernel's settings, times the jitted jnp path, and appends a row for each; returns the jnp time."""
     found = best_of(sweep, lambda b: measure(functools.partial(kernel, blocks=b)), log, f"{op} {name}")
     jnp_seconds = measure(jnp_path)
     rows.append((f"{op} jnp", name, jnp_seconds, moved, base_rate, jnp_seconds, ""))
     if found:
         rows.append((f"{op} kernel", name, found[0], moved, base_rate, jnp_seconds, str(found[1])))
+    return jnp_seconds
+
+
+def prefill_inputs(shape):
+    """x [B, T, C] bf16 and w [C, 4] fp32 for the prefill, and the bytes a call moves."""
+    batch, _, channels = shape
+    kx, kw = jax.random.split(jax.random.key(0))
+    x, w = normal(kx, shape), 0.1 * normal(kw, (channels, WIDTH), jnp.float32)
+    return x, w, 2 * x.size * 2 + w.size * 4 + batch * (WIDTH - 1) * channels * 2
+
+
+def prefill_measure(x, w, reps=10):
+    """measure(fn) -> seconds per prefill call fn(x, w) -> (y, state); y feeds the next step's x."""
+    state0 = jnp.zeros((x.shape[0], WIDTH - 1, x.shape[2]), BF16)
+
+    def measure(fn):
+        return per_call_seconds(lambda carry, w: fn(carry[0], w), (x, state0), (w,), reps=reps, feed_back=False)
+    return measure
+
+
+def scale_seconds(x, reps=10):
+    """Seconds per jitted y = 2x over x: the copy roofline of the same bytes."""
+    return per_call_seconds(lambda x: x * 2, x, (), reps=reps, feed_back=False)
 
 
 def bench_prefill(shape, rows, log):
-    batch, seq, channels = shape
-    kx, kw = jax.random.split(jax.random.key(0))
-    x, w = normal(kx, shape), 0.1 * normal(kw, (channels, WIDTH), jnp.float32)
-    moved = 2 * x.size * 2 + w.size * 4 + batch * (WIDTH - 1) * channels * 2
-    state0 = jnp.zeros((batch, WIDTH - 1, channels), BF16)
-
-    def measure(fn):  # y feeds the next step's x
-        return per_call_seconds(lambda carry, w: fn(carry[0], w), (x, state0), (w,), reps=10, feed_back=False)
-
-    scale = per_call_seconds(lambda x: x * 2, x, (), reps=10, feed_back=False)
+    x, w, moved = prefill_inputs(shape)
+    scale = scale_seconds(x)
     scale_rate = 2 * x.size * 2 / scale
     name = "x".join(map(str, shape))
     rows.append(("y = 2x (XLA)", name, scale, 2 * x.size * 2, scale_rate, None, ""))
-    kernel_vs_jnp(rows, log, "sconv prefill", name, measure, shortconv_prefill, reference.shortconv_prefill,
-                  PREFILL_SWEEP, moved, scale_rate)
+    measure = prefill_measure(x, w)
+    jnp_seconds = kernel_vs_jnp(rows, log, "sconv prefill", name, measure, shortconv_prefill,
+                                reference.shortconv_prefill, PREFILL_SWEEP, moved, scale_rate)
+    found = best_of(STRIP_SWEEP, lambda b: measure(functools.partial(shortconv_prefill_strip, blocks=b)), log,
+                    f"sconv prefill strip {name}")
+    if found:
+        rows.append(("sconv prefill strip kernel", name, found[0], moved, scale_rate, jnp_seconds, str(found[1])))
     return scale_rate
 
 
@@ -133,37 +157,44 @@ def bench_decode(shape, rows, log, copy_rate):
                   reference.shortconv_decode, DECODE_SWEEP, moved, copy_rate)
 
 
-def prologue_inputs(tokens, heads, kv_heads, with_tau):
+def prologue_inputs(tokens, heads, kv_heads, with_tau, head_dim=HEAD_DIM, pool_slots=POOL_SLOTS,
+                    cache_slots=CACHE_SLOTS):
+    """(constant arguments, state carried from step to step, bytes a call moves) of the prologue."""
     keys = iter(jax.random.split(jax.random.key(2), 16))
-    kv = kv_heads * HEAD_DIM
+    kv = kv_heads * head_dim
     consts = dict(
         k_conv_w=0.01 * normal(next(keys), (kv, WIDTH), jnp.float32),
-        v_conv_w=0.01 * normal(next(keys), (kv, WIDTH), jnp.float32), q_norm_w=normal(next(keys), (HEAD_DIM,)),
-        k_norm_w=normal(next(keys), (HEAD_DIM,)),
-        slots=jax.random.permutation(next(keys), POOL_SLOTS)[:tokens],
-        write_idx=jax.random.permutation(next(keys), CACHE_SLOTS)[:tokens],
+        v_conv_w=0.01 * normal(next(keys), (kv, WIDTH), jnp.float32), q_norm_w=normal(next(keys), (head_dim,)),
+        k_norm_w=normal(next(keys), (head_dim,)),
+        slots=jax.random.permutation(next(keys), pool_slots)[:tokens],
+        write_idx=jax.random.permutation(next(keys), cache_slots)[:tokens],
         tau=1.0 + jax.random.uniform(next(keys), (tokens,)) if with_tau else None)
-    state = dict(q=normal(next(keys), (tokens, heads * HEAD_DIM)), k=normal(next(keys), (tokens, kv)),
-                 v=normal(next(keys), (tokens, kv)), k_pool=normal(next(keys), (POOL_SLOTS, WIDTH - 1, kv)),
-                 v_pool=normal(next(keys), (POOL_SLOTS, WIDTH - 1, kv)),
-                 k_cache=normal(next(keys), (CACHE_SLOTS, kv_heads, HEAD_DIM)),
-                 v_cache=normal(next(keys), (CACHE_SLOTS, kv_heads, HEAD_DIM)))
-    moved = 2 * (2 * tokens * heads * HEAD_DIM + 6 * tokens * kv + 2 * 2 * (WIDTH - 1) * tokens * kv)
+    state = dict(q=normal(next(keys), (tokens, heads * head_dim)), k=normal(next(keys), (tokens, kv)),
+                 v=normal(next(keys), (tokens, kv)), k_pool=normal(next(keys), (pool_slots, WIDTH - 1, kv)),
+                 v_pool=normal(next(keys), (pool_slots, WIDTH - 1, kv)),
+                 k_cache=normal(next(keys), (cache_slots, kv_heads, head_dim)),
+                 v_cache=normal(next(keys), (cache_slots, kv_heads, head_dim)))
+    moved = 2 * (2 * tokens * heads * head_dim + 6 * tokens * kv + 2 * 2 * (WIDTH - 1) * tokens * kv)
     moved += 2 * kv * WIDTH * 4 + tokens * 12
     return consts, state, moved
+
+
+def prologue_measure(consts, state, tokens, reps=50):
+    """measure(fn) -> seconds per prologue call; q, k, v out feed the next step's q, k, v and the pools and
+    caches stay in place."""
+    def measure(fn):
+        def step(carry, consts):
+            out = fn(**consts, **carry)
+            names = ("q", "k", "v", "k_pool", "v_pool", "k_cache", "v_cache")
+            return {name: a.reshape(tokens, -1) if i < 3 else a for i, (name, a) in enumerate(zip(names, out))}
+        return per_call_seconds(step, jax.tree.map(jnp.copy, state), (consts,), reps=reps, feed_back=True)
+    return measure
 
 
 def bench_prologue(layer, tokens, rows, log, copy_rate):
     heads, kv_heads, with_tau = PROLOGUE_LAYERS[layer]
     consts, state, moved = prologue_inputs(tokens, heads, kv_heads, with_tau)
-
-    def measure(fn):  # q, k, v out feed the next step's q, k, v; pools and caches stay in place
-        def step(carry, consts):
-            out = fn(**consts, **carry)
-            names = ("q", "k", "v", "k_pool", "v_pool", "k_cache", "v_cache")
-            return {name: a.reshape(tokens, -1) if i < 3 else a for i, (name, a) in enumerate(zip(names, out))}
-        return per_call_seconds(step, jax.tree.map(jnp.copy, state), (consts,), reps=50, feed_back=True)
-
+    measure = prologue_measure(consts, state, tokens)
     sweep = [b for b in PROLOGUE_SWEEP if kv_heads % b.kv_heads == 0]
     kernel_vs_jnp(rows, log, "prologue", f"{layer} Hkv={kv_heads} N={tokens}", measure, attn_prologue,
                   prologue_ref.attn_prologue, sweep, moved, copy_rate)

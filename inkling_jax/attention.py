@@ -1,6 +1,7 @@
 """Inkling attention: ShortConv on K and V, per-head q/k RMSNorm, the query-conditioned relative bias, the
 sliding window on local layers and log-scaling on full layers. The score computation itself is behind
-`kernels.attention`, so a Pallas kernel replaces it without touching this file."""
+`kernels.attention`, so a Pallas kernel replaces it without touching this file; so is a decode step's prologue
+(the ShortConvs, norms and cache write), which the Pallas backend fuses into one kernel."""
 
 import jax.numpy as jnp
 from flax import nnx
@@ -44,48 +45,63 @@ class Attention(nnx.Module):
         batch, seq, _ = u.shape
         q = self.wq(u).reshape(batch, seq, self.num_heads, self.head_dim)
         r = self.wr(u).reshape(batch, seq, self.num_heads, self.d_rel)
+        tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
+        if cache is not None and segment_ids is not None:
+            raise ValueError("packed segments and a decode cache cannot be combined")
+        if cache is not None and seq == 1 and kernels.fused_decode_prologue():
+            q, _, _, new_k, new_v, k_conv, v_conv = kernels.decode_prologue(
+                q[:, 0].reshape(batch, -1), self.wk(u)[:, 0], self.wv(u)[:, 0], self.k_sconv.weight[...],
+                self.v_sconv.weight[...], self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv,
+                cache.v_conv, cache.k, cache.v, self._cache_index(cache, page_table, positions, n_new)[:, 0],
+                eps=self.q_norm.eps)
+            out = self._decode_attention(new_k, new_v, page_table, q[:, None], r, positions, n_new, tau)
+            return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
+
         k, k_conv = self.k_sconv(self.wk(u), None if cache is None else cache.k_conv, segment_ids, n_new)
         v, v_conv = self.v_sconv(self.wv(u), None if cache is None else cache.v_conv, segment_ids, n_new)
         q = self.q_norm(q)
         k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
 
         if cache is None:
             out = kernels.self_attention(q, k, v, r, self.rel_proj[...], positions, window=self.window, tau=tau,
                                          segment_ids=segment_ids)
             updated = None
         else:
-            if segment_ids is not None:
-                raise ValueError("packed segments and a decode cache cannot be combined")
             out, new_k, new_v = self._cached_attention(cache, page_table, q, k, v, r, positions, n_new, tau)
             updated = dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
         return self.wo(out.reshape(batch, seq, -1)), updated
+
+    def _cache_index(self, cache, page_table, positions, n_new):
+        """[B, T] row of each token in the cache flattened to [rows, Hkv, D], or -1 where nothing is written:
+        padding tokens, and on sliding layers all but the last `window` real tokens (so no two writes collide)."""
+        seq = positions.shape[1]
+        real = jnp.arange(seq)[None, :] < n_new[:, None]
+        if self.local:
+            window = cache.k.shape[1]
+            keep = real & (jnp.arange(seq)[None, :] >= n_new[:, None] - window)
+            flat = jnp.arange(positions.shape[0])[:, None] * window + jnp.mod(positions, window)
+            return jnp.where(keep, flat, -1)
+        page_size = cache.k.shape[1]
+        page = jnp.take_along_axis(page_table, jnp.minimum(positions // page_size, page_table.shape[1] - 1), axis=1)
+        return jnp.where(real, page * page_size + positions % page_size, -1)
+
+    def _decode_attention(self, k_cache, v_cache, page_table, q, r, positions, n_new, tau):
+        """A decode step's attention straight over the cache that already holds the new token."""
+        lengths = jnp.maximum(positions[:, 0] + n_new, 1)  # idle rows (n_new 0) compute noise, write nothing
+        out = kernels.decode_attention(q[:, 0], k_cache, v_cache, r[:, 0], self.rel_proj[...], lengths,
+                                       page_table=None if self.local else page_table, window=self.window,
+                                       tau=None if tau is None else tau[:, 0])
+        return out[:, None]
 
     def _cached_attention(self, cache, page_table, q, k, v, r, positions, n_new, tau):
         """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
         seq = positions.shape[1]
         real = jnp.arange(seq)[None, :] < n_new[:, None]
-        if self.local:
-            # Only the last `window` real tokens survive in the ring, so no two writes hit the same slot.
-            window = cache.k.shape[1]
-            keep = real & (jnp.arange(seq)[None, :] >= n_new[:, None] - window)
-            slots = jnp.where(keep, jnp.mod(positions, window), window)
-            rows = jnp.arange(positions.shape[0])[:, None]
-            new_k = cache.k.at[rows, slots].set(k, mode="drop")
-            new_v = cache.v.at[rows, slots].set(v, mode="drop")
-        else:
-            page_size = cache.k.shape[1]
-            page = jnp.take_along_axis(page_table, jnp.minimum(positions // page_size, page_table.shape[1] - 1),
-                                       axis=1)
-            flat = jnp.where(real, page * page_size + positions % page_size, cache.k.shape[0] * page_size)
-            new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
+        flat = self._cache_index(cache, page_table, positions, n_new)
+        new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
         if seq == 1:  # a decode step: attend straight over the cache
-            lengths = jnp.maximum(positions[:, 0] + n_new, 1)  # idle rows (n_new 0) compute noise, write nothing
-            out = kernels.decode_attention(q[:, 0], new_k, new_v, r[:, 0], self.rel_proj[...], lengths,
-                                           page_table=None if self.local else page_table, window=self.window,
-                                           tau=None if tau is None else tau[:, 0])
-            return out[:, None], new_k, new_v
+            return self._decode_attention(new_k, new_v, page_table, q, r, positions, n_new, tau), new_k, new_v
         if self.local:  # the ring as it was before this chunk, then the chunk itself
             last = positions[:, :1] - 1  # the newest cached position, -1 for an empty row
             slot_pos = last - jnp.mod(last - jnp.arange(cache.k.shape[1])[None, :], cache.k.shape[1])
@@ -103,8 +119,9 @@ class Attention(nnx.Module):
         return out, new_k, new_v
 
 
-def _scatter_rows(pages, flat_index, rows):
-    """pages [P, S, ...] with rows [B, T, ...] written at flat (page * S + offset) indices; out of range: dropped."""
-    flat = pages.reshape(-1, *pages.shape[2:])
-    flat = flat.at[flat_index.reshape(-1)].set(rows.reshape(-1, *rows.shape[2:]), mode="drop")
-    return flat.reshape(pages.shape)
+def _scatter_rows(cache, flat_index, rows):
+    """cache [P, S, ...] with rows [B, T, ...] written at flat (p * S + s) indices; negative ones are dropped."""
+    flat = cache.reshape(-1, *cache.shape[2:])
+    index = jnp.where(flat_index < 0, flat.shape[0], flat_index).reshape(-1)
+    flat = flat.at[index].set(rows.reshape(-1, *rows.shape[2:]), mode="drop")
+    return flat.reshape(cache.shape)

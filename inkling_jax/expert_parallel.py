@@ -1,10 +1,14 @@
-"""Expert parallelism: routed experts split over the mesh's `expert` axis with `shard_map`.
+"""Expert parallelism: routed experts split over the mesh's `expert` axis with `shard_map`, tokens dispatched to
+the shard owning their expert and combined back by all-to-all.
 
-Tokens are sharded over the batch axes (data x fsdp) and replicated across the `expert` axis, so every expert
-shard already holds the tokens of its group: each shard runs only the (token, slot) rows routed to its own
-experts (sorted, one grouped matmul per projection) and a `psum` over `expert` combines the partial outputs.
-There is no capacity and no token is dropped; the result does not depend on the mesh (up to the fp32 order of
-the final sum).
+Tokens come sharded over the batch axes (data x fsdp) and replicated across `expert`. Each expert shard takes
+its own 1/n slice of them, sorts its (token, slot) copies by expert and sends each copy only to the shard
+that owns the expert (`ragged_all_to_all` on GPU; on other backends, whose XLA lacks it, `ragged_all_to_all_padded`,
+the same contract over a fixed-size `all_to_all`). The receiver runs its experts on everything it received,
+sends the results back the same way, the home shard weights and sums the k copies of each token in fp32 (in
+slot order, no atomics), and an `all_gather` over `expert` returns the layer's output replicated again.
+Buffers are sized for the worst case (every copy to one shard), so there is no capacity and nothing is
+dropped. Shared experts run on the home shard's slice: in the same launch (`shared_in_launch`) or dense.
 """
 
 import jax
@@ -13,43 +17,121 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from inkling_jax.sharding import RULES
 
+AXIS = "expert"
 
-def routed_experts_ep(x, w_gate, w_up, w_down, expert_ids, weights, mesh: Mesh, grouped_ffn):
-    """sum_k weights[n, k] * Expert_{ids[n, k]}(x[n]) with the experts sharded over `expert`.
 
-    grouped_ffn(rows [M, H], w_gate, w_up, w_down, group_sizes [G], row_weights [M]) -> [M, H] runs the
-    experts of one shard on rows sorted by expert (rows past sum(group_sizes) must come out as zeros).
+def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, grouped_ffn, *,
+               shared_in_launch: bool = False, transport=None):
+    """`mlp.experts` with the routed experts sharded over `expert`.
+
+    grouped_ffn(rows [M, H], w_gate, w_up, w_down, group_sizes [G], row_weights [M]) -> [M, H] runs one shard's
+    experts on rows sorted by expert (zeros past sum(group_sizes)). transport: the ragged all-to-all
+    (default: by backend, see module doc).
     """
-    num_experts = w_gate.shape[0]
-    shards = mesh.shape["expert"]
+    from inkling_jax.mlp import grouped_rows, shared_dense, with_shared_rows
+
+    num_experts, shards = routed[0].shape[0], mesh.shape[AXIS]
     if num_experts % shards:
         raise ValueError(f"{num_experts} experts do not split over an expert axis of {shards}")
+    if transport is None:
+        transport = jax.lax.ragged_all_to_all if jax.default_backend() == "gpu" else ragged_all_to_all_padded
     batch_axes = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
-    tokens = P(batch_axes or None, None)
+    tokens = P(batch_axes or None)
     if x.shape[0] % max(1, _size(mesh, batch_axes)):
-        tokens = P(None, None)  # too few tokens to split: every shard of the group takes them all
+        tokens = P(None)  # too few tokens to split: every shard of the group takes them all
 
-    def shard(x, ids, wts, wg, wu, wd):
-        local = wg.shape[0]
-        first = jax.lax.axis_index("expert") * local
-        local_ids = ids.reshape(-1) - first
-        mine = (local_ids >= 0) & (local_ids < local)
-        # Rows of other shards' experts sort after every local group and are never computed.
-        key = jnp.where(mine, local_ids, local)
-        order = jnp.argsort(key, stable=True)
-        top_k = ids.shape[1]
-        token_of_row = order // top_k
-        group_sizes = jnp.bincount(jnp.where(mine, local_ids, 0), weights=mine.astype(jnp.int32),
-                                   length=local).astype(jnp.int32)
-        row_weights = jnp.where(mine, wts.reshape(-1), 0).astype(x.dtype)[order]
-        y = grouped_ffn(x[token_of_row], wg, wu, wd, group_sizes, row_weights)
-        partial = jnp.zeros(x.shape, jnp.float32).at[token_of_row].add(y.astype(jnp.float32))
-        return jax.lax.psum(partial, "expert")
+    def shard(x, ids, wts, shared_wts, routed, shared):
+        num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape
+        me = jax.lax.axis_index(AXIS)
+        # This shard's slice of the tokens its group holds (padded to a multiple of the shard count).
+        per = -(-num_tokens // shards)
+        take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+            jnp.pad(a, [(0, per * shards - num_tokens)] + [(0, 0)] * (a.ndim - 1)), me * per, per)
+        x_mine, ids_mine, wts_mine, shared_mine = take(x), take(ids), take(wts), take(shared_wts)
+        real = me * per + jnp.arange(per) < num_tokens
 
-    expert_w = P("expert", None, None)
-    out = jax.shard_map(shard, mesh=mesh, in_specs=(tokens, tokens, tokens, expert_w, expert_w, expert_w),
-                        out_specs=tokens, check_vma=False)(x, expert_ids, weights, w_gate, w_up, w_down)
-    return out.astype(x.dtype)
+        # Copies sorted by global expert = by destination shard, then by its local expert.
+        dest_expert = jnp.where(jnp.repeat(real, top_k), ids_mine.reshape(-1), num_experts)
+        order = jnp.argsort(dest_expert, stable=True)
+        counts = jnp.bincount(dest_expert, length=num_experts).reshape(shards, num_local)
+        plan = _Plan(jax.lax.all_gather(counts, AXIS), me)
+        capacity = shards * per * top_k  # every copy of the group could go to this shard
+        received = transport(x_mine[order // top_k], jnp.zeros((capacity, x.shape[1]), x.dtype),
+                             *plan.dispatch(), axis_name=AXIS)
+
+        # Routed weights are applied at home, after the combine (the kernel's row weights are ones).
+        source, buffer = jnp.arange(capacity, dtype=jnp.int32), received
+        group, row_weights, stack = plan.local_expert_of_received(capacity), jnp.ones((capacity,)), routed
+        if shared_in_launch:  # padding tokens are zeros with zero sink weight: their shared rows give zeros
+            source, group, row_weights, stack = with_shared_rows(
+                source, group, row_weights, stack, shared, capacity + jnp.arange(per, dtype=jnp.int32), shared_mine)
+            buffer = jnp.concatenate([received, x_mine])
+        y = grouped_rows(buffer, source, group, row_weights, stack, grouped_ffn)
+
+        back = transport(y[:capacity], jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
+                         axis_name=AXIS)
+        copies = jnp.zeros_like(back).at[order].set(back).reshape(per, top_k, -1).astype(jnp.float32)
+        out = (copies * wts_mine[:, :, None].astype(jnp.float32)).sum(1)
+        if shared_in_launch:
+            out = out + y[capacity:].astype(jnp.float32).reshape(-1, per, out.shape[-1]).sum(0)
+        else:
+            out = out + shared_dense(x_mine, shared, shared_mine)
+        return jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
+
+    expert_w, replicated = P(AXIS), P()
+    return jax.shard_map(
+        shard, mesh=mesh, out_specs=tokens, check_vma=False,
+        in_specs=(tokens, tokens, tokens, tokens, (expert_w,) * 3, (replicated,) * 3),
+    )(x, expert_ids, weights, shared_weights, tuple(routed), tuple(shared))
+
+
+class _Plan:
+    """Offsets of one dispatch, from every shard's per-(destination, local expert) counts [n, n, L]."""
+
+    def __init__(self, all_counts, me):
+        self.all_counts, self.me = all_counts, me
+        sizes = all_counts.sum(-1)  # [sender, receiver]
+        self.sizes = sizes
+        self.before_sender = jnp.cumsum(sizes, 0) - sizes  # rows of earlier senders at each receiver
+        self.before_receiver = jnp.cumsum(sizes, 1) - sizes  # rows for earlier receivers in each sender
+
+    def dispatch(self):
+        """(input_offsets, send_sizes, output_offsets, recv_sizes) for sending my sorted copies."""
+        me = self.me
+        return (self.before_receiver[me], self.sizes[me], self.before_sender[me], self.sizes[:, me])
+
+    def combine(self):
+        """The same for sending results back: my received chunks to their senders' sorted rows."""
+        me = self.me
+        return (self.before_sender[:, me], self.sizes[:, me], self.before_receiver[:, me], self.sizes[me])
+
+    def local_expert_of_received(self, capacity):
+        """Local expert of every row of my receive buffer (senders' chunks in order, each sorted by expert);
+        rows past the last received one get L (no expert)."""
+        num_local = self.all_counts.shape[-1]
+        starts = self.before_sender[:, self.me]
+        ends = starts + self.sizes[:, self.me]
+        rows = jnp.arange(capacity, dtype=jnp.int32)
+        sender = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), ends.shape[0] - 1)
+        within = rows - starts[sender]
+        bounds = jnp.cumsum(self.all_counts[:, self.me], -1)[sender]  # [capacity, L]
+        local = jnp.sum(bounds <= within[:, None], axis=-1).astype(jnp.int32)
+        return jnp.where(rows < ends[-1], local, num_local)
+
+
+def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                             axis_name):
+    """`jax.lax.ragged_all_to_all` (one slice per peer) through a dense `all_to_all`: every slice travels in a
+    slot of operand's full length, so nothing can overflow. n times the traffic; for backends without it."""
+    rows = operand.shape[0]
+    pos = jnp.arange(rows, dtype=jnp.int32)
+    gather = jnp.minimum(input_offsets[:, None] + pos, rows - 1)
+    sent = (pos < send_sizes[:, None]).reshape(gather.shape + (1,) * (operand.ndim - 1))
+    slots = jnp.where(sent, operand[gather], 0)  # [n, rows, ...]
+    got = jax.lax.all_to_all(slots, axis_name, 0, 0, tiled=True)  # got[s] came from peer s
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where peer s's slice goes here
+    dst = jnp.where(pos < recv_sizes[:, None], at[:, None] + pos, output.shape[0])
+    return output.at[dst.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
 
 
 def _size(mesh: Mesh, axes) -> int:

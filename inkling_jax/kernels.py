@@ -5,7 +5,7 @@ The model calls the functions below and never a kernel directly. `set_backend` p
 - "pallas": the Pallas kernels (GPU);
 - "auto" (default): Pallas on GPU, jnp elsewhere.
 The MoE has its own choice because it has three: "dense" (einsum over every expert, tiny models only),
-"ragged" (`jax.lax.ragged_dot` on tokens sorted by expert, also what "auto" picks for now) and "pallas".
+"ragged" (`jax.lax.ragged_dot` on tokens sorted by expert; "auto" off GPU) and "pallas" ("auto" on GPU).
 The choice is read while tracing, so set it before the first call of a jitted function.
 """
 
@@ -47,11 +47,12 @@ def _pallas() -> bool:
 
 
 def moe_backend() -> str:
-    """"auto" means "ragged" for now: the Pallas MoE kernel passes its own tests on the H200, but the trainer's
-    tests saw an all-NaN w_down gradient from it in interpret mode at the tiny preset's shapes, so it stays
-    opt-in (`set_backend(moe="pallas")`) until that is understood."""
+    """"auto" means the Pallas kernel on GPU and "ragged" elsewhere (the kernel runs interpreted on CPU, which
+    is slower than XLA's ragged_dot there)."""
     choice = _settings["moe"]
-    return "ragged" if choice == "auto" else choice
+    if choice == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "ragged"
+    return choice
 
 
 def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None):
@@ -102,6 +103,33 @@ def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, se
         return rel_flash_attention(q, k, v, r, rel_proj, window=window, tau=tau, segment_ids=segment_ids)
     return attention_reference.rel_attention(q, k, v, r, rel_proj, positions, positions, window=window, tau=tau,
                                              q_segment=segment_ids, k_segment=segment_ids)
+
+
+def fused_decode_prologue() -> bool:
+    """Whether a decode step (one token per row) runs its attention prologue as `decode_prologue` (the Pallas
+    backend) rather than as the model's separate jnp ops (ShortConv, norms, cache scatter)."""
+    return _pallas()
+
+
+def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_state, k_cache, v_cache,
+                    write_idx, *, eps):
+    """The fused prologue of a decode step (`pallas_kernels/attn_prologue`) for one token per row.
+
+    q [B, Hq*D], k and v [B, Hkv*D] projections; k_state, v_state [B, W-1, Hkv*D] the rows' ShortConv states;
+    k_cache, v_cache any cache layout [..., Hkv, D] (pages or rings), written at its flat row write_idx [B]
+    (negative: an idle row, which writes nothing and keeps its states). tau is not folded here: the decode
+    attention applies it. Returns (q [B, Hq, D], k, v [B, Hkv, D], k_cache, v_cache, k_state, v_state), the
+    caches in their own shapes.
+    """
+    from pallas_kernels.attn_prologue import attn_prologue
+    from pallas_kernels.attn_prologue import reference as prologue_reference
+
+    fn = attn_prologue if _pallas() else prologue_reference.attn_prologue
+    flat = lambda cache: cache.reshape(-1, *cache.shape[-2:])  # noqa: E731
+    slots = jax.numpy.arange(q.shape[0], dtype=jax.numpy.int32)
+    q, k, v, k_state, v_state, new_k, new_v = fn(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_state,
+                                                  slots, flat(k_cache), flat(v_cache), write_idx, eps=eps)
+    return q, k, v, new_k.reshape(k_cache.shape), new_v.reshape(v_cache.shape), k_state, v_state
 
 
 def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=None, window=None, tau=None):

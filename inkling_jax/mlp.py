@@ -32,7 +32,16 @@ class DenseMLP(nnx.Module):
 class MoE(nnx.Module):
     """Router over E routed + S shared experts; top-k of the routed ones by sigmoid score plus a selection-only
     bias; the k chosen and the S shared experts share one normalisation, so shared experts draw weight away
-    from routed ones (the "sink"); weights scaled by route_scale and a learned global scale."""
+    from routed ones (the "sink"); weights scaled by route_scale and a learned global scale.
+
+    `shared_in_launch`: run the shared experts as S extra groups of the routed experts' grouped matmul (the
+    "linearised" layout, every token visits them with its sink weight) instead of a separate dense einsum.
+    One launch instead of two, but the launch needs one weight array, so every local expert's weights are
+    copied (read and written) once per call: that costs more than it saves unless the matmuls dwarf the copy
+    (see bench/moe.py), hence off by default.
+    """
+
+    shared_in_launch: bool = False
 
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -75,31 +84,67 @@ class MoE(nnx.Module):
         if expert_ids is not None:
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
-        routed = routed_experts(flat, self.w_gate[...], self.w_up[...], self.w_down[...], expert_ids,
-                                weights.astype(x.dtype), self.mesh)
-        # Shared experts: every token, weighted by its sink weight before the down projection.
-        h = swiglu(jnp.einsum("nh,shi->sni", flat, self.shared_gate[...]),
-                   jnp.einsum("nh,shi->sni", flat, self.shared_up[...]))
-        h = h * shared_weights.T[:, :, None].astype(x.dtype)
-        shared = jnp.einsum("sni,sih->snh", h, self.shared_down[...]).astype(jnp.float32).sum(0)
-        out = routed.astype(jnp.float32) + shared
+        routed = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+        out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
+                      shared_in_launch=self.shared_in_launch)
         return out.astype(x.dtype).reshape(shape), expert_ids
 
 
-def routed_experts(x, w_gate, w_up, w_down, expert_ids, weights, mesh=None):
-    """sum_k weights[n, k] * Expert_{ids[n, k]}(x[n]) for x [N, H], by the selected MoE backend; with a mesh
-    whose `expert` axis is larger than 1, by expert parallelism."""
+def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None, shared_in_launch=False):
+    """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32.
+
+    x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts; weights [N, k] and
+    shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis is larger than 1,
+    by expert parallelism (all-to-all dispatch and combine).
+    """
     backend = kernels.moe_backend()
     if mesh is not None and mesh.shape["expert"] > 1:
-        from inkling_jax.expert_parallel import routed_experts_ep
+        from inkling_jax.expert_parallel import experts_ep
 
-        return routed_experts_ep(x, w_gate, w_up, w_down, expert_ids, weights, mesh, _grouped_ffn(backend))
+        return experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, grouped_ffn(backend),
+                          shared_in_launch=shared_in_launch)
     if backend == "dense":
-        return _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights)
-    return _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, _grouped_ffn(backend))
+        return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
+    num_tokens, top_k = expert_ids.shape
+    source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
+    group, row_weights, stack = expert_ids.reshape(-1), weights.reshape(-1), routed
+    if shared_in_launch:
+        source, group, row_weights, stack = with_shared_rows(source, group, row_weights, stack, shared,
+                                                             jnp.arange(num_tokens, dtype=jnp.int32),
+                                                             shared_weights)
+    y = grouped_rows(x, source, group, row_weights, stack, grouped_ffn(backend)).astype(jnp.float32)
+    out = y[:num_tokens * top_k].reshape(num_tokens, top_k, -1).sum(1)
+    if shared_in_launch:
+        return out + y[num_tokens * top_k:].reshape(-1, num_tokens, out.shape[-1]).sum(0)
+    return out + shared_dense(x, shared, shared_weights)
 
 
-def _grouped_ffn(backend):
+def with_shared_rows(source, group, row_weights, routed, shared, tokens, shared_weights):
+    """Appends S groups after the E routed ones, each visited by every token of `tokens` (its source rows)
+    with its sink weight: the linearised layout. Returns (source, group, row_weights, stacked weights)."""
+    num_routed, num_shared = routed[0].shape[0], shared[0].shape[0]
+    shared_group = num_routed + jnp.repeat(jnp.arange(num_shared, dtype=jnp.int32), tokens.shape[0])
+    # Rows already marked "no expert" (group >= E) move past the shared groups.
+    group = jnp.where(group < num_routed, group, num_routed + num_shared)
+    return (jnp.concatenate([source, jnp.tile(tokens, num_shared)]), jnp.concatenate([group, shared_group]),
+            jnp.concatenate([row_weights, shared_weights.T.reshape(-1).astype(row_weights.dtype)]),
+            tuple(jnp.concatenate([r, s]) for r, s in zip(routed, shared)))
+
+
+def grouped_rows(x, source, group, row_weights, stack, ffn):
+    """y[r] = row_weights[r] * E_{group[r]}(x[source[r]]) for rows in any order, by one grouped matmul per
+    projection on the rows sorted by group; a group >= G (the number of experts in `stack`) means no expert
+    and gives zeros. Returns [R, H] in x.dtype, in the order of `source`."""
+    num_groups = stack[0].shape[0]
+    order = jnp.argsort(group, stable=True)
+    group_sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)  # drops the "no expert" rows
+    y = ffn(x[source[order]], *stack, group_sizes, row_weights[order])
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return y[inverse]
+
+
+def grouped_ffn(backend):
     """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
     row_weights) -> [M, H], zeros past sum(group_sizes)."""
     if backend == "pallas":
@@ -111,7 +156,15 @@ def _grouped_ffn(backend):
 
 def _ragged_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
     h = swiglu(jax.lax.ragged_dot(rows, w_gate, group_sizes), jax.lax.ragged_dot(rows, w_up, group_sizes))
-    return jax.lax.ragged_dot(h, w_down, group_sizes) * row_weights[:, None]
+    return (jax.lax.ragged_dot(h, w_down, group_sizes) * row_weights[:, None].astype(rows.dtype)).astype(rows.dtype)
+
+
+def shared_dense(x, shared, shared_weights):
+    """The S shared experts on every token, each weighted by its sink weight before the down projection."""
+    gate, up, down = shared
+    h = swiglu(jnp.einsum("nh,shi->sni", x, gate), jnp.einsum("nh,shi->sni", x, up))
+    h = h * shared_weights.T[:, :, None].astype(x.dtype)
+    return jnp.einsum("sni,sih->snh", h, down).astype(jnp.float32).sum(0)
 
 
 def _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights):
@@ -121,19 +174,4 @@ def _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights):
     combine = combine.at[jnp.arange(x.shape[0])[:, None], expert_ids].add(weights)
     h = swiglu(jnp.einsum("nh,ehi->eni", x, w_gate), jnp.einsum("nh,ehi->eni", x, w_up))
     y = jnp.einsum("eni,eih->enh", h, w_down)
-    return jnp.einsum("enh,ne->nh", y.astype(jnp.float32), combine.astype(jnp.float32)).astype(x.dtype)
-
-
-def _routed_sorted(x, w_gate, w_up, w_down, expert_ids, weights, grouped_ffn):
-    """Rows (token, slot) sorted by expert, one grouped matmul per projection, then summed back per token."""
-    num_tokens, top_k = expert_ids.shape
-    num_experts = w_gate.shape[0]
-    flat_ids = expert_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    token_of_row = order // top_k
-    group_sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-    rows = x[token_of_row]
-    row_weights = weights.reshape(-1)[order]
-    y = grouped_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights)
-    out = jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of_row].add(y.astype(jnp.float32))
-    return out.astype(x.dtype)
+    return jnp.einsum("enh,ne->nh", y.astype(jnp.float32), combine.astype(jnp.float32))

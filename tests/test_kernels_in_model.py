@@ -1,4 +1,5 @@
-"""The model with its Pallas kernels switched on (interpret mode on CPU) equals the jnp path."""
+"""The model with its Pallas kernels switched on (interpret mode on CPU) equals the jnp path: prefill, decode
+steps (the fused decode prologue and decode attention kernels), a decode step with an idle row, gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ def model():
 
 
 def _run(model, ids, backend):
+    """Logits of the whole sequences, of a prefill then decode steps over them, and (first row's logits, cache
+    before, cache after) of one more decode step in which the second row is idle."""
     with kernels.use(backend, moe="ragged"):
         steps = StepFunctions(model)
         full = np.asarray(steps.forward(ids))
@@ -28,16 +31,39 @@ def _run(model, ids, backend):
         for t in range(20, ids.shape[1]):
             logits, cache = steps.extend(ids[:, t:t + 1], cache)
             outs.append(np.asarray(logits))
-    return full, np.concatenate(outs, axis=1)
+        before = jax.tree.map(np.asarray, cache)
+        logits, cache = steps.extend(ids[:, :1], cache, n_new=[1, 0])
+        idle_step = (np.asarray(logits)[0], before, jax.tree.map(np.asarray, cache))
+    return full, np.concatenate(outs, axis=1), idle_step
 
 
-def test_pallas_path_equals_jnp_path(model):
+@pytest.fixture(scope="module")
+def runs(model):
     ids = np.random.default_rng(0).integers(0, 256, (2, 36)).astype(np.int32)
-    ref_full, ref_steps = _run(model, ids, "jnp")
-    full, steps = _run(model, ids, "pallas")
+    return {backend: _run(model, ids, backend) for backend in ("jnp", "pallas")}
+
+
+def test_pallas_path_equals_jnp_path(runs):
+    (ref_full, ref_steps, _), (full, steps, _) = runs["jnp"], runs["pallas"]
     assert relative_error(full, ref_full) < 1e-5
     assert relative_error(steps, ref_steps) < 1e-5
     assert relative_error(steps, ref_full) < 1e-5
+
+
+def test_idle_row_of_a_decode_step_changes_nothing(runs, model):
+    """The fused prologue skips rows with no new token: their caches and conv states stay, as on the jnp path."""
+    (ref_logits, _, ref_after), (logits, before, after) = runs["jnp"][2], runs["pallas"][2]
+    assert relative_error(logits, ref_logits) < 1e-5
+    for got, want in zip(jax.tree.leaves(after), jax.tree.leaves(ref_after), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    pages = before.page_table[1]
+    for layer, old, new in zip(range(len(after.layers)), before.layers, after.layers):
+        for name in ("k_conv", "v_conv"):
+            np.testing.assert_array_equal(getattr(new, name)[1], getattr(old, name)[1])
+            assert not np.array_equal(getattr(new, name)[0], getattr(old, name)[0])
+        rows = 1 if model.config.text.is_local(layer) else pages  # the ring of row 1, or its pages
+        np.testing.assert_array_equal(new.k[rows], old.k[rows])
+        np.testing.assert_array_equal(new.v[rows], old.v[rows])
 
 
 def test_gradients_through_the_kernels_match(model):

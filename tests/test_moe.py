@@ -1,6 +1,8 @@
 """MoE: backends agree (values and gradients), expert parallelism equals the single-device layer, routing
 replay keeps the recorded choice while gradients reach the router."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +14,9 @@ from inkling_jax.mlp import MoE
 from inkling_jax.sharding import make_mesh, shard_model
 
 
-def _moe(seed=0, skew=False):
+def _moe(seed=0, skew=False, shared_in_launch=False):
     moe = MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    moe.shared_in_launch = shared_in_launch
     if skew:  # uneven routing: experts 0 and 1 favoured, expert 7 never chosen
         moe.router_bias.set_value(jnp.array([4.0, 4.0, 0, 0, 0, 0, 0, -50.0]))
     return moe
@@ -28,32 +31,57 @@ def _run(moe, x):
     return y, ids, grads
 
 
-@pytest.mark.parametrize("backend", ["dense", "ragged"])
-def test_backends_agree_in_value_and_gradient(backend):
-    x = jax.random.normal(jax.random.key(0), (2, 9, 64))
+@functools.lru_cache(maxsize=None)
+def _reference(shape, skew=False):
+    """The dense backend on the single-device layer, once per input shape."""
     with kernels.use("jnp", moe="dense"):
-        ref_y, ref_ids, ref_g = _run(_moe(), x)
-    with kernels.use("jnp", moe=backend):
-        y, ids, g = _run(_moe(), x)
+        return nnx.jit(_run)(_moe(skew=skew), _input(shape))
+
+
+def _input(shape):
+    return jax.random.normal(jax.random.key(sum(shape)), shape + (64,))
+
+
+def _assert_same(got, want, atol=1e-6):
+    y, ids, g = got
+    ref_y, ref_ids, ref_g = want
     np.testing.assert_array_equal(ids, ref_ids)
-    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=max(atol, 1e-6))
+    leaves, ref_leaves = jax.tree.leaves(g), jax.tree.leaves(ref_g)
+    assert len(leaves) == len(ref_leaves) == 10  # x and the 9 parameters
+    for a, b in zip(leaves, ref_leaves):
+        assert np.all(np.isfinite(np.asarray(a)))
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
+
+
+# The tiny preset's expert shapes (hidden 64, width 32, 8 experts, top-2 + 2 shared). 14 tokens give 28 routed
+# rows (56 with the shared groups): the Pallas kernel's decode layout; 80 tokens give 160 / 320 rows: its
+# row-blocked path. A width of 32 once left the Pallas w_down gradient unwritten (all NaN).
+@pytest.mark.parametrize("backend,shared_in_launch,tokens", [("ragged", True, 14), ("ragged", False, 80),
+                                                             ("pallas", False, 14), ("pallas", True, 80)])
+def test_backends_agree_in_value_and_gradient(backend, shared_in_launch, tokens):
+    with kernels.use("jnp", moe=backend):
+        got = nnx.jit(_run)(_moe(shared_in_launch=shared_in_launch), _input((2, tokens // 2)))
+    _assert_same(got, _reference((2, tokens // 2)))
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("spec", ["expert=8", "data=2,expert=4", "fsdp=2,tensor=2,expert=2"])
-def test_expert_parallel_equals_single_device(spec):
-    x = jax.random.normal(jax.random.key(1), (4, 6, 64))
-    with kernels.use("jnp", moe="ragged"):
-        ref_y, ref_ids, ref_g = _run(_moe(skew=True), x)
-        assert 7 not in np.asarray(ref_ids) and np.bincount(np.asarray(ref_ids).ravel())[0] > 10
-        moe = shard_model(_moe(skew=True), make_mesh(spec))
-        y, ids, g = nnx.jit(_run)(moe, x)
-    np.testing.assert_array_equal(ids, ref_ids)
-    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("spec,tokens,backend,shared_in_launch", [
+    ("expert=8", (2, 5), "ragged", False),
+    ("data=2,expert=4", (4, 6), "ragged", True),
+    ("fsdp=2,tensor=2,expert=2", (4, 6), "ragged", False),
+    ("data=4,expert=2", (4, 5), "pallas", True),
+])
+def test_expert_parallel_equals_single_device(spec, tokens, backend, shared_in_launch):
+    """All-to-all dispatch (the portable transport on CPU) equals the single-device layer: uneven routing,
+    expert 7 receives nothing, token counts that do not split evenly over the expert shards."""
+    want = _reference(tokens, skew=True)
+    ids = np.asarray(want[1])
+    assert 7 not in ids and np.bincount(ids.ravel())[0] > ids.shape[0] // 2
+    with kernels.use("jnp", moe=backend):
+        moe = shard_model(_moe(skew=True, shared_in_launch=shared_in_launch), make_mesh(spec))
+        got = nnx.jit(_run)(moe, _input(tokens))
+    _assert_same(got, want, atol=1e-5)
 
 
 def test_routing_replay_keeps_the_choice_and_gives_reference_gradients():
@@ -79,3 +107,21 @@ def test_routing_replay_keeps_the_choice_and_gives_reference_gradients():
 
     got = nnx.grad(ours)(moe)["router"][...]
     np.testing.assert_allclose(got, jax.grad(replay_weights)(moe.router[...]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+def test_padded_transport_follows_the_ragged_all_to_all_contract():
+    """The CPU stand-in for `jax.lax.ragged_all_to_all` (which XLA:CPU lacks) on the example of its docs."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from inkling_jax.expert_parallel import ragged_all_to_all_padded
+
+    mesh = Mesh(np.array(jax.devices()[:2]), ("e",))
+    per_device = [jnp.array(a) for a in ([[1.0, 2, 2], [3, 4, 0]], [[0.0] * 4] * 2, [[0, 1], [0, 1]],
+                                         [[1, 2], [1, 1]], [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+
+    def f(*args):
+        return ragged_all_to_all_padded(*(a[0] for a in args), axis_name="e")[None]
+
+    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("e"), out_specs=P("e")))(*per_device)
+    np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])

@@ -1,7 +1,8 @@
 """Fused decode attention prologue as one Pallas kernel (Triton backend); semantics of `reference.py`.
 
 One program per (group of KV heads, token): it runs the K and V ShortConv step against the pools, the
-per-head RMSNorm of k and of that group's query heads (with tau), and writes q, k, v and the KV-cache slot.
+per-head RMSNorm of k and of that group's query heads (with tau), and writes q, k, v and the KV-cache slot
+(a token with a negative slot writes neither its pool row nor the cache).
 Pools and caches are aliased to the outputs, so a donated caller updates them in place. Every tile is
 [heads, D] with D and the head counts powers of two, as Triton requires.
 """
@@ -27,17 +28,22 @@ def _prologue_kernel(q_ref, k_ref, v_ref, wk_ref, wv_ref, qn_ref, kn_ref, slots_
     q_out_ref, k_out_ref, v_out_ref, k_pool_ref, v_pool_ref, k_cache_ref, v_cache_ref = refs
     group, n = pl.program_id(0), pl.program_id(1)
     slot, dest = slots_ref[n], dest_ref[n]
+    keep = dest >= 0
     lanes = lax.broadcasted_iota(jnp.int32, (1, dim), 1)
 
     kv_heads = group * kv_per_program + lax.broadcasted_iota(jnp.int32, (kv_per_program, 1), 0)
     kv_cols = kv_heads * dim + lanes  # [heads, D] channels of the flat k/v rows and pools
-    k_conv = conv_step(k_ref[n, kv_cols], k_pool_ref, slot, kv_cols, wk_ref, kv_cols).astype(k_out_ref.dtype)
-    v_conv = conv_step(v_ref[n, kv_cols], v_pool_ref, slot, kv_cols, wv_ref, kv_cols).astype(v_out_ref.dtype)
-    k_normed = head_rms_norm(k_conv, kn_ref[lanes], eps)
+    k_conv = conv_step(k_ref[n, kv_cols], k_pool_ref, slot, kv_cols, wk_ref, kv_cols, keep=keep)
+    v_conv = conv_step(v_ref[n, kv_cols], v_pool_ref, slot, kv_cols, wv_ref, kv_cols, keep=keep)
+    k_normed = head_rms_norm(k_conv.astype(k_out_ref.dtype), kn_ref[lanes], eps)
+    v_conv = v_conv.astype(v_out_ref.dtype)
     k_out_ref[n, kv_heads, lanes] = k_normed
     v_out_ref[n, kv_heads, lanes] = v_conv
-    k_cache_ref[dest, kv_heads, lanes] = k_normed.astype(k_cache_ref.dtype)
-    v_cache_ref[dest, kv_heads, lanes] = v_conv.astype(v_cache_ref.dtype)
+
+    @pl.when(keep)
+    def _write_cache():
+        k_cache_ref[dest, kv_heads, lanes] = k_normed.astype(k_cache_ref.dtype)
+        v_cache_ref[dest, kv_heads, lanes] = v_conv.astype(v_cache_ref.dtype)
 
     q_heads = group * kv_per_program * groups + lax.broadcasted_iota(jnp.int32, (kv_per_program * groups, 1), 0)
     q_normed = head_rms_norm(q_ref[n, q_heads * dim + lanes], qn_ref[lanes], eps)
@@ -52,7 +58,7 @@ def attn_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_pool, v_poo
     """Kernel form of `reference.attn_prologue` (same arguments and results; pools and caches in place).
 
     Head counts and D come from k_cache [M, Hkv, D] and q [N, Hq*D]. blocks: optional
-    `tuning.PrologueBlocks`. Slots and write_idx must each be distinct.
+    `tuning.PrologueBlocks`. Slots and the non-negative write_idx must each be distinct.
     """
     tokens = q.shape[0]
     _, kv_heads, dim = k_cache.shape

@@ -66,3 +66,21 @@ def test_prologue_updates_donated_pools_and_caches_in_place():
     assert all(inputs[name].is_deleted() for name in aliased)
     assert [a.unsafe_buffer_pointer() for a in got[3:]] == addresses
     assert_outputs_match(got, want)
+
+
+def test_tokens_with_a_negative_slot_write_nothing():
+    """Idle rows of a decode batch pass write_idx -1: their pool rows and every cache slot stay as they were."""
+    inputs = make_inputs(30, jnp.float32, False)
+    idle = jnp.array([1, 3])
+    inputs["write_idx"] = inputs["write_idx"].at[idle].set(-1)
+    want = reference.attn_prologue(**inputs)
+    got = attn_prologue(**inputs, blocks=BLOCKS)
+    assert_outputs_match(got, want)
+    for pool, name in ((got[3], "k_pool"), (got[4], "v_pool")):
+        np.testing.assert_array_equal(pool[inputs["slots"][idle]], inputs[name][inputs["slots"][idle]])
+        busy = inputs["slots"][jnp.array([0, 2, 4])]
+        assert not np.allclose(pool[busy], inputs[name][busy])
+    written = np.zeros(CACHE_SLOTS, bool)
+    written[np.asarray(inputs["write_idx"][inputs["write_idx"] >= 0])] = True
+    np.testing.assert_array_equal(got[5][~written], inputs["k_cache"][~written])
+    assert not np.allclose(got[5][written], inputs["k_cache"][written])

@@ -25,6 +25,7 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     """
     ops._check(x, w_gate, w_up, w_down)
     interpret = interpret_default() if interpret is None else interpret
+    w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
     configs = configs or KernelConfigs(decode=True)
     num_rows, num_groups = x.shape[0], group_sizes.shape[0]
     slab = -(-max_group_rows // SLAB_ROWS) * SLAB_ROWS

@@ -24,6 +24,7 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
     """
     ops._check(x, w_gate, w_up, w_down)
     interpret = interpret_default() if interpret is None else interpret
+    w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
     if x.shape[0] <= DECODE_MAX_ROWS:
         return decode.moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights,
                                      max_group_rows=x.shape[0], interpret=interpret, configs=configs)

@@ -58,14 +58,22 @@ def gmm(lhs, weights, group_sizes, *, transpose_rhs: bool, pairs, epilogue, num_
 
 
 def tgmm(x, dy, group_sizes, *, cfg, interpret: bool | str):
-    """Per-group x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N] in x.dtype."""
-    cfg = fit_dims(cfg, dy.shape[1], x.shape[1])
+    """Per-group x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N] in x.dtype.
+
+    The output rows (K) are tiled by whole warpgroups (64 rows), so a narrower K (a tiny model's expert width)
+    is zero padded and sliced back; without that the grid would have no K block and leave the output unwritten.
+    """
+    k = x.shape[1]
+    cfg = fit_dims(cfg, dy.shape[1], k)
+    x = jnp.pad(x, [(0, 0), (0, -k % cfg.block_rows_out)])
     blocks = group_row_blocks(group_sizes, x.shape[0], cfg.block_rows)
     if interpret is True:
-        return portable.tgmm_portable(x, dy, blocks, cfg=cfg)
+        return portable.tgmm_portable(x, dy, blocks, cfg=cfg)[:, :k]
     mosaic_interpret = interpret == MOSAIC
     if _needs_k_minor(x.dtype):
         align = _SWIZZLE_BYTES // x.dtype.itemsize
-        return tgmm_kernel(_pad_rows(x, align).T, _pad_rows(dy, align).T, blocks, k_minor=True, cfg=cfg,
-                           interpret=mosaic_interpret)
-    return tgmm_kernel(_pad_rows(x), _pad_rows(dy), blocks, k_minor=False, cfg=cfg, interpret=mosaic_interpret)
+        out = tgmm_kernel(_pad_rows(x, align).T, _pad_rows(dy, align).T, blocks, k_minor=True, cfg=cfg,
+                          interpret=mosaic_interpret)
+    else:
+        out = tgmm_kernel(_pad_rows(x), _pad_rows(dy), blocks, k_minor=False, cfg=cfg, interpret=mosaic_interpret)
+    return out[:, :k]

@@ -27,6 +27,20 @@ def _check(x, *weights):
             raise TypeError(f"x and weights must share a dtype, got {x.dtype} and {w.dtype}")
 
 
+# Mosaic GPU cannot lay out 16-bit tiles narrower than 64 elements (one 128-byte swizzle span) for these kernels.
+WIDTH_MULTIPLE = 64
+
+
+def pad_expert_width(w_gate, w_up, w_down):
+    """Zero-pads the expert width (I) to a multiple of WIDTH_MULTIPLE (a tiny model's experts). The padded
+    SwiGLU columns are silu(0) * 0 = 0, so the output is unchanged; the padding's gradients are dropped."""
+    pad = -w_gate.shape[-1] % WIDTH_MULTIPLE
+    if not pad:
+        return w_gate, w_up, w_down
+    cols = [(0, 0), (0, 0), (0, pad)]
+    return jnp.pad(w_gate, cols), jnp.pad(w_up, cols), jnp.pad(w_down, [(0, 0), (0, pad), (0, 0)])
+
+
 def _mm(lhs, weights, group_sizes, configs, interpret, *, role="gmm", transpose_rhs=False, pairs=_PLAIN):
     cfg = configs.get(role, lhs[0].dtype)
     return matmuls.gmm(lhs, weights, group_sizes, transpose_rhs=transpose_rhs, pairs=pairs,

@@ -126,3 +126,22 @@ def test_moe_ffn_decode_explicit_bound():
     # 24 tokens x 4 rows = 96 rows (> DECODE_MAX_ROWS); no group exceeds the 24-token bound.
     args = moe_inputs(jax.random.key(5), 96, 128, 128, (24, 10, 0, 14, 24, 24), jnp.float32)
     check_moe(lambda *a: moe_ffn_decode(*a, max_group_rows=24), args, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_narrow_widths(backend):
+    # The tiny model's experts: width 32. The weight gradient's output rows are tiled by 64-row warpgroups, so
+    # K = 32 once left w's gradient unwritten (NaN); 16-bit MoE weights are padded to width 64 (Mosaic GPU
+    # cannot lay out narrower tiles). 160 rows take the row-blocked path.
+    sizes = (30, 0, 41, 9, 20, 25, 15, 12)
+    gs = jnp.array(sizes, jnp.int32)
+    kx, kw, kd = jax.random.split(jax.random.key(7), 3)
+    x, w, dy = normal(kx, (160, 32), jnp.float32), normal(kw, (8, 32, 64), jnp.float32, 0.2), normal(kd, (160, 64),
+                                                                                                     jnp.float32)
+    out, grads = value_and_vjp(lambda x, w: grouped_matmul(x, w, gs, interpret=backend), (x, w), dy)
+    want, grads_ref = value_and_vjp(lambda x, w: reference.grouped_matmul(x, w, gs), (x, w), dy)
+    for got, ref in zip((out, *grads), (want, *grads_ref)):
+        assert rel_err(got, ref) < tolerance(jnp.float32)
+    for dtype in DTYPES:
+        args = moe_inputs(jax.random.key(6), 160, 64, 32, sizes, dtype)
+        check_moe(lambda *a: moe_ffn(*a, interpret=backend), args, dtype)

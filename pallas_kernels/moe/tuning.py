@@ -103,11 +103,15 @@ def fit_dims(cfg, n: int, k: int | None = None):
     while n % block_n and block_n > 16:
         block_n //= 2
     cfg = dataclasses.replace(cfg, block_n=block_n, epi_n=min(cfg.epi_n, block_n))
+    if n % block_n:
+        raise ValueError(f"the kernels need a width divisible by 16, got {n}")
     if k is None:
         return cfg
-    if isinstance(cfg, WgradConfig):
+    if isinstance(cfg, WgradConfig):  # the caller pads k to a multiple of block_rows_out
         return dataclasses.replace(cfg, compute_wgs=1) if k % cfg.block_rows_out else cfg
     block_k = cfg.block_k
     while k % block_k and block_k > 16:
         block_k //= 2
+    if k % block_k:
+        raise ValueError(f"the kernels need a contraction divisible by 16, got {k}")
     return dataclasses.replace(cfg, block_k=block_k)

@@ -19,43 +19,49 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.shortconv import tuning
 
 
-def weighted_window(taps, w_ref, w_cols):
-    """sum_k taps[k] * w[w_cols, k] in fp32, oldest tap first (the reference's summation order).
+def tap_weights(w_ref, w_cols):
+    """The taps w[w_cols, k] for every k, in fp32.
 
     Static indices are passed as jnp.int32: interpret mode's discharge rules want them shaped.
     """
+    return [w_ref[w_cols, jnp.int32(k)].astype(jnp.float32) for k in range(w_ref.shape[1])]
+
+
+def weighted_window(taps, weights):
+    """sum_k taps[k] * weights[k] in fp32, oldest tap first (the reference's summation order)."""
     acc = None
-    for k, tap in enumerate(taps):
-        term = tap.astype(jnp.float32) * w_ref[w_cols, jnp.int32(k)].astype(jnp.float32)
+    for tap, weight in zip(taps, weights, strict=True):
+        term = tap.astype(jnp.float32) * weight
         acc = term if acc is None else acc + term
     return acc
 
 
-def conv_step(x, pool_ref, slot, cols, w_ref, w_cols, mask=None):
-    """One decode step at one pool slot: returns x + conv (fp32) and writes the shifted window back.
+def conv_step(x, pool_ref, slot, cols, w_ref, w_cols, mask=None, keep=None):
+    """One decode step at one pool slot: returns x + conv (fp32) and writes the shifted window back, unless the
+    scalar `keep` is given and False.
 
     `cols` indexes the pool's channel axis (a slice or an index array), `w_cols` the matching rows of w.
     Each element is loaded and stored by the same thread, so reading row j before overwriting it is safe.
     """
     hist = w_ref.shape[1] - 1
     window = [plt.load(pool_ref.at[slot, jnp.int32(j), cols], mask=mask) for j in range(hist)] + [x]
-    y = weighted_window(window, w_ref, w_cols) + x.astype(jnp.float32)
-    for j in range(hist):
-        plt.store(pool_ref.at[slot, jnp.int32(j), cols], window[j + 1].astype(pool_ref.dtype), mask=mask)
+    y = weighted_window(window, tap_weights(w_ref, w_cols)) + x.astype(jnp.float32)
+
+    def write_back():
+        for j in range(hist):
+            plt.store(pool_ref.at[slot, jnp.int32(j), cols], window[j + 1].astype(pool_ref.dtype), mask=mask)
+    write_back() if keep is None else pl.when(keep)(write_back)
     return y
 
 
-def _and(a, b):
+def and_masks(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _prefill_kernel(*refs, seq, channels, width, blocks, has_state, has_segments, has_lengths):
-    refs = iter(refs)
-    x_ref, w_ref = next(refs), next(refs)
-    state_ref = next(refs) if has_state else None
-    seg_ref = next(refs) if has_segments else None
-    len_ref = next(refs) if has_lengths else None
-    y_ref, new_state_ref = next(refs), next(refs)
+def _prefill_kernel(x_ref, w_ref, state_ref, seg_ref, len_ref, y_ref, new_state_ref, *, blocks):
+    _, seq, channels = x_ref.shape
+    width = w_ref.shape[1]
+    has_state, has_segments = state_ref is not None, seg_ref is not None
     hist = width - 1
     bt, bc = blocks.time, blocks.channels
     c_blk, t_blk, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -85,30 +91,52 @@ def _prefill_kernel(*refs, seq, channels, width, blocks, has_state, has_segments
         if has_segments and k < hist:  # the state carries the first segment's id: clamping to row 0 gives it
             tap = jnp.where(seg_ref[b, clamp_row(src)] == seg_here, tap, 0.0)
         taps.append(tap)
-    y = weighted_window(taps, w_ref, cols) + taps[-1]
-    store_mask = _and(rows < seq if seq % bt else None, col_mask)
+    y = weighted_window(taps, tap_weights(w_ref, cols)) + taps[-1]
+    store_mask = and_masks(rows < seq if seq % bt else None, col_mask)
     plt.store(y_ref.at[b, pl.ds(t0, bt), pl.ds(c0, bc)], y.astype(y_ref.dtype), mask=store_mask)
 
-    @pl.when(t_blk == 0)
-    def _write_final_state():
-        length = len_ref[b] if has_lengths else seq
-        span = pl.ds(c0, bc)
-        lane_mask = c0 + lax.broadcasted_iota(jnp.int32, (bc,), 0) < channels if channels % bc else None
-        for j in range(hist):
-            src = length - hist + j  # the newest `hist` inputs before position `length`
-            value = plt.load(x_ref.at[b, clamp_row(src), span], mask=lane_mask).astype(jnp.float32)
-            if has_lengths or seq < hist:
-                if has_state:
-                    row = jnp.minimum(jnp.maximum(src + hist, 0), hist - 1)
-                    old = plt.load(state_ref.at[b, row, span], mask=lane_mask).astype(jnp.float32)
-                else:
-                    old = jnp.zeros_like(value)
-                value = jnp.where(src >= 0, value, old)
-            plt.store(new_state_ref.at[b, jnp.int32(j), span], value.astype(new_state_ref.dtype), mask=lane_mask)
+    pl.when(t_blk == 0)(lambda: write_final_state(x_ref, state_ref, len_ref, new_state_ref, b, c0, bc))
 
 
-def _resolve(interpret):
-    return interpret_default() if interpret is None else interpret
+def write_final_state(x_ref, state_ref, len_ref, new_state_ref, b, c0, bc):
+    """new_state[b, :, c0:c0+bc] = the newest W-1 inputs before position lengths[b] (T without lengths),
+    reaching back into `state` (or zeros) where the chunk is shorter than that. state_ref, len_ref: or None."""
+    seq, channels = x_ref.shape[1], x_ref.shape[2]
+    hist = new_state_ref.shape[1]
+    length = seq if len_ref is None else len_ref[b]
+    span = pl.ds(c0, bc)
+    lane_mask = c0 + lax.broadcasted_iota(jnp.int32, (bc,), 0) < channels if channels % bc else None
+    for j in range(hist):
+        src = length - hist + j
+        value = plt.load(x_ref.at[b, jnp.minimum(jnp.maximum(src, 0), seq - 1), span], mask=lane_mask)
+        value = value.astype(jnp.float32)
+        if len_ref is not None or seq < hist:
+            if state_ref is not None:
+                row = jnp.minimum(jnp.maximum(src + hist, 0), hist - 1)
+                old = plt.load(state_ref.at[b, row, span], mask=lane_mask).astype(jnp.float32)
+            else:
+                old = jnp.zeros_like(value)
+            value = jnp.where(src >= 0, value, old)
+        plt.store(new_state_ref.at[b, jnp.int32(j), span], value.astype(new_state_ref.dtype), mask=lane_mask)
+
+
+def prefill_call(body, x, w, state, segment_ids, lengths, *, grid, num_warps, interpret, name):
+    """The pallas_call of a prefill kernel body(x_ref, w_ref, state_ref, seg_ref, len_ref, y_ref,
+    new_state_ref), where the optional inputs that are not given come as None; returns (y, new_state)."""
+    optional = [state, None if segment_ids is None else segment_ids.astype(jnp.int32),
+                None if lengths is None else lengths.astype(jnp.int32)]
+    given = [a is not None for a in optional]
+
+    def kernel(x_ref, w_ref, *refs):
+        refs = iter(refs)
+        body(x_ref, w_ref, *[next(refs) if g else None for g in given], next(refs), next(refs))
+
+    out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype),
+                 jax.ShapeDtypeStruct((x.shape[0], w.shape[-1] - 1, x.shape[2]), x.dtype))
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid, interpret=interpret_default() if interpret is None else interpret,
+        compiler_params=plt.CompilerParams(num_warps=num_warps), name=name,
+    )(x, w, *[a for a in optional if a is not None])
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "blocks"))
@@ -118,25 +146,10 @@ def shortconv_prefill(x, w, state=None, segment_ids=None, lengths=None, *, inter
     blocks: optional `tuning.PrefillBlocks`; default from `tuning.prefill_blocks`.
     """
     batch, seq, channels = x.shape
-    width = w.shape[-1]
     blocks = blocks or tuning.prefill_blocks(channels)
-    inputs = [x, w]
-    if state is not None:
-        inputs.append(state)
-    if segment_ids is not None:
-        inputs.append(segment_ids.astype(jnp.int32))
-    if lengths is not None:
-        inputs.append(lengths.astype(jnp.int32))
-    kernel = functools.partial(
-        _prefill_kernel, seq=seq, channels=channels, width=width, blocks=blocks,
-        has_state=state is not None, has_segments=segment_ids is not None, has_lengths=lengths is not None)
-    out_shape = (jax.ShapeDtypeStruct(x.shape, x.dtype),
-                 jax.ShapeDtypeStruct((batch, width - 1, channels), x.dtype))
     grid = (pl.cdiv(channels, blocks.channels), pl.cdiv(seq, blocks.time), batch)
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid, interpret=_resolve(interpret),
-        compiler_params=plt.CompilerParams(num_warps=blocks.num_warps), name="shortconv_prefill",
-    )(*inputs)
+    return prefill_call(functools.partial(_prefill_kernel, blocks=blocks), x, w, state, segment_ids, lengths,
+                        grid=grid, num_warps=blocks.num_warps, interpret=interpret, name="shortconv_prefill")
 
 
 def _decode_kernel(x_ref, w_ref, slots_ref, pool_in_ref, y_ref, pool_ref, *, channels, blocks):
@@ -166,6 +179,6 @@ def shortconv_decode(x, w, state_pool, slots, *, interpret=None, blocks=None):
                  jax.ShapeDtypeStruct(state_pool.shape, state_pool.dtype))
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(channels, blocks.channels), tokens),
-        input_output_aliases={3: 1}, interpret=_resolve(interpret),
+        input_output_aliases={3: 1}, interpret=interpret_default() if interpret is None else interpret,
         compiler_params=plt.CompilerParams(num_warps=blocks.num_warps), name="shortconv_decode",
     )(x, w, slots.astype(jnp.int32), state_pool)

@@ -7,11 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.shortconv import DecodeBlocks, PrefillBlocks, reference, shortconv_decode, shortconv_prefill
+from pallas_kernels.shortconv import (DecodeBlocks, PrefillBlocks, StripBlocks, reference, shortconv_decode,
+                                      shortconv_prefill, shortconv_prefill_strip)
 
 # 37 rows in tiles of 8 (5 tiles, the last ragged); 100 channels in tiles of 32 (4 tiles, the last ragged).
 BATCH, SEQ, CHANNELS, WIDTH = 2, 37, 100, 4
 PREFILL = PrefillBlocks(time=8, channels=32, num_warps=4)
+# The strip kernel: runs of 16 rows (3, the last ragged) in loop steps of 4 rows, strips of 32 channels.
+STRIP = StripBlocks(channels=32, rows=16, unroll=4, num_warps=4)
 DECODE = DecodeBlocks(channels=32, num_warps=4)
 TOKENS, POOL_SLOTS = 5, 11
 
@@ -32,16 +35,28 @@ def segment_ids(key):
     return jnp.stack([fixed, drawn]) + 3  # ids need not start at 0
 
 
+CASES = ["plain", "state", "segments", "lengths", "all"]
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", ["plain", "state", "segments", "lengths", "all"])
+@pytest.mark.parametrize("case", CASES)
 def test_prefill_matches_reference(case, dtype):
+    check_prefill(functools.partial(shortconv_prefill, blocks=PREFILL), case, dtype)
+
+
+@pytest.mark.parametrize(("case", "dtype"), list(zip(CASES, [jnp.float32, jnp.bfloat16] * 3)))
+def test_strip_prefill_matches_reference(case, dtype):
+    check_prefill(functools.partial(shortconv_prefill_strip, blocks=STRIP), case, dtype)
+
+
+def check_prefill(kernel, case, dtype):
     keys = jax.random.split(jax.random.key(sum(map(ord, case))), 4)
     x = normal(keys[0], (BATCH, SEQ, CHANNELS), dtype)
     w = normal(keys[1], (CHANNELS, WIDTH), jnp.float32)
     state = normal(keys[2], (BATCH, WIDTH - 1, CHANNELS), dtype) if case in ("state", "all") else None
     segments = segment_ids(keys[3]) if case in ("segments", "all") else None
     lengths = jnp.array([2, 30]) if case in ("lengths", "all") else None  # 2 < 3: part of the state survives
-    y, new_state = shortconv_prefill(x, w, state, segments, lengths, blocks=PREFILL)
+    y, new_state = kernel(x, w, state, segments, lengths)
     y_ref, state_ref = reference.shortconv_prefill(x, w, state, segments, lengths)
     assert y.dtype == dtype and new_state.shape == (BATCH, WIDTH - 1, CHANNELS)
     assert_close(y, y_ref)

@@ -22,6 +22,21 @@ class DecodeBlocks:
     num_warps: int = 4
 
 
+@dataclasses.dataclass(frozen=True)
+class StripBlocks:
+    """Work of one program of the strip prefill (strip.py). Not yet measured on a GPU: a first guess of 8 rows
+    of 16-byte loads per thread in flight (8 bf16 channels per thread) and runs of 256 rows (1.2% halo)."""
+    channels: int = 512
+    rows: int = 256  # time steps per program; a multiple of unroll
+    unroll: int = 8  # rows loaded per loop step before any is used
+    num_warps: int = 2
+
+
+def strip_blocks(channels: int) -> StripBlocks:
+    # Narrower strips and shorter runs below 4096 channels keep 8192 tokens at 384+ programs (132 SMs).
+    return StripBlocks() if channels >= 4096 else StripBlocks(channels=256, rows=128, num_warps=1)
+
+
 def prefill_blocks(channels: int) -> PrefillBlocks:
     return PrefillBlocks() if channels >= 4096 else PrefillBlocks(time=16, channels=128, num_warps=2)
 
