@@ -4,6 +4,8 @@ Gate and up projections are stored apart (`w_gate`, `w_up`); the hub interleaves
 de-interleaves. The SwiGLU is computed in fp32 and cast back.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -113,7 +115,7 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
         source, group, row_weights, stack = with_shared_rows(source, group, row_weights, stack, shared,
                                                              jnp.arange(num_tokens, dtype=jnp.int32),
                                                              shared_weights)
-    y = grouped_rows(x, source, group, row_weights, stack, grouped_ffn(backend)).astype(jnp.float32)
+    y = grouped_rows(x, source, group, row_weights, stack, grouped_ffn(backend, num_tokens)).astype(jnp.float32)
     out = y[:num_tokens * top_k].reshape(num_tokens, top_k, -1).sum(1)
     if shared_in_launch:
         return out + y[num_tokens * top_k:].reshape(-1, num_tokens, out.shape[-1]).sum(0)
@@ -144,12 +146,16 @@ def grouped_rows(x, source, group, row_weights, stack, ffn):
     return y[inverse]
 
 
-def grouped_ffn(backend):
+def grouped_ffn(backend, num_tokens: int | None = None):
     """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
-    row_weights) -> [M, H], zeros past sum(group_sizes)."""
+    row_weights) -> [M, H], zeros past sum(group_sizes). `num_tokens` (static, when the rows are the top-k
+    copies of that many tokens) bounds every group's size, which lets decode-sized batches use the kernel's
+    layout that reads each touched expert once (at 32 tokens x top-6 the rows exceed its row threshold)."""
     if backend == "pallas":
-        from pallas_kernels.moe import moe_ffn
+        from pallas_kernels.moe import DECODE_MAX_ROWS, moe_ffn, moe_ffn_decode
 
+        if num_tokens is not None and num_tokens <= DECODE_MAX_ROWS:
+            return functools.partial(moe_ffn_decode, max_group_rows=num_tokens)
         return moe_ffn
     return _ragged_ffn
 
