@@ -158,7 +158,7 @@ def main():
     parser.add_argument("--workers", type=int, default=Tuning.workers)
     parser.add_argument("--out", default=None, help="directory for convert.md (the table) and convert.json")
     parser.add_argument("--keep", action="store_true")
-    parser.add_argument("--buffered-reads", action="store_true", help="passed on to the converter")
+    parser.add_argument("--reads", default="auto", help="passed on to the converter")
     args = parser.parse_args()
     free = shutil.disk_usage(args.dir).free
     layers = choose_layers(args.layers, free)
@@ -185,7 +185,7 @@ def main():
                   flush=True)
         resident_after_convert_evict = evict(files)
         flags = ["--workers", str(args.workers), "--readers", str(args.readers)]
-        flags += ["--buffered-reads"] if args.buffered_reads else []
+        flags += ["--reads", args.reads]
         wall, rss, cpu = run_cli(["--src", src, "--dst", dst, *flags])
         print(f"converted in {wall:.1f} s", flush=True)
         manifest = json.load(open(os.path.join(dst, "inkling-convert.json")))

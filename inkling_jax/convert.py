@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest zarr chunk written, after splitting by the --mesh shards (default %(default)s)")
     parser.add_argument("--max-shard-gb", type=float, default=5.0,
                         help="--to hf: shard size when the original layout cannot be kept (default %(default)s)")
-    parser.add_argument("--buffered-reads", action="store_true",
-                        help="read the source through the page cache instead of with O_DIRECT (faster on some "
-                             "disks when cores are plentiful; O_DIRECT costs less CPU)")
+    parser.add_argument("--reads", choices=["auto", "direct", "buffered"], default="auto",
+                        help="read the source with O_DIRECT (less CPU) or through the page cache (faster on "
+                             "some disks); auto: direct on hosts of at most 4 CPUs (default %(default)s)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -81,8 +81,9 @@ def run(args: argparse.Namespace) -> list[str]:
         raise CheckpointError(f"{src}: not a directory this tool wrote (no {orbax_io.MANIFEST}); --to hf reads those")
     if args.to == "orbax" and orbax_io.is_converted(src):
         raise CheckpointError(f"{src}: already converted (it has {orbax_io.MANIFEST}); use --to hf to export it")
+    direct_reads = {"auto": Tuning.direct_reads, "direct": True, "buffered": False}[args.reads]
     tuning = Tuning.sized(workers=args.workers, readers=args.readers, slab_bytes=int(args.slab_mb * 2**20),
-                          chunk_bytes=int(args.chunk_mb * 2**20), direct_reads=not args.buffered_reads)
+                          chunk_bytes=int(args.chunk_mb * 2**20), direct_reads=direct_reads)
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst)}.inkling-convert-{os.getpid()}")

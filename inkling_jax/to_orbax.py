@@ -45,12 +45,13 @@ class Tuning:
     slab_bytes: int = 128 << 20
     chunk_bytes: int = 32 << 20
     budget_bytes: int = 2 * workers * slab_bytes  # slabs queued or converting; readers hold one more slab each
-    # O_DIRECT reads skip the page-cache copy: cheaper in CPU (a few cores), slower on some disks (many cores)
-    direct_reads: bool = True
+    # O_DIRECT reads skip the page-cache copy: they saved CPU on a 2-core host, but read 35% slower than
+    # buffered ones on a 16-core host's disk, where the CPU was idle (bench/results/convert.md)
+    direct_reads: bool = (os.cpu_count() or 1) <= 4
 
     @classmethod
     def sized(cls, *, workers: int, readers: int, slab_bytes: int, chunk_bytes: int,
-              direct_reads: bool = True) -> "Tuning":
+              direct_reads: bool = direct_reads) -> "Tuning":
         """A budget of two slabs per worker: one converting, one queued."""
         return cls(workers, readers, slab_bytes, chunk_bytes, 2 * workers * slab_bytes, direct_reads)
 
