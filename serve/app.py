@@ -41,7 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--model", help="checkpoint directory in the hub layout (default: tiny preset, random weights)")
     a("--served-model-name", help="the model id clients send (default: the directory name, or inkling-tiny-random)")
     a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    a("--port", type=int, default=8000)
+    a("--port", type=int, default=8000, help="TCP port (default 8000)")
     a("--api-key", default=os.environ.get("INKLING_API_KEY"),
       help="require `Authorization: Bearer KEY` on /v1 routes (default: $INKLING_API_KEY, else none)")
     a("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="MoE implementation (see inkling_jax.kernels)")
     a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
-    a("--log-level", default="info")
+    a("--log-level", default="info", help="debug, info, warning or error (default info)")
     return p.parse_args(argv)
 
 
