@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> list[str]:
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst)}.inkling-convert-{os.getpid()}")
+    _remove_abandoned(parent, os.path.basename(dst))
     start = time.perf_counter()
     try:
         if args.to == "orbax":
@@ -117,6 +118,26 @@ def _to_hf(src: str, tmp: str, args, tuning: Tuning) -> list[str]:
     lines = [f"{len(summary['crc32'])} tensors in {len(summary['files'])} files"
              + (" (the source's own layout)" if summary["exact"] else "")]
     return lines + (verify_hub(tmp, src, summary) if args.verify else [])
+
+
+def _remove_abandoned(parent: str, name: str) -> None:
+    """Delete the hidden work folders of earlier runs for the same --dst whose process is gone (a run killed
+    with SIGKILL cannot clean up after itself); folders of runs still alive are left alone."""
+    prefix = f".{name}.inkling-convert-"
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):].split(".")[0] if entry.startswith(prefix) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
 
 def _move_into_place(tmp: str, dst: str) -> None:

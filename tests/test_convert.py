@@ -296,6 +296,19 @@ def test_existing_destination_needs_overwrite(converted, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["out"]
 
 
+def test_work_folders_of_killed_runs_are_removed(converted, tmp_path, capsys):
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = tmp_path / f".out.inkling-convert-{finished.pid}"  # what a SIGKILLed run leaves behind
+    alive = tmp_path / f".out.inkling-convert-{os.getppid()}"  # a run still going: not ours to delete
+    for folder in (dead, alive):
+        folder.mkdir()
+        (folder / "partial").write_text("x")
+    code, _, err = cli(capsys, "--src", converted[0], "--dst", tmp_path / "out", "--quiet")
+    assert code == 0, err
+    assert sorted(os.listdir(tmp_path)) == sorted([alive.name, "out"])
+
+
 def test_verify_catches_a_corrupted_chunk(converted, tmp_path):
     src, done = converted
     copy = tmp_path / "copy"
