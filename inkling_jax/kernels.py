@@ -123,13 +123,12 @@ def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_
     caches in their own shapes.
     """
     from pallas_kernels.attn_prologue import attn_prologue
-    from pallas_kernels.attn_prologue import reference as prologue_reference
 
-    fn = attn_prologue if _pallas() else prologue_reference.attn_prologue
     flat = lambda cache: cache.reshape(-1, *cache.shape[-2:])  # noqa: E731
     slots = jax.numpy.arange(q.shape[0], dtype=jax.numpy.int32)
-    q, k, v, k_state, v_state, new_k, new_v = fn(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_state,
-                                                  slots, flat(k_cache), flat(v_cache), write_idx, eps=eps)
+    q, k, v, k_state, v_state, new_k, new_v = attn_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w,
+                                                            k_state, v_state, slots, flat(k_cache),
+                                                            flat(v_cache), write_idx, eps=eps)
     return q, k, v, new_k.reshape(k_cache.shape), new_v.reshape(v_cache.shape), k_state, v_state
 
 
