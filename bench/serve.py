@@ -37,6 +37,7 @@ from serve.config import EngineConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
+from serve.steps import pack  # noqa: E402
 from serve.text_stream import Delta  # noqa: E402
 
 PEER = r"""
@@ -112,6 +113,30 @@ def decode_bytes(model: InklingModel, config: EngineConfig) -> int:
     return int(total - skipped + kv)
 
 
+def decode_program_seconds(engine: Engine, num_rows: int) -> float:
+    """Seconds per call of the compiled decode program alone (no host work between calls): `num_rows` rows at
+    128 cached tokens, each sampling `decode_steps` tokens, in the smallest decode bucket that holds them.
+    Run after the engine thread has stopped: it uses the engine's cache."""
+    runner = engine.runner
+    cfg = runner.config
+    rows = cfg.row_bucket(num_rows)
+    inputs = runner._inputs([], rows, 1)
+    if rows != cfg.num_rows:
+        inputs.rows[:num_rows] = np.arange(num_rows)
+    inputs.lengths[:num_rows] = 128
+    inputs.n_new[:num_rows] = 1
+    inputs.steps[:num_rows] = cfg.decode_steps
+    inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
+    inputs = runner.placement.put(pack(inputs))
+    program = runner._steps[rows, 1]
+
+    def call():
+        runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)
+        return out
+
+    return median_seconds(call, trials=5)
+
+
 def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int):
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
@@ -156,6 +181,8 @@ def main():
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
+    p.add_argument("--trace", help="write a profiler trace (perfetto JSON) of a batch-1 request and of the batch-1 "
+                   "decode program into this directory")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     levels = sorted(int(c) for c in args.concurrency.split(","))
@@ -188,7 +215,16 @@ def main():
     vocab = config.text.unpadded_vocab_size
     run_load(engine, min(levels), args.prompt_tokens, 4, vocab, seed=99)  # first calls of each executable
     results["levels"] = [run_load(engine, c, args.prompt_tokens, args.output_tokens, vocab, seed=c) for c in levels]
+    if args.trace:
+        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+            run_load(engine, 1, args.prompt_tokens, 3 * args.decode_steps, vocab, seed=7)
     engine.shutdown(drain_seconds=0)
+    # The decode program alone: what the engine's host work between calls adds is TPOT minus this.
+    results["program_ms_per_token"] = {
+        n: 1e3 * decode_program_seconds(engine, n) / args.decode_steps for n in levels if n < 128 or gpu}
+    if args.trace:
+        with jax.profiler.trace(os.path.join(args.trace, "program"), create_perfetto_trace=True):
+            decode_program_seconds(engine, 1)
 
     step_bytes = decode_bytes(model, engine_config)
     batch1 = next((r for r in results["levels"] if r["concurrency"] == 1), None)
@@ -202,6 +238,8 @@ def main():
     for r in results["levels"]:
         print(f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
               f"{r['tpot_p50_ms']:.2f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} |")
+    for n, ms in results["program_ms_per_token"].items():
+        print(f"decode program alone, {n} rows: {ms:.2f} ms per token (step of {args.decode_steps} tokens)")
     if batch1:
         achieved = step_bytes / (batch1["tpot_p50_ms"] / 1e3)
         results["decode_batch1"] = {"bytes": step_bytes, "bytes_s": achieved,

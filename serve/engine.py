@@ -3,6 +3,12 @@ and hands each request's outputs to its listener.
 
 Other threads only `submit`, `abort` and `shutdown`; everything else (scheduler, pages, device state) belongs to
 the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
+
+Host work overlaps device work: a step's samples are first applied to their sequences (tokens appended, EOS,
+stop ids and length limits end them, freeing their slots), which the next step's schedule needs; the text work
+(detokenizing, stop strings, handing outputs to listeners) waits until the next step is dispatched and runs while
+the device computes it. A stop string found then ends a sequence that the step in flight still computes: the
+tokens it brings back for that sequence are dropped.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class Engine:
         self._aborts: list[str] = []
         self._requests: dict[str, Request] = {}
         self._owner: dict[int, Request] = {}  # seq_id -> its request
+        self._unreported: list[tuple] = []  # applied tokens whose text is not yet out (see `_report`)
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
         self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
@@ -150,6 +157,7 @@ class Engine:
             if self._stop.is_set():
                 return
             if self.scheduler.idle:
+                self._report()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
@@ -157,6 +165,7 @@ class Engine:
                 self.step()
             except Exception:  # a failed step must not take the server down: fail its requests, start clean
                 log.exception("engine step failed; failing every request in flight")
+                self._unreported = []
                 for request_id in list(self._requests):
                     self._end_request(request_id, "error")
                 self.runner.reset()
@@ -186,21 +195,51 @@ class Engine:
         preempted = self.scheduler.num_preemptions
         chunks = self.scheduler.schedule()
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        if not chunks:
+            self._report()
+            return
         for chunk in chunks:
             if chunk.admitted:
                 self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
         self._plan_decode_steps(chunks)
-        results = self.runner.execute(chunks)
-        now = time.monotonic()
+        dispatched = self.runner.dispatch(chunks)
+        self._report()  # the previous step's text, while the device runs this one
+        self._unreported = self._apply(chunks, self.runner.collect(dispatched), time.monotonic())
+
+    def _apply(self, chunks: list[Chunk], results: dict[int, list[tuple]], now: float) -> list[tuple]:
+        """Put a step's samples into their sequences; end those that hit EOS, a stop id or a length limit.
+        Returns (sequence, sample, time, end reason or None) per token, for `_report`."""
+        tokens = []
         for chunk in chunks:
             seq = chunk.seq
+            if seq.finished:  # a stop string ended it after this step was dispatched
+                continue
             self._advance(seq, chunk.num_tokens)
             for k, sample in enumerate(results.get(seq.seq_id, ())):
-                if seq.finished:  # a stop: the device's later tokens of this row are discarded
-                    break
                 if k:
                     self._advance(seq, 1)  # the token fed back on device is in the cache
-                self._on_token(seq, *sample, now)
+                seq.append(sample[0])
+                reason = self._end_reason(seq, sample[0])
+                tokens.append((seq, sample, now, reason))
+                if reason:  # the device's later tokens of this row are discarded
+                    self.scheduler.finish(seq)
+                    break
+        return tokens
+
+    def _end_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _report(self) -> None:
+        """Text and outputs of the applied tokens not yet reported."""
+        tokens, self._unreported = self._unreported, []
+        for seq, sample, now, reason in tokens:
+            if seq.seq_id in self._owner:  # not ended by an earlier stop string or an abort
+                self._on_token(seq, *sample, now, reason)
 
     def _plan_decode_steps(self, chunks: list[Chunk]) -> None:
         """Let a step of decodes only run up to `decode_steps` tokens per row on device, when no waiting
@@ -231,10 +270,10 @@ class Engine:
             if snapshot is not None:
                 self.runner.save_snapshot(seq.slot, snapshot)
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, top_ids, top_logprobs, now: float) -> None:
+    def _on_token(self, seq: Sequence, token: int, logprob: float, top_ids, top_logprobs, now: float,
+                  reason: str | None) -> None:
         request = self._owner[seq.seq_id]
         parser = request.parsers[seq.seq_id]
-        seq.append(token)
         self.metrics.generation_tokens.inc()
         last = request.last_token.get(seq.seq_id)
         if last is None:
@@ -243,17 +282,17 @@ class Engine:
             self.metrics.itl.observe(now - last)
         request.last_token[seq.seq_id] = now
         p = seq.params
+        if reason == "stop":  # EOS or a stop id: not part of the text
+            self._finish(seq, "stop", parser.finish())
+            return
         entry = None
         if p.logprobs is not None:
             entry = TokenEntry(token, logprob, list(zip(top_ids[:p.logprobs].tolist(),
                                                         top_logprobs[:p.logprobs].tolist())))
-        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            self._finish(seq, "stop", parser.finish())
-            return
         deltas = parser.feed(token, entry)
         if parser.stopped:
             self._finish(seq, "stop", deltas)
-        elif seq.num_output >= p.max_tokens or len(seq) >= self.config.max_model_len:
+        elif reason == "length":
             self._finish(seq, "length", deltas + parser.finish())
         elif deltas:
             self._emit(request, Output(seq.index, deltas, None, seq.num_output))

@@ -25,7 +25,7 @@ from serve.config import EngineConfig
 from serve.placement import Placement
 from serve.sampler import Sampled, SamplingBatch
 from serve.scheduler import Chunk
-from serve.steps import PenaltyState, StepInputs, StepPrograms
+from serve.steps import PenaltyState, StepInputs, StepPrograms, pack
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,15 @@ class ModelRunner:
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
         self.model = self.placement.shard_model(model)
-        self.graphdef, self.params = nnx.split(self.model)
+        self.graphdef, params = nnx.split(self.model)
+        self.params, param_tree = jax.tree.flatten(params)  # a flat list: cheap to pass at every call
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or self._pages_for_memory(model)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
-        self.programs = StepPrograms(self.graphdef, self.text, config.max_logprobs, config.decode_steps,
-                                     self._constrain_cache)
+        self.programs = StepPrograms(self.graphdef, param_tree, self.text, config.max_logprobs, config.decode_steps,
+                                     config.pages_per_row, self._constrain_cache)
         self._steps: dict[tuple[int, int], object] = {}
         self._save = self._restore = self._init_penalties = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
@@ -134,7 +135,7 @@ class ModelRunner:
                     for kind, fn in (("decode", self.programs.decode), ("prefill", self.programs.prefill))}
         lowered = {}
         for rows, chunk in self.config.buckets:
-            inputs = self.placement.put(self._inputs([], rows, chunk))
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             program = programs["decode" if chunk == 1 else "prefill"]
             lowered[rows, chunk] = program.lower(self.params, self.cache, self.penalties, inputs,
                                                  gather=rows != self.config.num_rows)
@@ -178,9 +179,9 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------------
     # Execution
 
-    def execute(self, chunks: list[Chunk]) -> dict[int, list[tuple]]:
-        """Run one scheduled step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
-        chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
+    def dispatch(self, chunks: list[Chunk]) -> list:
+        """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
+        waits for its samples."""
         put = self.placement.put
         for chunk in chunks:
             seq = chunk.seq
@@ -192,7 +193,11 @@ class ModelRunner:
                 tokens[:len(seq)] = seq.token_ids
                 self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
                                                                             np.int32(seq.num_prompt))))
-        dispatched = [(group, self._dispatch(group)) for group in self._groups(chunks)]
+        return [(group, self._dispatch(group)) for group in self._groups(chunks)]
+
+    def collect(self, dispatched: list) -> dict[int, list[tuple]]:
+        """Wait for a dispatched step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
+        chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
         results = {}
         for group, out in dispatched:
             host: Sampled = jax.device_get(out)
@@ -202,6 +207,10 @@ class ModelRunner:
                                                   host.top_ids[k, row], host.top_logprobs[k, row])
                                                  for k in range(chunk.steps)]
         return results
+
+    def execute(self, chunks: list[Chunk]) -> dict[int, list[tuple]]:
+        """Run one scheduled step and wait for it (see `collect`)."""
+        return self.collect(self.dispatch(chunks))
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
         put = self.placement.put
@@ -221,7 +230,7 @@ class ModelRunner:
     def _dispatch(self, group: list[Chunk]):
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
-        inputs = self.placement.put(self._inputs(group, rows, chunk))
+        inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
         self.cache, self.penalties, out = self._steps[rows, chunk](self.params, self.cache, self.penalties, inputs)
         return out
 

@@ -28,8 +28,8 @@ def engine():
             row_buckets=(4,), num_pages=12, decode_steps=4), eos_token_id=CONFIG.eos_token_id)
         engine.start()
     calls = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda chunks: calls.append(max(c.steps for c in chunks)) or execute(chunks)
+    dispatch = engine.runner.dispatch
+    engine.runner.dispatch = lambda chunks: calls.append(max(c.steps for c in chunks)) or dispatch(chunks)
     engine.calls = calls
     yield engine
     engine.shutdown(drain_seconds=0)
