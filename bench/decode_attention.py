@@ -3,14 +3,11 @@ bandwidth measured in the same run, the jitted jnp reference and the peer decode
 ../shared/peers at the same shape.
 
 Run: PYTHONPATH=. python bench/decode_attention.py   (prints one table last; KV GB/s = K+V bytes read / time)
-The input builders and timers take a `CacheShape` so that bench/kernels.py can reuse them (also tiny, on CPU).
+The cases (shapes, inputs, jitted calls, timer) are in bench/decode_attention_cases.py, shared with kernels.py.
 """
 
-import dataclasses
 import functools
-import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -23,31 +20,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_kernels.decode_attention import (contiguous_as_pages, paged_decode_attention,  # noqa: E402
-                                             paged_decode_reference, ring_decode_attention, ring_decode_reference)
+from bench.ceilings import copy_bandwidth, read_bandwidth  # noqa: E402
+from bench.decode_attention_cases import (CONTEXT, DIM, HEADS, KV_FULL, KV_RING, PAGE, PAGED, RING,  # noqa: E402
+                                          WINDOW, copies_for, cudnn_decode_ms, paged_fn, paged_inputs, ring_fn,
+                                          ring_inputs, timed_ms)
+from pallas_kernels.decode_attention import paged_decode_reference, ring_decode_reference  # noqa: E402
 
-HEADS, DIM, D_REL, EXTENT_FULL, WINDOW = 64, 128, 16, 1024, 512
-KV_FULL, KV_RING, CONTEXT, PAGE = 8, 16, 8192, 128
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheShape:
-    kv_heads: int
-    context: int  # keys per sequence: the full context (paged) or the window (ring)
-    extent: int
-    heads: int = HEADS
-    dim: int = DIM
-    d_rel: int = D_REL
-    page: int = PAGE
-
-    def kv_bytes(self, batch):
-        """K + V bytes (bf16) of every visible key."""
-        return 2 * batch * self.context * self.kv_heads * self.dim * 2
-
-
-PAGED = CacheShape(kv_heads=KV_FULL, context=CONTEXT, extent=EXTENT_FULL)
-RING = CacheShape(kv_heads=KV_RING, context=WINDOW, extent=WINDOW)
-L2_DEFEAT_BYTES = 256 << 20  # rotate input copies until this many bytes: the H200's L2 is 60 MB
 ROWS = []  # (case, ms, bytes, reference ms, best peer ms)
 TORCH = {}  # torch peer times (ms) measured in a child process, so torch and JAX never share one CUDA context
 TORCH_SHAPES = [(b, CONTEXT, KV_FULL) for b in (64, 1, 8)] + [(b, WINDOW, KV_RING) for b in (64, 1, 8)]
@@ -86,22 +64,6 @@ def run_torch_peers():
         print("torch peers failed:", done.stderr.strip().splitlines()[-3:])
 
 
-def timed_ms(fn, arg_sets, reps=5):
-    """Median over reps of the time per call of fn. One jitted step runs fn on every input set in turn, so host
-    dispatch is amortised over len(arg_sets) calls, as inside a model's decode step (warm-up first)."""
-    step = jax.jit(lambda sets: [fn(*args) for args in sets])
-    jax.block_until_ready(step(arg_sets))
-    iters = max(5, math.ceil(20 / len(arg_sets)))
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = step(arg_sets)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / (iters * len(arg_sets)))
-    return statistics.median(samples) * 1e3
-
-
 def attempt(name, thunk):
     try:
         return thunk()
@@ -111,79 +73,22 @@ def attempt(name, thunk):
         return None
 
 
-def copies_for(nbytes):
-    return max(1, min(64, math.ceil(L2_DEFEAT_BYTES / nbytes)))
-
-
-def normal(key, shape, dtype=jnp.bfloat16):
-    return jax.random.normal(key, shape, dtype)
-
-
 def report(name, ms, nbytes, extra=""):
     if ms is not None:
         print(f"{name:<62} {ms:8.3f} ms {nbytes / ms / 1e6:8.0f} GB/s {extra}", flush=True)
 
 
 def copy_ceilings():
-    x = normal(jax.random.key(0), (1 << 30,))  # 2 GiB
-    ms = timed_ms(jax.jit(lambda a: a * 2), [(x,)])
-    report("ceiling: XLA y = 2*x, 2 GiB bf16 (read + write)", ms, 2 * x.nbytes)
-    read_ms = timed_ms(jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32)), [(x,)])
-    report("ceiling: XLA sum(x), 2 GiB bf16 (read only)", read_ms, x.nbytes)
-    best = max(2 * x.nbytes / ms, x.nbytes / read_ms)
+    """The best of the XLA copy and read ceilings (2 GiB bf16, random values) and torch's copy, in bytes/ms."""
+    copy, read = copy_bandwidth(data="normal"), read_bandwidth(data="normal")
+    for name, rate in (("y = 2*x, 2 GiB bf16 (read + write)", copy), ("sum(x), 2 GiB bf16 (read only)", read)):
+        print(f"{'ceiling: XLA ' + name:<62} {rate / 1e9:20.0f} GB/s", flush=True)
+    best = max(copy, read) / 1e3
     if "copy" in TORCH:
-        report("ceiling: torch d2d copy, 2 GiB bf16 (read + write)", TORCH["copy"], 2 * x.nbytes)
-        best = max(best, 2 * x.nbytes / TORCH["copy"])
-    return best  # bytes per ms
-
-
-def paged_inputs(key, batch, shuffle, copies, shape=PAGED):
-    """`copies` independent caches [B*L/page, page, Hkv, D] (contiguous layout, identity or shuffled table),
-    every sequence full."""
-    sets = []
-    dense = (batch, shape.context, shape.kv_heads, shape.dim)
-    for c in range(copies):
-        ks = jax.random.split(jax.random.fold_in(key, c), 6)
-        k_pages, table = contiguous_as_pages(normal(ks[0], dense), shape.page)
-        v_pages, _ = contiguous_as_pages(normal(ks[1], dense), shape.page)
-        if shuffle:
-            table = jax.random.permutation(ks[2], table.size).reshape(table.shape).astype(jnp.int32)
-        lengths = jnp.full((batch,), shape.context, jnp.int32)
-        tau = 1.0 + 0.1 * jnp.log(jnp.maximum(1.0, lengths / 128000.0))
-        sets.append((normal(ks[3], (batch, shape.heads, shape.dim)), k_pages, v_pages, table, lengths,
-                     normal(ks[4], (batch, shape.heads, shape.d_rel)), normal(ks[5], (shape.d_rel, shape.extent)),
-                     tau))
-    return sets
-
-
-def ring_inputs(batch, copies, shape=RING):
-    """`copies` independent rings [B, window, Hkv, D], each sequence 7893..8192 tokens long (rings wrapped)."""
-    sets = []
-    ring = (batch, shape.context, shape.kv_heads, shape.dim)
-    for c in range(copies):
-        ks = jax.random.split(jax.random.fold_in(jax.random.key(100 + batch), c), 6)
-        sets.append((normal(ks[0], (batch, shape.heads, shape.dim)), normal(ks[1], ring), normal(ks[2], ring),
-                     CONTEXT - jax.random.randint(ks[3], (batch,), 0, 300, jnp.int32),
-                     normal(ks[4], (batch, shape.heads, shape.d_rel)), normal(ks[5], (shape.d_rel, shape.extent))))
-    return sets
-
-
-def ring_fn(impl=ring_decode_attention, shape=RING, **launch):
-    """jit of impl over the positional tuples of `ring_inputs` (the window is the ring's length)."""
-    return jax.jit(functools.partial(impl, window=shape.context, **launch))
-
-
-def cudnn_decode_ms(q, k, v, implementation="cudnn"):
-    """jax.nn.dot_product_attention of one query per sequence over dense k, v [B, S, Hkv, D], no bias."""
-    return timed_ms(jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-        q[:, None], k, v, implementation=implementation)), [(q, k, v)])
-
-
-def paged_fn(impl=paged_decode_attention, **launch):
-    """jit of impl over the positional tuples of `paged_inputs` (tau is keyword-only)."""
-    def run(q, k, v, table, lengths, r, p, tau):
-        return impl(q, k, v, table, lengths, r, p, tau=tau, **launch)
-    return jax.jit(run)
+        moved = 2 * (2 << 30)  # 2 GiB read and written
+        report("ceiling: torch d2d copy, 2 GiB bf16 (read + write)", TORCH["copy"], moved)
+        best = max(best, moved / TORCH["copy"])
+    return best
 
 
 def peers_full(q, k, v):

@@ -12,10 +12,10 @@ Rows (bf16; batch 1, 8192 tokens, 64 query heads, head_dim 128, d_rel 16 unless 
 - the fused decode prologue at 64 tokens vs the unfused jitted jnp sequence (>= 2x), both layer kinds.
 --sweep adds, before the table, the ShortConv prefill tile sweeps (tiled and strip kernels) and a sweep of the
 sliding layer's forward tiles (each kernel alone; the table keeps the tuned tiles).
-The timing of each kind is that of its own benchmark (bench/rel_attention.py, decode_attention.py,
-shortconv.py), whose functions this script calls. FlexAttention runs first, in a child process, so torch and
-JAX never share the GPU's memory. --smoke runs tiny shapes (interpret mode on CPU, eager Flex, whose CPU
-backward does not exist) to check the plumbing; its numbers mean nothing.
+The timing of each kind is that of its own benchmark (bench/rel_attention.py, decode_attention_cases.py,
+shortconv.py), whose functions this script calls; the ceilings are bench/ceilings.py's. FlexAttention runs
+first, in a child process, so torch and JAX never share the GPU's memory. --smoke runs tiny shapes (interpret
+mode on CPU, eager Flex, whose CPU backward does not exist) to check the plumbing; its numbers mean nothing.
 Writes kernels.json and kernels.md into --out (default $OUT) when given.
 """
 
@@ -35,9 +35,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.85")  # torch has fin
 
 import jax  # noqa: E402
 
-from bench import decode_attention as dec  # noqa: E402
+from bench import decode_attention_cases as dec  # noqa: E402
 from bench import rel_attention as rel  # noqa: E402
 from bench import shortconv as sc  # noqa: E402
+from bench.ceilings import copy_bandwidth, matmul_flops  # noqa: E402
 from pallas_kernels.attn_prologue import attn_prologue  # noqa: E402
 from pallas_kernels.attn_prologue import reference as prologue_reference  # noqa: E402
 from pallas_kernels.shortconv import shortconv_prefill, shortconv_prefill_strip  # noqa: E402
@@ -238,8 +239,8 @@ def main():
     log("flex", flex)
     results = {"date": str(datetime.date.today()), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                "torch": flex.get("torch"), "smoke": args.smoke}
-    attempt("rooflines", lambda: rel.rooflines(shapes.matmul_n, shapes.copy_elems))
-    results.update({k: rel.RESULTS.get(k) for k in ("matmul_tflops", "copy_gbs")})
+    results["matmul_tflops"] = attempt("matmul ceiling", lambda: matmul_flops(shapes.matmul_n, data="normal") / 1e12)
+    results["copy_gbs"] = attempt("copy ceiling", lambda: copy_bandwidth(shapes.copy_elems, data="normal") / 1e9)
     if args.sweep:
         sc.SWEEP_SECONDS[0] = float("inf")  # its cut-off counts from import time, meant for its own script
         layer = shapes.layers["sliding"]

@@ -13,25 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.ceilings import copy_bandwidth, median_seconds
 from inkling_jax import InklingModel, kernels, preset
 from inkling_jax.generate import StepFunctions
-
-
-def timed(fn, repeats):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def copy_bandwidth():
-    x = jnp.ones((1 << 30,), jnp.bfloat16) * 1.5  # 2 GiB
-    f = jax.jit(lambda a: a * 2)
-    seconds = timed(lambda: f(x), 10)
-    return 2 * x.nbytes / seconds
 
 
 def build(config):
@@ -72,7 +56,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     args = parser.parse_args()
     print(jax.devices()[0].device_kind, "jax", jax.__version__)
-    ceiling = copy_bandwidth()
+    ceiling = copy_bandwidth(1 << 30, data="ones")
     print(f"device copy (read + write): {ceiling / 1e9:.0f} GB/s")
     config = preset("bench")
     kernels.set_backend("auto", moe=args.moe)
@@ -84,7 +68,7 @@ def main():
     rows = []
     for batch, length in ((1, 2048), (8, 1024)) if not args.quick else ((1, 2048),):
         ids = jnp.asarray(np.random.default_rng(0).integers(0, 200000, (batch, length)), jnp.int32)
-        seconds = timed(lambda: steps.forward(ids), 5)
+        seconds = median_seconds(lambda: steps.forward(ids), trials=5)
         rows.append((f"prefill (forward) bs={batch} L={length}", seconds * 1e3, batch * length / seconds, "", ""))
     max_len = 2048
     for batch in (1, 32) if not args.quick else (1,):
@@ -99,7 +83,7 @@ def main():
             out, state["cache"] = steps.extend(token, state["cache"])
             return out
 
-        seconds = timed(step, 20)
+        seconds = median_seconds(step, trials=20)
         need = decode_bytes(model, batch, 256)
         rows.append((f"decode step bs={batch} ctx=256", seconds * 1e3, batch / seconds,
                      f"{need / seconds / 1e9:.0f}", f"{need / seconds / ceiling:.2f}"))

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds
+from bench.moe_peers import mgpu_peer, unfused_ffn
 from inkling_jax import kernels
 from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
@@ -40,27 +42,6 @@ if DRY:
 START = time.perf_counter()
 SWEEP_UNTIL_S = float(os.environ.get("MOE_BENCH_SWEEP_UNTIL_S", "240"))  # stop trying tile configs after this
 R = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "rows": {}, "decode": {}}
-
-
-def timed(f, *args, reps=5, warm=2):
-    """Median seconds of f(*args) after `warm` warm-up calls (the first compiles)."""
-    for _ in range(warm):
-        jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def timed_loop(f, *args, iters=50):
-    """Mean seconds per call over a loop of asynchronous calls (decode-sized work)."""
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready([f(*args) for _ in range(iters)])
-    return (time.perf_counter() - t0) / iters
 
 
 def guarded(name, fn):
@@ -101,36 +82,9 @@ def rows_inputs(tokens, seed=0):
 
 
 def ceilings():
-    x = jax.random.normal(jax.random.key(9), (CEIL_COPY,), jnp.bfloat16)  # 2 GiB
-    R["copy_GBps"] = 2 * x.nbytes / timed(jax.jit(lambda x: x * 2), x, reps=10) / 1e9
-    a = jax.random.normal(jax.random.key(1), (CEIL_MM, CEIL_MM), jnp.bfloat16)
-    R["matmul_TFLOPs"] = 2 * CEIL_MM ** 3 / timed(jax.jit(lambda a, b: a @ b), a, a, reps=10) / 1e12
+    R["copy_GBps"] = copy_bandwidth(CEIL_COPY, data="normal") / 1e9
+    R["matmul_TFLOPs"] = matmul_flops(CEIL_MM, data="normal") / 1e12
     print(f"copy {R['copy_GBps']:.0f} GB/s, XLA bf16 matmul {R['matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
-
-
-def mgpu_peer():
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
-    tiles = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
-
-    @jax.custom_vjp
-    def mm(x, w, gs):
-        return rd.ragged_dot(x, w, group_sizes=gs, grid_block_n=8, **tiles)
-
-    def mm_bwd(res, dy):
-        x, w, gs = res
-        dx = rd.ragged_dot(dy, w, group_sizes=gs, grid_block_n=8, transpose_rhs=True, **tiles)
-        return dx, trd.transposed_ragged_dot(x, dy, group_sizes=gs, grid_block_n=4, **tiles), None
-
-    mm.defvjp(lambda x, w, gs: (mm(x, w, gs), (x, w, gs)), mm_bwd)
-    return mm
-
-
-def unfused_ffn(mm, x, wg, wu, wd, gs, rw):
-    """The peers' layout: one matmul to [gate | up], SwiGLU and row weight in XLA, then down."""
-    z = mm(x, jnp.concatenate([wg, wu], -1), gs).astype(jnp.float32)
-    h = jax.nn.silu(z[:, :I]) * z[:, I:] * rw[:, None]
-    return mm(h.astype(x.dtype), wd, gs)
 
 
 def train_step(f, num_diff):
@@ -143,8 +97,9 @@ def train_step(f, num_diff):
 
 
 def measure(name, f, args, num_diff, flops, note="", reps=5):
-    t = guarded(f"{name} fwd", lambda: timed(jax.jit(f), *args[:-1], reps=reps, warm=min(2, reps)))
-    tb = guarded(f"{name} fwd+bwd", lambda: timed(train_step(f, num_diff), *args, reps=reps, warm=min(2, reps)))
+    t = guarded(f"{name} fwd", lambda: median_seconds(jax.jit(f), *args[:-1], trials=reps, warmup=min(2, reps)))
+    tb = guarded(f"{name} fwd+bwd",
+                 lambda: median_seconds(train_step(f, num_diff), *args, trials=reps, warmup=min(2, reps)))
     R["rows"][name] = dict(note=note, fwd_ms=t and t * 1e3, fwd_TFLOPs=t and flops / t / 1e12,
                            fwdbwd_ms=tb and tb * 1e3, fwdbwd_TFLOPs=tb and 3 * flops / tb / 1e12)
     print(name, json.dumps(R["rows"][name]), flush=True)
@@ -220,7 +175,9 @@ def decode(w):
                                (d["x"], wg, wu, wd, d["gs"], d["rw"]))
         for name, (f, args) in cases.items():
             iters = 10 if name == "ragged_dot" else 50
-            t = guarded(f"decode {tokens} {name}", lambda: timed_loop(f, *args, iters=iters))
+            # The mean over one loop of asynchronous calls (decode-sized work), after 2 warm-up calls.
+            t = guarded(f"decode {tokens} {name}",
+                        lambda: median_seconds(f, *args, trials=1, warmup=2, calls=iters))
             row[f"{name}_us"] = t and t * 1e6
             row[f"{name}_of_copy"] = t and nbytes / t / 1e9 / R["copy_GBps"]
         print(f"decode {tokens}", json.dumps(row), flush=True)
@@ -259,7 +216,7 @@ def kernel_sweep(d, w):
             if time.perf_counter() - START > SWEEP_UNTIL_S:
                 R.setdefault("skipped", []).append(f"{role} {cfg}")
                 continue
-            t = guarded(f"{role} {cfg}", lambda: timed(jax.jit(make(cfg)), *args, reps=5))
+            t = guarded(f"{role} {cfg}", lambda: median_seconds(jax.jit(make(cfg)), *args, trials=5, warmup=2))
             if t:
                 sweep.setdefault(role, []).append((flops / t / 1e12, repr(cfg)))
                 print(f"  {role:9s} {flops / t / 1e12:6.1f} TFLOP/s  {cfg}", flush=True)

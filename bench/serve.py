@@ -1,6 +1,7 @@
 """The serving engine on one GPU, without HTTP: output tok/s, time to first token and inter-token latency
-(p50/p99) at several concurrencies; the batch-1 decode step's achieved bytes/s against the copy bandwidth
-measured in the same run; transformers' Inkling at 32 concurrent requests (one batched `generate`) as the peer.
+(p50/p99) at several concurrencies; the batch-1 decode step's achieved bytes/s against the copy (y = 2x) and
+read bandwidths measured in the same run; the decode program alone per token (TPOT minus it is what the engine's
+host work adds); transformers' Inkling at 32 concurrent requests (one batched `generate`) as the peer.
 
     PYTHONPATH=. python bench/serve.py [--out DIR]                  # H200: the `bench` preset, random weights
     PYTHONPATH=. python bench/serve.py --preset tiny --concurrency 1,4 --prompt-tokens 16 --output-tokens 8 \\
@@ -38,6 +39,8 @@ from serve.engine import Engine  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 from serve.steps import pack  # noqa: E402
+
+from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
 from serve.text_stream import Delta  # noqa: E402
 
 PEER = r"""
@@ -71,27 +74,6 @@ class Timestamps:
 
     def finish(self):
         return []
-
-
-def median_seconds(fn, *args, trials=10):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
-def copy_bandwidth(mib: int) -> float:
-    """Bytes/s of a jitted y = 2x (read + write) over `mib` MiB of bf16."""
-    x = jnp.ones((mib * 2**20 // 2,), jnp.bfloat16)
-    return 2 * x.nbytes / median_seconds(jax.jit(lambda v: 2 * v), x)
-
-
-def matmul_flops(n: int) -> float:
-    a = jnp.ones((n, n), jnp.bfloat16)
-    return 2 * n**3 / median_seconds(jax.jit(lambda p, q: p @ q), a, a)
 
 
 def decode_bytes(model: InklingModel, config: EngineConfig) -> int:
@@ -128,10 +110,13 @@ def decode_program_seconds(engine: Engine, num_rows: int) -> float:
     inputs.steps[:num_rows] = cfg.decode_steps
     inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
     inputs = runner.placement.put(pack(inputs))
-    program = runner._steps[rows, 1]
+    program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
-    def call():
-        runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)
+    def call():  # one run of decode_steps tokens, as the engine dispatches it
+        previous = runner._no_tokens[rows]
+        for k in range(cfg.decode_steps):
+            runner.cache, runner.penalties, out, previous = program(runner.params, runner.cache, runner.penalties,
+                                                                    inputs, runner._step_index[k], previous)
         return out
 
     return median_seconds(call, trials=5)
@@ -193,8 +178,9 @@ def main():
         print(peer.stderr[-2000:] if peer.returncode else "", end="")
         results.update(json.loads(peer.stdout.strip().splitlines()[-1]) if peer.returncode == 0 else {})
     results["device"] = str(jax.devices()[0])
-    results["copy_bytes_s"] = copy_bandwidth(args.copy_mib)
-    results["matmul_flop_s"] = matmul_flops(8192 if jax.default_backend() == "gpu" else 512)
+    results["copy_bytes_s"] = copy_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
+    results["read_bytes_s"] = read_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
+    results["matmul_flop_s"] = matmul_flops(8192 if jax.default_backend() == "gpu" else 512, data="ones")
 
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
@@ -222,17 +208,17 @@ def main():
     # The decode program alone: what the engine's host work between calls adds is TPOT minus this.
     results["program_ms_per_token"] = {
         n: 1e3 * decode_program_seconds(engine, n) / args.decode_steps for n in levels if n < 128 or gpu}
-    if args.trace:
-        with jax.profiler.trace(os.path.join(args.trace, "program"), create_perfetto_trace=True):
-            decode_program_seconds(engine, 1)
+    for n in levels if args.trace else ():
+        with jax.profiler.trace(os.path.join(args.trace, f"program{n}"), create_perfetto_trace=True):
+            decode_program_seconds(engine, n)
 
     step_bytes = decode_bytes(model, engine_config)
     batch1 = next((r for r in results["levels"] if r["concurrency"] == 1), None)
     print(f"{results['device']}, jax {jax.__version__}, preset {args.preset}, prompt {args.prompt_tokens}, "
           f"output {args.output_tokens}, decode steps {args.decode_steps}; build {results['build_s']:.1f}s, "
           f"compile {results['compile_s']:.1f}s ({len(engine_config.buckets)} buckets: {engine_config.buckets})")
-    print(f"copy (y = 2x) {results['copy_bytes_s'] / 1e9:.0f} GB/s; bf16 matmul {results['matmul_flop_s'] / 1e12:.0f}"
-          " TFLOP/s")
+    print(f"copy (y = 2x, read + write) {results['copy_bytes_s'] / 1e9:.0f} GB/s; read (sum x) "
+          f"{results['read_bytes_s'] / 1e9:.0f} GB/s; bf16 matmul {results['matmul_flop_s'] / 1e12:.0f} TFLOP/s")
     print("| concurrency | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | ITL p99 ms |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in results["levels"]:
@@ -243,9 +229,11 @@ def main():
     if batch1:
         achieved = step_bytes / (batch1["tpot_p50_ms"] / 1e3)
         results["decode_batch1"] = {"bytes": step_bytes, "bytes_s": achieved,
-                                    "of_copy": achieved / results["copy_bytes_s"]}
+                                    "of_copy": achieved / results["copy_bytes_s"],
+                                    "of_read": achieved / results["read_bytes_s"]}
         print(f"batch-1 decode step: {step_bytes / 1e9:.2f} GB read in {batch1['tpot_p50_ms']:.2f} ms = "
-              f"{achieved / 1e9:.0f} GB/s = {achieved / results['copy_bytes_s']:.2f} of the copy bandwidth")
+              f"{achieved / 1e9:.0f} GB/s = {achieved / results['copy_bytes_s']:.2f} of the copy bandwidth, "
+              f"{achieved / results['read_bytes_s']:.2f} of the read bandwidth")
     ours32 = next((r["tok_s"] for r in results["levels"] if r["concurrency"] == 32), None)
     if "peer_tok_s" in results and ours32:
         print(f"32 concurrent: {ours32:.1f} tok/s vs transformers {results['transformers']} generate "

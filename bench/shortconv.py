@@ -1,6 +1,6 @@
 """ShortConv kernels and the fused decode prologue on a GPU, against the roofline and the jnp paths, one run.
 
-    PYTHONPATH=. python bench/shortconv.py [--out DIR] [--sweep-seconds S]
+    PYTHONPATH=. python bench/shortconv.py [--out DIR] [--sweep-seconds S] [--prefill-sweep]
 
 - prefill: the tiled and the strip kernels' bandwidth against a plain jitted `y = 2x` over the same bytes (the
   copy roofline) and their speed against the jitted jnp reference; a few tile settings of each are swept and
@@ -26,15 +26,23 @@ import jax.numpy as jnp
 from pallas_kernels.attn_prologue import PrologueBlocks, attn_prologue
 from pallas_kernels.attn_prologue import reference as prologue_ref
 from pallas_kernels.shortconv import (DecodeBlocks, PrefillBlocks, StripBlocks, reference, shortconv_decode,
-                                      shortconv_prefill, shortconv_prefill_strip)
+                                      shortconv_prefill, shortconv_prefill_strip, tuning)
 
 BF16, WIDTH = jnp.bfloat16, 4
 PREFILL_SHAPES = [(1, 8192, 6144), (1, 8192, 2048), (4, 8192, 2048)]
 PREFILL_SWEEP = [PrefillBlocks(16, 256, 4), PrefillBlocks(16, 128, 2), PrefillBlocks(8, 256, 4),
                  PrefillBlocks(8, 512, 4), PrefillBlocks(16, 512, 8), PrefillBlocks(32, 256, 8),
                  PrefillBlocks(8, 256, 2)]
-STRIP_SWEEP = [StripBlocks(), StripBlocks(256, 256, 8, 1), StripBlocks(1024, 256, 8, 4), StripBlocks(512, 512, 8, 2),
-               StripBlocks(512, 128, 8, 2), StripBlocks(512, 256, 16, 2), StripBlocks(256, 128, 8, 1)]
+# Strip settings (channels, rows, unroll, num_warps), the two earlier defaults first. A thread keeps about
+# `unroll` row loads in flight; more resident programs per SM (shorter runs, fewer registers) keep more bytes in
+# flight. 8 channels per thread (channels = 256 x num_warps) give 16 B loads, 4 give 8 B loads.
+STRIP_SWEEP = [StripBlocks(512, 256, 8, 2), StripBlocks(256, 128, 8, 1), StripBlocks(512, 128, 16, 2),
+               StripBlocks(256, 64, 16, 1), StripBlocks(256, 32, 16, 1), StripBlocks(512, 64, 16, 2),
+               StripBlocks(256, 64, 16, 2), StripBlocks(512, 32, 8, 2), StripBlocks(512, 16, 16, 2),
+               StripBlocks(256, 16, 16, 1), StripBlocks(256, 32, 16, 2), StripBlocks(512, 128, 16, 4),
+               StripBlocks(512, 64, 8, 2), StripBlocks(512, 128, 8, 2), StripBlocks(256, 128, 16, 1),
+               StripBlocks(1024, 128, 16, 4)]
+PREFILL_SWEEP_SHAPES = [(1, 8192, 6144), (1, 8192, 2048)]  # --prefill-sweep
 DECODE_SHAPES = [(1, 6144), (256, 6144), (256, 2048)]  # (tokens, channels)
 DECODE_SWEEP = [DecodeBlocks(512, 4), DecodeBlocks(1024, 4), DecodeBlocks(512, 2), DecodeBlocks(256, 2)]
 PROLOGUE_LAYERS = {"global": (64, 8, True), "local": (64, 16, False)}  # Hq, Hkv, tau
@@ -111,12 +119,15 @@ def prefill_inputs(shape):
     return x, w, 2 * x.size * 2 + w.size * 4 + batch * (WIDTH - 1) * channels * 2
 
 
-def prefill_measure(x, w, reps=10):
-    """measure(fn) -> seconds per prefill call fn(x, w) -> (y, state); y feeds the next step's x."""
+def prefill_measure(x, w, reps=10, with_state=False):
+    """measure(fn) -> seconds per prefill call fn(x, w) -> (y, state); y feeds the next step's x and, with_state,
+    the state returned feeds the next step's state (as the model calls the kernel: always with a state)."""
     state0 = jnp.zeros((x.shape[0], WIDTH - 1, x.shape[2]), BF16)
 
     def measure(fn):
-        return per_call_seconds(lambda carry, w: fn(carry[0], w), (x, state0), (w,), reps=reps, feed_back=False)
+        def step(carry, w):
+            return fn(carry[0], w, carry[1]) if with_state else fn(carry[0], w)
+        return per_call_seconds(step, (x, state0), (w,), reps=reps, feed_back=False)
     return measure
 
 
@@ -139,6 +150,37 @@ def bench_prefill(shape, rows, log):
     if found:
         rows.append(("sconv prefill strip kernel", name, found[0], moved, scale_rate, jnp_seconds, str(found[1])))
     return scale_rate
+
+
+def prefill_sweep(shape, rows, log):
+    """Every strip setting of STRIP_SWEEP, the tuned tiled kernel, and the fastest strip setting again with a
+    state (the model's call), against y = 2x timed before and after them; appends a row for each."""
+    x, w, moved = prefill_inputs(shape)
+    name = "x".join(map(str, shape))
+    scale_before = scale_seconds(x)
+    measure = prefill_measure(x, w)
+    timed = []
+    for label, kernel, blocks in [("tiled", shortconv_prefill, tuning.prefill_blocks(shape[2]))] + [
+            ("strip", shortconv_prefill_strip, b) for b in STRIP_SWEEP]:
+        try:
+            seconds = measure(functools.partial(kernel, blocks=blocks))
+        except Exception as err:  # a setting the backend rejects is reported, not fatal
+            log(f"  {label} {name} {blocks}: FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            continue
+        log(f"  {label} {name} {blocks}: {seconds * 1e6:.1f} us")
+        timed.append((f"sconv prefill {label}", seconds, blocks))
+    strips = [t for t in timed if t[0].endswith("strip")]
+    if strips:
+        best = min(strips, key=lambda t: t[1])[2]
+        seconds = prefill_measure(x, w, with_state=True)(functools.partial(shortconv_prefill_strip, blocks=best))
+        log(f"  strip + state {name} {best}: {seconds * 1e6:.1f} us")
+        timed.append(("sconv prefill strip + state", seconds, best))
+    scale_after = scale_seconds(x)
+    scale_rate = 2 * x.size * 2 / min(scale_before, scale_after)  # the faster of the two: the stricter roofline
+    for seconds in (scale_before, scale_after):
+        rows.append(("y = 2x (XLA)", name, seconds, 2 * x.size * 2, scale_rate, None, ""))
+    rows.extend((op, name, seconds, moved, scale_rate, None, str(blocks))
+                for op, seconds, blocks in sorted(timed, key=lambda t: t[1]))
 
 
 def bench_decode(shape, rows, log, copy_rate):
@@ -215,6 +257,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--sweep-seconds", type=float, default=SWEEP_SECONDS[0])
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only the prefill: each STRIP_SWEEP setting at PREFILL_SWEEP_SHAPES, a row each")
     args = parser.parse_args()
     SWEEP_SECONDS[0] = args.sweep_seconds
     detail_path = os.path.join(args.out, "shortconv_bench.log") if args.out else os.devnull
@@ -231,6 +275,11 @@ def main():
         for op, shape, seconds, *_ in rows[count_before:]:
             log(f"  = {op} {shape}: {seconds * 1e6:.1f} us")
 
+    if args.prefill_sweep:
+        for shape in PREFILL_SWEEP_SHAPES:
+            prefill_sweep(shape, rows, log)
+            log(table(rows))  # after each shape: a run cut short still leaves a table
+        return
     copy_rate = None
     for shape in PREFILL_SHAPES:
         count = len(rows)

@@ -62,21 +62,6 @@ def emit(result: dict) -> None:
 # ours
 
 
-def matmul_ceiling_flops(n: int) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    a, b = (jax.random.normal(jax.random.PRNGKey(i), (n, n), jnp.float32).astype(jnp.bfloat16) for i in (1, 2))
-    f = jax.jit(lambda a, b: a @ b)
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / statistics.median(times)
-
-
 def packed_batch(config, batch: int, seq: int):
     import numpy as np
 
@@ -127,11 +112,12 @@ def part_jax(args) -> None:
 
     import jax
 
+    from bench.ceilings import matmul_flops
     from train.metrics import train_flops_per_token
 
     config = bench_config(args)
     result = {"side": "jax", "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-              "ceiling_flops": matmul_ceiling_flops(args.ceiling_n),
+              "ceiling_flops": matmul_flops(args.ceiling_n, data="normal"),
               "flops_per_token": train_flops_per_token(config.text, args.seq), "failures": []}
     for attempt in args.attempts.split(","):
         moe, remat = attempt.split(":")

@@ -20,15 +20,14 @@ from inkling_jax.sharding import RULES
 AXIS = "expert"
 
 
-def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, grouped_ffn, *,
+def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
                shared_in_launch: bool = False, transport=None):
     """`mlp.experts` with the routed experts sharded over `expert`.
 
-    grouped_ffn(rows [M, H], w_gate, w_up, w_down, group_sizes [G], row_weights [M]) -> [M, H] runs one shard's
-    experts on rows sorted by expert (zeros past sum(group_sizes)). transport: the ragged all-to-all
-    (default: by backend, see module doc).
+    backend: the MoE backend whose `mlp.grouped_ffn` runs one shard's experts on the rows it received.
+    transport: the ragged all-to-all (default: by backend, see module doc).
     """
-    from inkling_jax.mlp import grouped_rows, shared_dense, with_shared_rows
+    from inkling_jax.mlp import grouped_ffn, grouped_rows, shared_dense, with_shared_rows
 
     num_experts, shards = routed[0].shape[0], mesh.shape[AXIS]
     if num_experts % shards:
@@ -66,7 +65,11 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
             source, group, row_weights, stack = with_shared_rows(
                 source, group, row_weights, stack, shared, capacity + jnp.arange(per, dtype=jnp.int32), shared_mine)
             buffer = jnp.concatenate([received, x_mine])
-        y = grouped_rows(buffer, source, group, row_weights, stack, grouped_ffn)
+        # A local expert receives at most one copy of each of the group's num_tokens tokens (top-k picks are
+        # distinct), from whichever shard holds it; a shared group holds this shard's `per` <= num_tokens. So
+        # num_tokens bounds every group, and decode-sized steps get the kernel's decode layout although the
+        # receive buffer (shards x per x top_k rows) is larger.
+        y = grouped_rows(buffer, source, group, row_weights, stack, grouped_ffn(backend, num_tokens))
 
         back = transport(y[:capacity], jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
                          axis_name=AXIS)

@@ -125,7 +125,9 @@ class InklingModel(nnx.Module):
         """The untied head on final-normed hidden states, cut to the unpadded vocabulary."""
         cfg = self.config.text
         scaled = hidden / jnp.asarray(cfg.logits_mup_width_multiplier, hidden.dtype)
-        return scaled @ self.unembed[...][: cfg.unpadded_vocab_size].T
+        # Slice the product, not the weight: XLA copies a row slice of the weight before the matmul, 2.5 GB at
+        # Inkling's vocabulary on every decode step (1.9 ms of the H200's 5.4 ms batch-1 step).
+        return (scaled @ self.unembed[...].T)[..., : cfg.unpadded_vocab_size]
 
     def mtp_logits(self, input_ids):
         """Teacher-forced MTP drafts of a text sequence: one logits array [B, T, V] per depth."""

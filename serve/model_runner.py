@@ -2,8 +2,9 @@
 the sampler state (penalty counts) and the snapshot pool.
 
 Every bucket is compiled ahead of time by `warm_up`, and a call outside the buckets is an error, never a silent
-compilation. A decode group runs as one `decode` program of up to `decode_steps` tokens per row (each chunk's
-`steps`); a prefill group as one `prefill` program.
+compilation. A decode group runs as max(`steps`) dispatches of its `decode` program back to back, each feeding
+the next its samples on device (each chunk takes its own `steps` of them); a prefill group as one `prefill`
+program.
 """
 
 from __future__ import annotations
@@ -60,9 +61,12 @@ class ModelRunner:
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
-        self.programs = StepPrograms(self.graphdef, param_tree, self.text, config.max_logprobs, config.decode_steps,
-                                     config.pages_per_row, self._constrain_cache)
-        self._steps: dict[tuple[int, int], object] = {}
+        self.programs = StepPrograms(self.graphdef, param_tree, self.text, config.max_logprobs, config.pages_per_row,
+                                     self._constrain_cache)
+        # The step indices and the "no previous tokens" rows of the decode runs, on device once.
+        self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
+        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
+        self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
         self._save = self._restore = self._init_penalties = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
                  "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
@@ -128,17 +132,27 @@ class ModelRunner:
         # On CPU (tests, demos) compile time dominates: XLA's cheaper backend passes cut it by about half.
         options = CPU_COMPILE_OPTIONS if jax.default_backend() == "cpu" else None
         jit = self.placement.jit
-        step_out = None
+        step_out = {"decode": None, "prefill": None}
         if self.cache_shardings is not None:
-            step_out = (self.cache_shardings, self.placement.replicated(), self.placement.replicated())
-        programs = {kind: jit(fn, out_shardings=step_out, static_argnames="gather", donate_argnums=(1, 2))
-                    for kind, fn in (("decode", self.programs.decode), ("prefill", self.programs.prefill))}
+            replicated = self.placement.replicated()
+            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
+                        "prefill": (self.cache_shardings, replicated, replicated)}
+        decode = jit(self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
+                     donate_argnums=(1, 2))
+        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames="gather",
+                      donate_argnums=(1, 2))
         lowered = {}
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
-            program = programs["decode" if chunk == 1 else "prefill"]
-            lowered[rows, chunk] = program.lower(self.params, self.cache, self.penalties, inputs,
-                                                 gather=rows != self.config.num_rows)
+            gather = rows != self.config.num_rows
+            if chunk > 1:
+                lowered[rows, chunk, True] = prefill.lower(self.params, self.cache, self.penalties, inputs,
+                                                           gather=gather)
+                continue
+            for full in (False, True):  # a decode program per sampler kind (see `sampler.choose`)
+                lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
+                                                          self._step_index[0], self._no_tokens[rows], gather=gather,
+                                                          full=full)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
         lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
@@ -155,7 +169,7 @@ class ModelRunner:
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
         self._steps = compiled
         seconds = time.perf_counter() - start
-        log.info("compiled %d step buckets (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
+        log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
                  len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
         return seconds
 
@@ -199,8 +213,8 @@ class ModelRunner:
         """Wait for a dispatched step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
         chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
         results = {}
-        for group, out in dispatched:
-            host: Sampled = jax.device_get(out)
+        for group, outs in dispatched:
+            host: Sampled = jax.tree.map(lambda *steps: np.concatenate(steps), *jax.device_get(outs))
             for chunk, row in zip(group, self._row_index(group)):
                 if chunk.seq.num_cached + chunk.num_tokens == len(chunk.seq):
                     results[chunk.seq.seq_id] = [(int(host.tokens[k, row]), float(host.logprobs[k, row]),
@@ -227,12 +241,22 @@ class ModelRunner:
         rows = self.config.row_bucket(len(group))
         return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
 
-    def _dispatch(self, group: list[Chunk]):
+    def _dispatch(self, group: list[Chunk]) -> list[Sampled]:
+        """Dispatches a group's program(s); returns their samples, [steps, rows] each."""
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
-        self.cache, self.penalties, out = self._steps[rows, chunk](self.params, self.cache, self.penalties, inputs)
-        return out
+        full = chunk > 1 or any(c.seq.params.needs_full_sampler for c in group)
+        program = self._steps[rows, chunk, full]
+        if chunk > 1:
+            self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
+            return [out]
+        outs, previous = [], self._no_tokens[rows]
+        for k in range(max(c.steps for c in group)):
+            self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
+                                                                self._step_index[k], previous)
+            outs.append(out)
+        return outs
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
         """Host arrays of one step; padding rows point at the scratch row and add nothing."""
@@ -243,7 +267,6 @@ class ModelRunner:
         ids = np.zeros((rows, chunk), np.int32)
         n_new, lengths, index_out, steps = (np.zeros((rows,), np.int32) for _ in range(4))
         page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
-        want_top = np.zeros((rows,), bool)
         floats = {name: np.full((rows,), value, np.float32) for name, value in
                   (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("presence", 0.0), ("frequency", 0.0),
                    ("repetition", 1.0))}
@@ -261,7 +284,6 @@ class ModelRunner:
             n_new[row], lengths[row] = c.num_tokens, start
             page_rows[row, :len(seq.block_ids)] = seq.block_ids
             steps[row] = c.steps if end == len(seq) else 0
-            want_top[row] = bool(p.logprobs)
             for name, value in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
                                 ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
                                 ("repetition", p.repetition_penalty)):
@@ -273,4 +295,4 @@ class ModelRunner:
                 media[row, positions[inside] - start] = features[inside]
                 is_media[row, positions[inside] - start] = True
         params = SamplingBatch(top_k=top_k, seed=seed, index=index_out, **floats)
-        return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, want_top, params, media, is_media)
+        return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, params, media, is_media)

@@ -34,29 +34,29 @@ class Sampled:
     top_logprobs: jax.Array  # [R, K]
 
 
-def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int) -> Sampled:
+def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool = True) -> Sampled:
     """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties."""
-    penalised = jnp.any((params.presence != 0) | (params.frequency != 0) | (params.repetition != 1))
-    logits = logits.astype(jnp.float32)
-    adjusted = jax.lax.cond(penalised, apply_penalties, lambda x, *_: x, logits, counts, prompt_mask, params)
-    return choose(logits, adjusted, params, num_top)
+    adjusted = apply_penalties(logits.astype(jnp.float32), counts, prompt_mask, params)
+    return choose(logits, adjusted, params, num_top, full)
 
 
-def choose(logits, adjusted, params: SamplingBatch, num_top: int, want_top=True) -> Sampled:
+def choose(logits, adjusted, params: SamplingBatch, num_top: int, full: bool) -> Sampled:
     """Pick each row's token from its penalised logits `adjusted`; logprobs come from the model's `logits`.
-    The random draw and the top-`num_top` list are only computed when a row needs them (`want_top`: a traced
-    bool), since both cost a pass over [R, V]."""
+
+    Branch-free: a data-dependent `lax.cond` makes the GPU program wait for its predicate on the host, which
+    stops the host from queueing the next decode step ahead. `full` (static) adds the top-k / top-p filters
+    and the top-`num_top` logprobs, which cost a sort and a top-k over [R, V]; without it those are off (the
+    caller sends rows that need them to a `full` program)."""
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     adjusted = adjusted.astype(jnp.float32)
     greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
-    tokens = jax.lax.cond(jnp.any(params.temperature > 0),
-                          lambda: jnp.where(params.temperature == 0, greedy, _draw(adjusted, params)),
-                          lambda: greedy)
+    tokens = jnp.where(params.temperature == 0, greedy, _draw(adjusted, params, full))
     chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     rows = logits.shape[0]
-    top_logprobs, top_ids = jax.lax.cond(
-        want_top, lambda: tuple(jax.lax.top_k(raw, num_top)),
-        lambda: (jnp.zeros((rows, num_top), jnp.float32), jnp.zeros((rows, num_top), jnp.int32)))
+    if full:
+        top_logprobs, top_ids = jax.lax.top_k(raw, num_top)
+    else:
+        top_logprobs, top_ids = jnp.zeros((rows, num_top), jnp.float32), jnp.zeros((rows, num_top), jnp.int32)
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
 
 
@@ -67,11 +67,11 @@ def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
     return x - params.frequency[:, None] * counts - params.presence[:, None] * (counts > 0)
 
 
-def _draw(x, params: SamplingBatch):
+def _draw(x, params: SamplingBatch, filtered: bool):
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     x = x / temperature[:, None]
-    filtered = jnp.any((params.top_k > 0) | (params.top_p < 1))
-    x = jax.lax.cond(filtered, top_k_top_p, lambda x, *_: x, x, params.top_k, params.top_p)
+    if filtered:
+        x = top_k_top_p(x, params.top_k, params.top_p)
     floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
     x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
 

@@ -55,6 +55,11 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
+    @property
+    def needs_full_sampler(self) -> bool:
+        """Top-k / top-p filters or top logprobs, which only the engine's `full` sampler programs compute."""
+        return self.top_k > 0 or self.top_p < 1.0 or bool(self.logprobs)
+
     def for_choice(self, index: int, default_seed: int) -> "SamplingParams":
         """The parameters of choice `index` of an n > 1 request: each choice draws from its own seed."""
         base = default_seed if self.seed is None else self.seed

@@ -2,10 +2,13 @@
 
 `prefill`: R rows of up to T tokens, a chunk each; the head runs only at each row's last real token (at
 Inkling's vocabulary the head over every position would be the step's largest matmul), one sample per row.
-`decode`: up to `decode_steps` one-token steps in one on-device loop, each row feeding back its own sample,
-so a host round-trip buys several tokens. Row r takes `steps[r]` of them (0: a padding row, untouched); the
-loop runs max(steps) times. Sampling inside the loop uses each row's parameters and (seed, output index), so
-its tokens equal those of one-step calls; the host discards what follows a stop.
+`decode`: step `step` of a run of one-token steps over the same inputs, each row feeding back its own sample
+(`previous`, a device array) so the host dispatches the next step without waiting for this one and reads the
+samples of the whole run at once. Row r takes `steps[r]` of them (0: a padding row, untouched). Sampling uses
+each row's parameters and (seed, output index), so the tokens equal those of one call per token; the host
+discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
+reads its condition on the host at every iteration and copies loop-carried buffers, which cost the H200 about
+0.3 ms per token of idle time at batch 1.
 
 Both gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
 back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh).
@@ -36,20 +39,19 @@ class StepInputs:
     lengths: jax.Array  # [R] tokens already cached
     page_rows: jax.Array  # [R, pages_per_row]
     steps: jax.Array  # [R] tokens the row samples (prefill: 1 if the chunk ends its known tokens, else 0)
-    want_top: jax.Array  # [R] bool: the row asked for top logprobs
     params: SamplingBatch
     media: jax.Array | None = None  # [R, T, hidden] media embeddings (multimodal models' prefill only)
     is_media: jax.Array | None = None  # [R, T] bool: positions that take `media` instead of their token
 
 
-_INT_COLUMNS = ("rows", "n_new", "lengths", "steps", "want_top")
+_INT_COLUMNS = ("rows", "n_new", "lengths", "steps")
 _PARAM_INTS = ("top_k", "seed", "index")
 _PARAM_FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 
 
 @struct.dataclass
 class PackedInputs:
-    """StepInputs in a few arrays: ints [R, 8 + T + pages_per_row] (the int columns, the sampling ints, the ids,
+    """StepInputs in a few arrays: ints [R, 7 + T + pages_per_row] (the int columns, the sampling ints, the ids,
     the page rows), floats [R, 6] (the sampling floats), and the media arrays of a multimodal prefill."""
     ints: jax.Array
     floats: jax.Array
@@ -78,8 +80,7 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
     params = SamplingBatch(**floats, **{name: column[name] for name in _PARAM_INTS})
     return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
                       lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
-                      steps=column["steps"], want_top=column["want_top"] > 0, params=params, media=packed.media,
-                      is_media=packed.is_media)
+                      steps=column["steps"], params=params, media=packed.media, is_media=packed.is_media)
 
 
 @struct.dataclass
@@ -89,14 +90,13 @@ class PenaltyState:
 
 
 class StepPrograms:
-    def __init__(self, graphdef, param_tree, text_config, num_top: int, decode_steps: int, pages_per_row: int,
+    def __init__(self, graphdef, param_tree, text_config, num_top: int, pages_per_row: int,
                  constrain: Callable = lambda cache: cache):
         self.graphdef = graphdef
         self.param_tree = param_tree  # treedef of the parameter leaves the programs take
         self.pages_per_row = pages_per_row
         self.text = text_config
         self.num_top = num_top
-        self.decode_steps = decode_steps
         self.constrain = constrain
 
     def _model(self, param_leaves):
@@ -111,46 +111,36 @@ class StepPrograms:
             tokens = model.embed_tokens(inp.ids)
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=jnp.maximum(inp.n_new - 1, 0))
-        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, penalties.counts)
+        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, penalties.counts, True)
         cache = self._rows_out(cache, inp, sub, gather)
         return cache, penalties.replace(counts=counts), jax.tree.map(lambda x: x[None], out)
 
-    def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool):
+    def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
+               gather: bool, full: bool):
+        """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R], tokens [R]).
+        `full`: the sampler with top-k / top-p filters and top logprobs (see `sampler.choose`)."""
         model = self._model(param_leaves)
         inp = unpack(packed, self.pages_per_row)
+        active = step < inp.steps
+        inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
         sub = self._rows_in(cache, inp, gather)
-        rows = inp.ids.shape[0]
-        zeros = lambda shape, dtype: jnp.zeros((self.decode_steps, rows) + shape, dtype)  # noqa: E731
-        empty = Sampled(zeros((), jnp.int32), zeros((), jnp.float32), zeros((self.num_top,), jnp.int32),
-                        zeros((self.num_top,), jnp.float32))
-
-        def step(k, carry):
-            sub, counts, ids, outs = carry
-            active = k < inp.steps
-            logits, sub = model.extend(ids, sub, active.astype(jnp.int32), logits_at=jnp.zeros((rows,), jnp.int32))
-            params = inp.params.replace(index=inp.params.index + k)
-            out, counts = self._sample(logits, penalties, inp, params, active, counts)
-            outs = jax.tree.map(lambda buffer, x: buffer.at[k].set(x), outs, out)
-            return sub, counts, jnp.where(active, out.tokens, ids[:, 0])[:, None], outs
-
-        sub, counts, _, outs = jax.lax.fori_loop(0, jnp.max(inp.steps), step,
-                                                 (sub, penalties.counts, inp.ids, empty))
+        ids = jnp.where(step == 0, inp.ids[:, 0], previous)[:, None]
+        rows = ids.shape[0]
+        logits, sub = model.extend(ids, sub, active.astype(jnp.int32), logits_at=jnp.zeros((rows,), jnp.int32))
+        params = inp.params.replace(index=inp.params.index + step)
+        out, counts = self._sample(logits, penalties, inp, params, active, penalties.counts, full)
         cache = self._rows_out(cache, inp, sub, gather)
-        return cache, penalties.replace(counts=counts), outs
+        return cache, penalties.replace(counts=counts), jax.tree.map(lambda x: x[None], out), out.tokens
 
-    def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, counts):
-        """One token per row; penalties (and their [R, V] gathers) only when a row uses them. Returns the
-        samples and the updated output-token counts of the active penalised rows."""
+    def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, counts, full):
+        """One token per row. Returns the samples and the output-token counts with the active penalised rows'
+        new tokens added. Penalties are applied to every row (neutral values change nothing): a branch on
+        whether any row uses them would cost a host round-trip (see `sampler.choose`)."""
         penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
-        any_penalised = jnp.any(penalised)
         logits = logits.astype(jnp.float32)
-        adjusted = jax.lax.cond(
-            any_penalised,
-            lambda: apply_penalties(logits, counts[inp.rows], penalties.prompt_mask[inp.rows], p),
-            lambda: logits)
-        out = choose(logits, adjusted, p, self.num_top, jnp.any(inp.want_top & active))
-        counted = (active & penalised).astype(jnp.int32)
-        counts = jax.lax.cond(any_penalised, lambda c: c.at[inp.rows, out.tokens].add(counted), lambda c: c, counts)
+        adjusted = apply_penalties(logits, counts[inp.rows], penalties.prompt_mask[inp.rows], p)
+        out = choose(logits, adjusted, p, self.num_top, full)
+        counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32))
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):

@@ -84,6 +84,35 @@ def test_expert_parallel_equals_single_device(spec, tokens, backend, shared_in_l
     _assert_same(got, want, atol=1e-5)
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("tokens,decode_bounds", [((5, 8), [40]), ((8, 15), [])])
+def test_expert_parallel_picks_the_decode_layout_by_a_safe_bound(monkeypatch, tokens, decode_bounds):
+    """Over 8 expert shards each shard's receive buffer has 8 x ceil(T / 8) x top-2 rows. At T = 40 that is 80
+    rows, past the kernel's 64-row decode threshold, yet no expert can receive more than the 40 tokens: the
+    decode layout applies with that bound. At T = 120 skewed routing sends more than 64 tokens to expert 0,
+    more than a decode slab holds: a bound from one shard's share (15 tokens, 30 rows) would take the decode
+    layout and drop rows."""
+    import pallas_kernels.moe as moe_kernels
+
+    bounds, decode = [], moe_kernels.moe_ffn_decode
+
+    def recording(*args, max_group_rows, **kwargs):
+        bounds.append(max_group_rows)
+        return decode(*args, max_group_rows=max_group_rows, **kwargs)
+
+    monkeypatch.setattr(moe_kernels, "moe_ffn_decode", recording)
+    forward = nnx.jit(lambda moe, x: moe(x))  # the bound matters in the forward pass alone: no gradients
+    x = _input(tokens)
+    with kernels.use("jnp", moe="dense"):
+        want, want_ids = forward(_moe(skew=True), x)
+    assert np.bincount(np.asarray(want_ids).ravel())[0] > min(64, x.shape[0] * x.shape[1] // 2)
+    with kernels.use("jnp", moe="pallas"):
+        got, ids = forward(shard_model(_moe(skew=True), make_mesh("expert=8")), x)
+    assert sorted(set(bounds)) == decode_bounds
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_routing_replay_keeps_the_choice_and_gives_reference_gradients():
     moe = _moe(seed=2)
     x = jax.random.normal(jax.random.key(2), (16, 64))

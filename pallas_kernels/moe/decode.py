@@ -34,7 +34,9 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     slab_starts = jnp.cumsum(slab_sizes) - slab_sizes
 
     padded = jnp.arange(num_groups * slab, dtype=jnp.int32)
-    pg = jnp.minimum(jnp.searchsorted(slab_starts + slab_sizes, padded, side="right"), num_groups - 1)
+    # Searches by comparing all pairs (small arrays): the default scan is an XLA while loop (see groups.py).
+    slab_ends = slab_starts + slab_sizes
+    pg = jnp.minimum(jnp.searchsorted(slab_ends, padded, side="right", method="compare_all"), num_groups - 1)
     src = starts[pg] + padded - slab_starts[pg]
     valid = (padded < slab_starts[pg] + slab_sizes[pg]) & (src < ends[pg])
     src = jnp.where(valid, src, 0)
@@ -44,7 +46,7 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     y_slabs = ops.moe_ffn_core(x_slabs, w_gate, w_up, w_down, slab_sizes, rw_slabs, interpret, configs)
 
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    rg = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), num_groups - 1)
+    rg = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), num_groups - 1)
     in_group = rows < ends[rg]
     dst = jnp.where(in_group, slab_starts[rg] + rows - starts[rg], 0)
     return jnp.where(in_group[:, None], y_slabs[dst], 0).astype(x.dtype)

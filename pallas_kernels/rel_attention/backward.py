@@ -37,8 +37,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_ref,
             rows = tiles.load_rows(geo, t0, g, q_ref, r_ref, tau_ref, qseg_ref)
             tok, head = tiles.row_index(geo, t0, g)
             do = do_ref[tok, head, :]
-            band = tiles.load_band(geo, p_ref, rows.p0, k0) if with_bias else None
-            s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, band=band, shear=shear, mask=mask, keys_major=True)
+            bias = tiles.sheared_bias(rows, tiles.load_band(geo, p_ref, rows.p0, k0), shear,
+                                      keys_major=True) if with_bias else None
+            s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, bias=bias, mask=mask, keys_major=True)
             p = jnp.exp2(s - lse_ref[tok, head][None, :])  # [keys, rows]
             dv = dv + tiles.dot(p.astype(do.dtype), do)
             dlogit = p * (tiles.dot_t(v, do) - delta_ref[tok, head][None, :])
@@ -79,7 +80,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_ref, d
             k0 = kb * bk
             k = k_ref[pl.ds(k0, bk), g, :]
             band = tiles.load_band(geo, p_ref, rows.p0, k0) if with_bias else None
-            s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, band=band, shear=shear, mask=mask)
+            bias = tiles.sheared_bias(rows, band, shear) if with_bias else None
+            s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, bias=bias, mask=mask)
             p = jnp.exp2(s - lse[:, None])
             dlogit = p * (tiles.dot_t(do, v_ref[pl.ds(k0, bk), g, :]) - delta[:, None])
             dscore = (dlogit * (rows.tau * geo.scale)[:, None]).astype(k.dtype)
@@ -160,7 +162,7 @@ def dkdv(geo: Geometry, *args):
 
 
 def dq(geo: Geometry, *args):
-    """-> (dq, dr fp32, dP chunks [B, Hkv, n_blocks, d_rel, C] indexed by grid position)."""
+    """-> (dq, dr fp32, gradient of the padded P fp32); args as residual_args returns."""
     q, k, r = args[0], args[1], args[3]
     batch, kv_heads, n_blocks = q.shape[0], k.shape[2], q.shape[1] // geo.blocks.block_q
     chunks = jax.ShapeDtypeStruct(
@@ -168,15 +170,15 @@ def dq(geo: Geometry, *args):
     shapes = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(r.shape, jnp.float32), chunks)
     out_specs = [tiles.batch_spec(shapes[0].shape), tiles.batch_spec(shapes[1].shape),
                  pl.BlockSpec((None, None, None) + chunks.shape[3:], lambda i, g, b: (b, g, i, 0, 0))]
-    return _call(_dq_kernel, geo, (n_blocks, kv_heads, batch), args, shapes, out_specs, "rel_attention_dq")
+    grad_q, grad_r, chunks = _call(_dq_kernel, geo, (n_blocks, kv_heads, batch), args, shapes, out_specs,
+                                   "rel_attention_dq")
+    # Program i of the dQ grid handled query block n_blocks - 1 - i.
+    return grad_q, grad_r, _sum_rel_chunks(geo, chunks[:, :, ::-1], args[4].shape[1])
 
 
 def backward(geo_dkdv: Geometry, geo_dq: Geometry, *residuals):
     """Gradients (dq, dk, dv, dr, dP_padded) of the padded inputs; residuals as in residual_args."""
     args = residual_args(*residuals)
     grad_k, grad_v = dkdv(geo_dkdv, *args)
-    grad_q, grad_r, chunks = dq(geo_dq, *args)
-    p = args[4]
-    # Program i of the dQ grid handled query block n_blocks - 1 - i.
-    grad_p = _sum_rel_chunks(geo_dq, chunks[:, :, ::-1], p.shape[1])
-    return grad_q, grad_k, grad_v, grad_r.astype(args[3].dtype), grad_p.astype(p.dtype)
+    grad_q, grad_r, grad_p = dq(geo_dq, *args)
+    return grad_q, grad_k, grad_v, grad_r.astype(args[3].dtype), grad_p.astype(args[4].dtype)

@@ -29,8 +29,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_r
             m, l, acc = carry
             k0 = kb * bk
             k = k_ref[pl.ds(k0, bk), g, :]
-            band = tiles.load_band(geo, p_ref, rows.p0, k0) if with_bias else None
-            s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, band=band, shear=shear, mask=mask)
+            bias = tiles.sheared_bias(rows, tiles.load_band(geo, p_ref, rows.p0, k0), shear) if with_bias else None
+            s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, bias=bias, mask=mask)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
@@ -52,7 +52,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_r
 
 
 def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
-    """Padded inputs -> (out [B, Tq, Hq, D], base-2 logsumexp [B, Tq, Hq] fp32)."""
+    """Padded inputs (p: P with geo.rel_left zero columns either side) -> (out [B, Tq, Hq, D], base-2
+    logsumexp [B, Tq, Hq] fp32)."""
     batch, seq_q, heads, _ = q.shape
     kv_heads = k.shape[2]
     args = (q, k, v, r, p, tau, qseg, kseg)

@@ -53,7 +53,8 @@ def _pad_axis1(x, length, value=0):
 def prepare(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, interpret, blocks):
     """Validate, pad every sequence to a multiple of every block, and describe the call.
 
-    Returns (geometries of the forward, dK/dV and dQ kernels, padded kernel operands)."""
+    blocks: the forward's, dK/dV's and dQ's tiles; benchmarks append candidate tiles, which then share the padding.
+    Returns (one geometry per entry of blocks, padded kernel operands)."""
     batch, seq_q, heads, dim = q.shape
     seq_k, kv_heads = k.shape[1], k.shape[2]
     d_rel, extent = rel_proj.shape
@@ -106,7 +107,7 @@ def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int 
     """
     groups = q.shape[2] // k.shape[2]
     blocks = tuple(dataclasses.replace(b, block_q=block_q or b.block_q, block_k=block_k or b.block_k)
-                   for b in tuning.blocks(groups, q.shape[3]))
+                   for b in tuning.blocks(groups, q.shape[3], window))
     geos, args = prepare(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau,
                          segment_ids=segment_ids, scale=scale, interpret=interpret, blocks=blocks)
     return padded_attention(geos, *args)[:, :q.shape[1]]

@@ -186,21 +186,26 @@ def dot(a, b):
     return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
-def tile_logits(geo: Geometry, rows: Rows, k, k0, kseg_ref, *, band=None, shear=None, mask=False,
-                keys_major=False):
+def sheared_bias(rows: Rows, band, shear, keys_major=False):
+    """fp32 bias tile in base-2 logit units from the band matrix M = rt2 @ band: [rows, block_k], or
+    [block_k, rows] when keys_major (then `shear` is shear_index(geo, keys_major=True))."""
+    if keys_major:  # band^T @ rt2^T: [2 * block_k, rows]
+        m = lax.dot_general(band, rows.rt2, (((0,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+    else:
+        m = dot(rows.rt2, band)
+    return take_along_axis(m.astype(rows.rt2.dtype), shear, 0 if keys_major else 1).astype(jnp.float32)
+
+
+def tile_logits(geo: Geometry, rows: Rows, k, k0, kseg_ref, *, bias=None, mask=False, keys_major=False):
     """Base-2 logits of one tile: tau * (q.k * scale + bias) * log2(e), masked to NEG; [rows, block_k], or
-    [block_k, rows] when keys_major. `band` (load_band) and `shear` (shear_index in the same orientation) are
-    given on tiles that carry relative bias."""
+    [block_k, rows] when keys_major. `bias` is the tile's fp32 bias in base-2 units (same orientation), given on
+    tiles that carry relative bias."""
     per_row = (lambda x: x[None, :]) if keys_major else (lambda x: x[:, None])
     per_key = (lambda x: x[:, None]) if keys_major else (lambda x: x[None, :])
     s = (dot_t(k, rows.q) if keys_major else dot_t(rows.q, k)) * per_row(rows.coef2)
-    if band is not None:
-        if keys_major:  # band^T @ rt2^T: [2 * block_k, rows]
-            m = lax.dot_general(band, rows.rt2, (((0,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
-                                preferred_element_type=jnp.float32)
-        else:
-            m = dot(rows.rt2, band)
-        s = s + take_along_axis(m.astype(rows.rt2.dtype), shear, 0 if keys_major else 1).astype(jnp.float32)
+    if bias is not None:
+        s = s + bias
     if mask:
         bk = geo.blocks.block_k
         dist = per_row(rows.pos) - per_key(k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0))

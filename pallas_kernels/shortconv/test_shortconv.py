@@ -15,6 +15,7 @@ BATCH, SEQ, CHANNELS, WIDTH = 2, 37, 100, 4
 PREFILL = PrefillBlocks(time=8, channels=32, num_warps=4)
 # The strip kernel: runs of 16 rows (3, the last ragged) in loop steps of 4 rows, strips of 32 channels.
 STRIP = StripBlocks(channels=32, rows=16, unroll=4, num_warps=4)
+WHOLE_RUNS_SEQ = 48  # 3 runs of 16 rows, none ragged: the kernel's unclamped addressing
 DECODE = DecodeBlocks(channels=32, num_warps=4)
 TOKENS, POOL_SLOTS = 5, 11
 
@@ -28,10 +29,10 @@ def normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def segment_ids(key):
+def segment_ids(key, seq=SEQ):
     """Row 0 changes segment at rows 1, 8 (a tile edge), 9 and 30; row 1 at random places."""
-    fixed = jnp.cumsum(jnp.zeros(SEQ, jnp.int32).at[jnp.array([1, 8, 9, 30])].set(1))
-    drawn = jnp.cumsum(jax.random.bernoulli(key, 0.2, (SEQ,)).astype(jnp.int32))
+    fixed = jnp.cumsum(jnp.zeros(seq, jnp.int32).at[jnp.array([1, 8, 9, 30])].set(1))
+    drawn = jnp.cumsum(jax.random.bernoulli(key, 0.2, (seq,)).astype(jnp.int32))
     return jnp.stack([fixed, drawn]) + 3  # ids need not start at 0
 
 
@@ -49,12 +50,16 @@ def test_strip_prefill_matches_reference(case, dtype):
     check_prefill(functools.partial(shortconv_prefill_strip, blocks=STRIP), case, dtype)
 
 
-def check_prefill(kernel, case, dtype):
+def test_strip_prefill_of_whole_runs_matches_reference():
+    check_prefill(functools.partial(shortconv_prefill_strip, blocks=STRIP), "all", jnp.bfloat16, seq=WHOLE_RUNS_SEQ)
+
+
+def check_prefill(kernel, case, dtype, seq=SEQ):
     keys = jax.random.split(jax.random.key(sum(map(ord, case))), 4)
-    x = normal(keys[0], (BATCH, SEQ, CHANNELS), dtype)
+    x = normal(keys[0], (BATCH, seq, CHANNELS), dtype)
     w = normal(keys[1], (CHANNELS, WIDTH), jnp.float32)
     state = normal(keys[2], (BATCH, WIDTH - 1, CHANNELS), dtype) if case in ("state", "all") else None
-    segments = segment_ids(keys[3]) if case in ("segments", "all") else None
+    segments = segment_ids(keys[3], seq) if case in ("segments", "all") else None
     lengths = jnp.array([2, 30]) if case in ("lengths", "all") else None  # 2 < 3: part of the state survives
     y, new_state = kernel(x, w, state, segments, lengths)
     y_ref, state_ref = reference.shortconv_prefill(x, w, state, segments, lengths)

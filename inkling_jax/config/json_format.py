@@ -1,175 +1,20 @@
-"""Frozen configuration of Inkling, parsed from a model directory's `config.json` or taken from a preset.
-
-Two `config.json` forms exist and both parse here:
+"""The hub's `config.json`, read and written. Two forms exist and both parse:
 - the raw published one: `dense_intermediate_size`, `dense_mlp_idx`, `local_layer_ids`, `sconv_kernel_size`,
   `model_max_length`, a top-level `mtp_config`; there `intermediate_size` is the width of each expert;
 - the one transformers' `save_pretrained` writes: `layer_types`, `mlp_layer_types`, `moe_intermediate_size`,
   `conv_kernel_size`; there `intermediate_size` is the dense MLP width.
 Unknown fields and fields that contradict each other are errors: a silent default here means wrong weights later.
+`to_published` writes the published form.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A config.json that cannot describe an Inkling model."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TextConfig:
-    vocab_size: int
-    unpadded_vocab_size: int
-    hidden_size: int
-    num_layers: int
-    # Full-attention ("global") layers.
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rel_extent: int
-    # Sliding-window ("local") layers; their relative extent is the window.
-    swa_num_heads: int
-    swa_num_kv_heads: int
-    swa_head_dim: int
-    sliding_window: int
-    d_rel: int
-    local_layer_ids: tuple[int, ...]
-    dense_layer_ids: tuple[int, ...]
-    dense_intermediate_size: int
-    moe_intermediate_size: int
-    num_experts: int
-    num_experts_per_tok: int
-    num_shared_experts: int
-    route_scale: float = 8.0
-    logits_mup_width_multiplier: float = 24.0
-    log_scaling_n_floor: int | None = None
-    log_scaling_alpha: float = 0.1
-    max_position_embeddings: int = 1048576
-    rms_norm_eps: float = 1e-6
-    conv_kernel_size: int = 4
-
-    def __post_init__(self):
-        for name in ("local_layer_ids", "dense_layer_ids"):
-            ids = getattr(self, name)
-            if any(not 0 <= i < self.num_layers for i in ids):
-                raise ConfigError(f"{name} {list(ids)} has ids outside [0, {self.num_layers})")
-        for heads, kv in ((self.num_heads, self.num_kv_heads), (self.swa_num_heads, self.swa_num_kv_heads)):
-            if heads % kv:
-                raise ConfigError(f"{heads} query heads cannot be grouped over {kv} KV heads")
-        if self.unpadded_vocab_size > self.vocab_size:
-            raise ConfigError(f"unpadded_vocab_size {self.unpadded_vocab_size} > vocab_size {self.vocab_size}")
-
-    def is_local(self, layer: int) -> bool:
-        return layer in self.local_layer_ids
-
-    def is_dense(self, layer: int) -> bool:
-        return layer in self.dense_layer_ids
-
-    def attention(self, local: bool) -> "AttentionShape":
-        """The attention shape of one layer kind."""
-        if local:
-            return AttentionShape(self.swa_num_heads, self.swa_num_kv_heads, self.swa_head_dim,
-                                  window=self.sliding_window, extent=self.sliding_window, log_scaling=False)
-        return AttentionShape(self.num_heads, self.num_kv_heads, self.head_dim, window=None,
-                              extent=self.rel_extent, log_scaling=self.log_scaling_n_floor is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionShape:
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    window: int | None  # None: full causal attention
-    extent: int  # relative-bias range E
-    log_scaling: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    """The HMLP patch encoder: one token per patch_size x patch_size x temporal_patch_size patch."""
-
-    patch_size: int = 40
-    temporal_patch_size: int = 2
-    num_channels: int = 3
-    n_layers: int = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class AudioConfig:
-    """dMel audio: each of n_mel_bins log-mel values is quantised to one of mel_vocab_size levels."""
-
-    n_mel_bins: int = 80
-    mel_vocab_size: int = 16
-    dmel_min_value: float = -7.0
-    dmel_max_value: float = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class MTPConfig:
-    num_layers: int = 8
-    local_layer_ids: tuple[int, ...] = (0, 2, 4, 5, 6, 7)
-    chain_hidden_post_norm: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class InklingConfig:
-    text: TextConfig
-    vision: VisionConfig | None = None
-    audio: AudioConfig | None = None
-    mtp: MTPConfig | None = None
-    image_token_id: int = 200054
-    audio_token_id: int = 200053
-    eos_token_id: int = 200006
-
-    def replace(self, **text_changes) -> "InklingConfig":
-        """A copy with some text fields changed (for tests and presets)."""
-        return dataclasses.replace(self, text=dataclasses.replace(self.text, **text_changes))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The raw published form; `parse_config(cfg.to_dict()) == cfg`."""
-        t = self.text
-        text = {
-            "vocab_size": t.vocab_size, "unpadded_vocab_size": t.unpadded_vocab_size,
-            "hidden_size": t.hidden_size, "num_hidden_layers": t.num_layers,
-            "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
-            "swa_num_attention_heads": t.swa_num_heads, "swa_num_key_value_heads": t.swa_num_kv_heads,
-            "swa_head_dim": t.swa_head_dim, "sliding_window_size": t.sliding_window, "d_rel": t.d_rel,
-            "rel_extent": t.rel_extent, "local_layer_ids": list(t.local_layer_ids),
-            "dense_layer_ids": list(t.dense_layer_ids),
-            "dense_intermediate_size": t.dense_intermediate_size, "intermediate_size": t.moe_intermediate_size,
-            "n_routed_experts": t.num_experts, "num_experts_per_tok": t.num_experts_per_tok,
-            "n_shared_experts": t.num_shared_experts, "route_scale": t.route_scale,
-            "logits_mup_width_multiplier": t.logits_mup_width_multiplier,
-            "log_scaling_n_floor": t.log_scaling_n_floor, "log_scaling_alpha": t.log_scaling_alpha,
-            "model_max_length": t.max_position_embeddings, "rms_norm_eps": t.rms_norm_eps,
-            "sconv_kernel_size": t.conv_kernel_size,
-        }
-        out: dict[str, Any] = {"model_type": "inkling_mm_model", "text_config": text,
-                               "image_token_id": self.image_token_id, "audio_token_id": self.audio_token_id,
-                               "eos_token_id": self.eos_token_id}
-        if self.vision is not None:
-            v = self.vision
-            out["vision_config"] = {"vision_encoder_type": "hmlp", "patch_size": v.patch_size,
-                                    "temporal_patch_size": v.temporal_patch_size, "n_channels": v.num_channels,
-                                    "n_layers": v.n_layers}
-        if self.audio is not None:
-            a = self.audio
-            out["audio_config"] = {"audio_mode": "dmel", "n_mel_bins": a.n_mel_bins,
-                                   "mel_vocab_size": a.mel_vocab_size, "dmel_min_value": a.dmel_min_value,
-                                   "dmel_max_value": a.dmel_max_value}
-        if self.mtp is not None:
-            out["mtp_config"] = {"num_nextn_predict_layers": self.mtp.num_layers,
-                                 "local_layer_ids": list(self.mtp.local_layer_ids),
-                                 "chain_hidden_post_norm": self.mtp.chain_hidden_post_norm}
-        return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Parsing
+from inkling_jax.config.schema import (AudioConfig, ConfigError, InklingConfig, MTPConfig, TextConfig,
+                                       VisionConfig)
 
 # Fields that carry no information for this implementation, or whose only supported value is checked here.
 _TEXT_FIXED = {
@@ -385,64 +230,40 @@ def load_config(path: str | os.PathLike) -> InklingConfig:
         raise ConfigError(f"{file}: {e}") from None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Presets
-
-
-def _every_sixth_global(n: int) -> tuple[int, ...]:
-    return tuple(i for i in range(n) if (i + 1) % 6)
-
-
-def _inkling_text(**changes) -> TextConfig:
-    base = dict(
-        vocab_size=201024, unpadded_vocab_size=200058, hidden_size=6144, num_layers=66,
-        num_heads=64, num_kv_heads=8, head_dim=128, rel_extent=1024,
-        swa_num_heads=64, swa_num_kv_heads=16, swa_head_dim=128, sliding_window=512, d_rel=16,
-        local_layer_ids=_every_sixth_global(66), dense_layer_ids=(0, 1),
-        dense_intermediate_size=24576, moe_intermediate_size=3072, num_experts=256, num_experts_per_tok=6,
-        num_shared_experts=2, route_scale=8.0, logits_mup_width_multiplier=24.0, log_scaling_n_floor=128000,
-        log_scaling_alpha=0.1, max_position_embeddings=1048576,
-    )
-    base.update(changes)
-    return TextConfig(**base)
-
-
-def preset(name: str) -> InklingConfig:
-    """Named configurations: `tiny` (CPU tests), `bench` (one H200), `inkling`, `inkling-small`."""
-    if name == "inkling":
-        return InklingConfig(text=_inkling_text(), vision=VisionConfig(), audio=AudioConfig(), mtp=MTPConfig())
-    if name == "inkling-small":
-        text = _inkling_text(hidden_size=4096, num_layers=42, num_heads=32, num_kv_heads=8, swa_num_heads=32,
-                             swa_num_kv_heads=8, local_layer_ids=_every_sixth_global(42),
-                             dense_intermediate_size=16384, moe_intermediate_size=2048,
-                             logits_mup_width_multiplier=16.0)
-        return InklingConfig(text=text, vision=VisionConfig(), audio=AudioConfig(), mtp=MTPConfig())
-    if name == "bench":
-        # The released per-layer widths, but 6 layers and 32 routed experts so it fits one H200.
-        text = _inkling_text(num_layers=6, local_layer_ids=_every_sixth_global(6), num_experts=32)
-        return InklingConfig(text=text)
-    if name == "tiny":
-        text = TextConfig(
-            vocab_size=384, unpadded_vocab_size=380, hidden_size=64, num_layers=4,
-            num_heads=4, num_kv_heads=1, head_dim=16, rel_extent=12,
-            swa_num_heads=4, swa_num_kv_heads=2, swa_head_dim=16, sliding_window=8, d_rel=4,
-            local_layer_ids=(0, 1, 3), dense_layer_ids=(0,),
-            dense_intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-            num_shared_experts=2, log_scaling_n_floor=16, max_position_embeddings=4096,
-        )
-        return InklingConfig(text=text, vision=VisionConfig(patch_size=10, n_layers=3), audio=AudioConfig(),
-                             mtp=MTPConfig(num_layers=2, local_layer_ids=(0,)),
-                             image_token_id=300, audio_token_id=301, eos_token_id=257)
-    raise ConfigError(f"unknown preset {name!r}; choose from tiny, bench, inkling, inkling-small")
-
-
-def log_scaling_tau(positions, n_floor: int, alpha: float):
-    """tau(p) = 1 + alpha * ln(max(1, (p + 1) / n_floor)) at 0-based positions, in fp32."""
-    import jax.numpy as jnp
-
-    n = (positions + 1).astype(jnp.float32)
-    return 1.0 + alpha * jnp.log(jnp.maximum(n / n_floor, 1.0))
-
-
-__all__ = ["InklingConfig", "TextConfig", "VisionConfig", "AudioConfig", "MTPConfig", "AttentionShape",
-           "ConfigError", "parse_config", "load_config", "preset", "log_scaling_tau"]
+def to_published(cfg: InklingConfig) -> dict[str, Any]:
+    """The raw published form of `cfg`; `parse_config(to_published(cfg)) == cfg`."""
+    t = cfg.text
+    text = {
+        "vocab_size": t.vocab_size, "unpadded_vocab_size": t.unpadded_vocab_size,
+        "hidden_size": t.hidden_size, "num_hidden_layers": t.num_layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim,
+        "swa_num_attention_heads": t.swa_num_heads, "swa_num_key_value_heads": t.swa_num_kv_heads,
+        "swa_head_dim": t.swa_head_dim, "sliding_window_size": t.sliding_window, "d_rel": t.d_rel,
+        "rel_extent": t.rel_extent, "local_layer_ids": list(t.local_layer_ids),
+        "dense_layer_ids": list(t.dense_layer_ids),
+        "dense_intermediate_size": t.dense_intermediate_size, "intermediate_size": t.moe_intermediate_size,
+        "n_routed_experts": t.num_experts, "num_experts_per_tok": t.num_experts_per_tok,
+        "n_shared_experts": t.num_shared_experts, "route_scale": t.route_scale,
+        "logits_mup_width_multiplier": t.logits_mup_width_multiplier,
+        "log_scaling_n_floor": t.log_scaling_n_floor, "log_scaling_alpha": t.log_scaling_alpha,
+        "model_max_length": t.max_position_embeddings, "rms_norm_eps": t.rms_norm_eps,
+        "sconv_kernel_size": t.conv_kernel_size,
+    }
+    out: dict[str, Any] = {"model_type": "inkling_mm_model", "text_config": text,
+                           "image_token_id": cfg.image_token_id, "audio_token_id": cfg.audio_token_id,
+                           "eos_token_id": cfg.eos_token_id}
+    if cfg.vision is not None:
+        v = cfg.vision
+        out["vision_config"] = {"vision_encoder_type": "hmlp", "patch_size": v.patch_size,
+                                "temporal_patch_size": v.temporal_patch_size, "n_channels": v.num_channels,
+                                "n_layers": v.n_layers}
+    if cfg.audio is not None:
+        a = cfg.audio
+        out["audio_config"] = {"audio_mode": "dmel", "n_mel_bins": a.n_mel_bins,
+                               "mel_vocab_size": a.mel_vocab_size, "dmel_min_value": a.dmel_min_value,
+                               "dmel_max_value": a.dmel_max_value}
+    if cfg.mtp is not None:
+        out["mtp_config"] = {"num_nextn_predict_layers": cfg.mtp.num_layers,
+                             "local_layer_ids": list(cfg.mtp.local_layer_ids),
+                             "chain_hidden_post_norm": cfg.mtp.chain_hidden_post_norm}
+    return out

@@ -1,0 +1,161 @@
+"""Tile variants of the relative flash attention's three kernels side by side on one GPU, with the peers.
+
+For each layer (sliding first: its backward is the far-off target) and kernel (forward; dK/dV; dQ with its dP
+reduction), times the kernel alone on the padded operands under each candidate tile shape (rows = tokens x group
+heads, keys, warps, stages; the first candidate is the tuned one, pallas_kernels/rel_attention/tuning.py) and
+compares every output with the first candidate's on the same inputs (relative L2, the largest over the kernel's
+outputs). Then cuDNN (no bias) and FlexAttention + bias, forward and backward, at the same shapes. A candidate
+that fails to compile, or whose tokens per tile exceed its keys, is reported and skipped.
+
+Run: PYTHONPATH=. python bench/rel_attention_tiles.py [--smoke]   ($OUT/rel_attention_tiles.json if $OUT is set)
+"""
+
+import argparse
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from bench.rel_attention_peers import cudnn, flex
+from bench.rel_attention_setup import (LAYERS, RESULTS, START, TIMING, Layer, guarded, log, prepared, rooflines,
+                                       save, time_ms)
+from pallas_kernels.rel_attention import backward, forward, tuning
+
+KERNELS = ("forward", "dkdv", "dq")
+# FLOPs of each kernel in units of the layer's forward FLOPs (the backward kernels recompute q k^T): dK/dV runs
+# four matmuls of the forward's size, dQ three.
+FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5}
+# (forward, dK/dV, dQ) candidates as (rows, keys, warps, stages), the tuned shape first. The sliding layer's
+# forward won with 64 rows (0.90 ms against 1.34 at 128 rows: tuning.py); its backward still runs the full
+# layer's shapes, at 0.32x FlexAttention's backward, so this sweep tries smaller rows there.
+CANDIDATES = {
+    "sliding": ((tuning.SLIDING[0], (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3)),
+                (tuning.SLIDING[1], (32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)),
+                (tuning.SLIDING[2], (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 4, 2))),
+    "full": ((tuning.FULL[0],),
+             (tuning.FULL[1], (128, 64, 8, 2), (32, 64, 4, 2)),
+             (tuning.FULL[2], (64, 64, 4, 2))),
+}
+OUTPUTS = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq", "dr", "dP")}
+FLEX_START_LIMIT_S = float(os.environ.get("FLEX_START_LIMIT_S", 95))  # Flex compiles fwd + bwd for tens of s
+SMOKE_LAYERS = {"sliding": Layer(kv_heads=2, extent=64, window=64, tokens=192, heads=8, dim=16, d_rel=4),
+                "full": Layer(kv_heads=1, extent=96, window=None, tokens=192, heads=8, dim=16, d_rel=4)}
+
+
+def _rel_l2(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def sweep(name, layer, candidates, interpret=None):
+    """Times each kernel alone under its candidates ((forward, dK/dV, dQ) tuples of shapes, the first of each the
+    reference of the checks), in RESULTS['sweep'][name][kernel]; returns the fastest shape per kernel (None where
+    none ran)."""
+    shapes = {kernel: [s for s in shapes if _fits(name, kernel, s, layer.groups)]
+              for kernel, shapes in zip(KERNELS, candidates)}
+    tuned = tuning.blocks(layer.groups, layer.dim, layer.window)
+    extra = [tuning.as_blocks(s, layer.groups) for kernel in KERNELS for s in shapes[kernel]]
+    geos, args, ct = prepared(layer, tuned + tuple(extra), interpret)  # one padding, fitting every candidate
+    geo_of = {g.blocks: g for g in geos}
+    out, lse = jax.jit(lambda *a: forward.forward(geos[0], *a))(*args)
+    residuals = backward.residual_args(*args, out, lse, ct)
+    operands = {"forward": args, "dkdv": residuals, "dq": residuals}
+    calls = {"forward": forward.forward, "dkdv": backward.dkdv, "dq": backward.dq}
+    best = []
+    for kernel in KERNELS:
+        found = RESULTS.setdefault("sweep", {}).setdefault(name, {}).setdefault(kernel, {})
+        first = None
+        for shape in shapes[kernel]:
+            geo = geo_of[tuning.as_blocks(shape, layer.groups)]
+            fn = jax.jit(lambda *x, geo=geo, call=calls[kernel]: call(geo, *x))
+            try:
+                outputs = fn(*operands[kernel])
+                ms = time_ms(fn, *operands[kernel])
+            except Exception as e:  # a shape the compiler refuses: report it and go on
+                log(f"[{name}] {kernel} {shape}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            first = first or outputs
+            entry = {"ms": ms, "tflops": FLOP_FACTOR[kernel] * layer.flops() / ms / 1e9,
+                     "rel_err_vs_first": {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS[kernel], outputs, first)}}
+            found[str(shape)] = entry
+            log(f"[{name}] {kernel} {shape}: {entry}")
+            save("rel_attention_tiles.json")
+        best.append(min(found, key=lambda s: found[s]["ms"]) if found else None)
+    return best
+
+
+def _fits(name, kernel, shape, groups):
+    blocks = tuning.as_blocks(shape, groups)
+    if blocks.block_q > blocks.block_k:
+        log(f"[{name}] {kernel} {shape}: skipped, {blocks.block_q} tokens per tile exceed {blocks.block_k} keys")
+    return blocks.block_q <= blocks.block_k
+
+
+def table(layers):
+    mm = RESULTS.get("matmul_tflops") or float("nan")
+    lines = [f"device {RESULTS.get('device')}, jax {RESULTS['jax']}, torch {RESULTS.get('torch')}; "
+             f"matmul {mm:.0f} TFLOP/s, copy {RESULTS.get('copy_gbs') or 0:.0f} GB/s; TFLOP/s count the backward's "
+             f"recomputation (dK/dV 2x, dQ 1.5x the forward's FLOPs)",
+             f"{'layer':8} {'kernel':8} {'rows/keys/warps/stages':24} {'ms':>8} {'TFLOP/s':>8} {'%mm':>5} "
+             f"{'max rel err vs first':>20}"]
+    for name, layer in layers.items():
+        found = RESULTS.get("sweep", {}).get(name, {})
+        for kernel in KERNELS:
+            for shape, x in found.get(kernel, {}).items():
+                err = max(x["rel_err_vs_first"].values())
+                lines.append(f"{name:8} {kernel:8} {shape:24} {x['ms']:8.3f} {x['tflops']:8.1f} "
+                             f"{100 * x['tflops'] / mm:5.1f} {err:20.1e}")
+        lines += [f"{name:8} {line}" for line in _versus_peers(name, found)]
+    return "\n".join(lines)
+
+
+def _versus_peers(name, found):
+    """Tuned and best forward / backward (dK/dV + dQ, delta's row sums not counted) against the peers."""
+    if not all(found.get(k) for k in KERNELS):
+        return []
+    tuned = {k: next(iter(found[k].values()))["ms"] for k in KERNELS}
+    best = {k: min(x["ms"] for x in found[k].values()) for k in KERNELS}
+    ours = {"fwd": (tuned["forward"], best["forward"]),
+            "bwd": (tuned["dkdv"] + tuned["dq"], best["dkdv"] + best["dq"])}
+    lines = [f"ours {part}: tuned {t:.3f} ms, best {b:.3f} ms" for part, (t, b) in ours.items()]
+    for peer in ("flex + bias", "cudnn (no bias)"):
+        x = RESULTS.get(name, {}).get(peer)
+        if not x:
+            continue
+        times = {"fwd": x["fwd_ms"], "bwd": x["fwd_bwd_ms"] and x["fwd_bwd_ms"] - x["fwd_ms"]}
+        lines += [f"{peer} {part} {times[part]:.3f} ms: tuned {times[part] / t:.2f}x, best {times[part] / b:.2f}x "
+                  f"(speed ratio, >1 = ours faster)" for part, (t, b) in ours.items() if times[part]]
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true", help="tiny layers, two candidates per kernel, on CPU")
+    smoke = parser.parse_args().smoke
+    layers = SMOKE_LAYERS if smoke else {name: LAYERS[name] for name in CANDIDATES}
+    if smoke:
+        TIMING.update(reps=1, rounds=1)
+    RESULTS["device"] = str(jax.devices()[0].device_kind)
+    rooflines(*((128, 1 << 16) if smoke else ()))
+    for name, layer in layers.items():
+        candidates = tuple(c[:2] for c in CANDIDATES[name]) if smoke else CANDIDATES[name]
+        guarded(f"[{name}] sweep", lambda: sweep(name, layer, candidates))
+        print(table(layers), flush=True)
+    for name, layer in layers.items():
+        guarded(f"[{name}] cudnn", lambda: RESULTS.setdefault(name, {}).__setitem__(
+            "cudnn (no bias)", cudnn(layer, None if smoke else "cudnn")))
+        save("rel_attention_tiles.json")
+    print(table(layers), flush=True)
+    for name, layer in layers.items():
+        if not smoke and time.time() - START > FLEX_START_LIMIT_S:
+            log(f"[{name}] flex skipped: out of time")
+            continue
+        guarded(f"[{name}] flex", lambda: RESULTS.setdefault(name, {}).__setitem__("flex + bias", flex(layer)))
+        log(f"[{name}] flex", RESULTS[name].get("flex + bias"))
+        save("rel_attention_tiles.json")
+        print(table(layers), flush=True)
+
+
+if __name__ == "__main__":
+    main()

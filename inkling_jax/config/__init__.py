@@ -1,0 +1,14 @@
+"""Frozen configuration of Inkling, parsed from a model directory's `config.json` or taken from a preset.
+
+- `schema`: the dataclasses (`InklingConfig`, `TextConfig`, ...) and `log_scaling_tau`;
+- `json_format`: `parse_config` / `load_config` of both `config.json` forms, and the published form written back;
+- `presets`: `preset(name)`.
+"""
+
+from inkling_jax.config.json_format import load_config, parse_config
+from inkling_jax.config.presets import preset
+from inkling_jax.config.schema import (AttentionShape, AudioConfig, ConfigError, InklingConfig, MTPConfig,
+                                       TextConfig, VisionConfig, log_scaling_tau)
+
+__all__ = ["InklingConfig", "TextConfig", "VisionConfig", "AudioConfig", "MTPConfig", "AttentionShape",
+           "ConfigError", "parse_config", "load_config", "preset", "log_scaling_tau"]
