@@ -57,8 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       "(default: 1,16,64,256 on GPU, 1,16 on CPU, where each compilation takes seconds)")
     a("--row-buckets", help="compiled rows-per-step sizes, ending with max-num-seqs + 1 (default: powers of 2 "
       "on GPU, only all rows on CPU)")
-    a("--decode-steps", type=int, default=8, help="decode tokens per sequence per device call: fewer host "
-      "round-trips; stops are applied afterwards and the extra tokens discarded (1: one token per call)")
+    a("--decode-steps", type=int, default=8, help="decode steps queued on the device before the host reads their "
+      "tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: one "
+      "token at a time)")
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")

@@ -26,7 +26,7 @@ class EngineConfig:
     num_snapshots: int | None = None  # saved ring + conv states for prefix hits; None: 2 per slot
     max_queued: int = 256  # waiting requests beyond this get 429
     max_logprobs: int = 20
-    decode_steps: int = 8  # decode tokens per row per device call (the host applies stops afterwards)
+    decode_steps: int = 8  # decode steps queued before the host reads their tokens (it applies stops afterwards)
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:

@@ -202,8 +202,8 @@ class Engine:
             if chunk.admitted:
                 self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
         self._plan_decode_steps(chunks)
-        dispatched = self.runner.dispatch(chunks)
-        self._report()  # the previous step's text, while the device runs this one
+        # The previous step's text is reported while the device runs this one.
+        dispatched = self.runner.dispatch(chunks, on_queued=self._report)
         self._unreported = self._apply(chunks, self.runner.collect(dispatched), time.monotonic())
 
     def _apply(self, chunks: list[Chunk], results: dict[int, list[tuple]], now: float) -> list[tuple]:

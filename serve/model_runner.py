@@ -13,6 +13,7 @@ import concurrent.futures
 import logging
 import os
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -193,9 +194,10 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------------
     # Execution
 
-    def dispatch(self, chunks: list[Chunk]) -> list:
+    def dispatch(self, chunks: list[Chunk], on_queued: Callable[[], None] = lambda: None) -> list:
         """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
-        waits for its samples."""
+        waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
+        there overlaps the device without waiting for the rest of a decode run to be dispatched."""
         put = self.placement.put
         for chunk in chunks:
             seq = chunk.seq
@@ -207,7 +209,8 @@ class ModelRunner:
                 tokens[:len(seq)] = seq.token_ids
                 self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
                                                                             np.int32(seq.num_prompt))))
-        return [(group, self._dispatch(group)) for group in self._groups(chunks)]
+        return [(group, self._dispatch(group, on_queued if i == 0 else lambda: None))
+                for i, group in enumerate(self._groups(chunks))]
 
     def collect(self, dispatched: list) -> dict[int, list[tuple]]:
         """Wait for a dispatched step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
@@ -221,10 +224,6 @@ class ModelRunner:
                                                   host.top_ids[k, row], host.top_logprobs[k, row])
                                                  for k in range(chunk.steps)]
         return results
-
-    def execute(self, chunks: list[Chunk]) -> dict[int, list[tuple]]:
-        """Run one scheduled step and wait for it (see `collect`)."""
-        return self.collect(self.dispatch(chunks))
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
         put = self.placement.put
@@ -241,8 +240,9 @@ class ModelRunner:
         rows = self.config.row_bucket(len(group))
         return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
 
-    def _dispatch(self, group: list[Chunk]) -> list[Sampled]:
-        """Dispatches a group's program(s); returns their samples, [steps, rows] each."""
+    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None]) -> list[Sampled]:
+        """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples, [steps,
+        rows] each."""
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
@@ -250,12 +250,15 @@ class ModelRunner:
         program = self._steps[rows, chunk, full]
         if chunk > 1:
             self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
+            on_queued()
             return [out]
         outs, previous = [], self._no_tokens[rows]
         for k in range(max(c.steps for c in group)):
             self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
                                                                 self._step_index[k], previous)
             outs.append(out)
+            if k == 0:
+                on_queued()
         return outs
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:

@@ -29,7 +29,7 @@ def engine():
         engine.start()
     calls = []
     dispatch = engine.runner.dispatch
-    engine.runner.dispatch = lambda chunks: calls.append(max(c.steps for c in chunks)) or dispatch(chunks)
+    engine.runner.dispatch = lambda chunks, **kw: calls.append(max(c.steps for c in chunks)) or dispatch(chunks, **kw)
     engine.calls = calls
     yield engine
     engine.shutdown(drain_seconds=0)

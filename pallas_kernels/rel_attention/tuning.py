@@ -3,23 +3,23 @@
 Shapes are (rows, keys, warps, stages); rows = block_q tokens x the GQA group's query heads. Measured on one H200
 (jax 0.11.2, Pallas Triton backend, 2026-11-29) at Inkling's layers: 8192 tokens, 64 query heads; full: 8 KV
 heads (group 8), E 1024; sliding: 16 KV heads (group 4), window = E = 512. Times of that kernel alone.
-  Full layer (bench/rel_attention.py):
-    forward: 128/64/8/3 3.40-4.10 ms; 128/64/8/2 4.44; 128/128/8/2 6.98; 128/64/4/2 11.1; 128/128/8/3 needs
-      260 KB of shared memory (227 KB available).
-    dK/dV, keys-major tiles: 64/64/4/2 10.1 ms; 64/64/8/2 10.5. Before the keys-major rewrite: 64/64/4/2 11.0;
-      64/128/8/2 22.3; 32/128/4/3 52.7.
-    dQ: 128/64/8/2 5.69-5.71 ms; 64/64/4/2 7.55; 128/32/4/3 10.7.
-  Sliding layer (bench/rel_attention_forward.py, the forward alone): 64/64/4/2 0.902 ms against 128/64/8/3
-    1.344 (FlexAttention 1.553, cuDNN without bias 0.409): each program meets only ~9 key tiles, all carrying
-    bias, so smaller programs (more of them in flight per SM) win. Its backward shapes are the full layer's,
-    not yet swept there (bench/rel_attention_tiles.py sweeps them).
+  Tile sweep, 18:22 UTC (`PYTHONPATH=. python bench/rel_attention_tiles.py`; each kernel alone, ms):
+    full    forward 128/64/8/3 3.50. dK/dV 32/64/4/2 7.48; 64/64/4/2 7.97; 128/64/8/2 9.55.
+            dQ (with the dP reduction) 128/64/8/2 5.59; 64/64/4/2 7.79.
+    sliding forward 64/64/4/2 0.845; 64/32/4/2 0.892; 128/64/8/3 1.32; 32/64/4/2 1.60.
+            dK/dV 32/64/4/2 1.38; 64/32/4/2 1.75; 64/64/4/2 1.76; 32/32/4/2 2.19; 16/64/4/2 2.24; 128/64/8/2 3.63.
+            dQ 64/32/4/2 1.79; 64/64/4/2 2.49; 32/64/4/2 2.51; 128/64/4/2 3.88; 128/64/8/2 3.94.
+    Sliding-layer programs meet only ~9 key tiles each, all carrying bias, so smaller programs (more of them in
+    flight per SM) win there.
+  Earlier (same day, bench/rel_attention.py): full forward 128/64/8/2 4.44; 128/128/8/2 6.98; 128/64/4/2 11.1;
+    128/128/8/3 needs 260 KB of shared memory (227 KB available); dQ 128/32/4/3 10.7.
 """
 
 from pallas_kernels.rel_attention.tiles import Blocks
 
 # (rows, keys, warps, stages) of the forward, dK/dV and dQ kernels.
-FULL = ((128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2))
-SLIDING = ((64, 64, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2))
+FULL = ((128, 64, 8, 3), (32, 64, 4, 2), (128, 64, 8, 2))
+SLIDING = ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
 
 
 def as_blocks(shape: tuple[int, int, int, int], groups: int) -> Blocks:

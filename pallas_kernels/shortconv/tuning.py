@@ -25,7 +25,7 @@ class DecodeBlocks:
 @dataclasses.dataclass(frozen=True)
 class StripBlocks:
     """Work of one program of the strip prefill (strip.py), measured on one NVIDIA H200, jax 0.11.2, Pallas
-    Triton backend, 2026-11-29 ~18:13 UTC, bf16, one run of
+    Triton backend, 2026-11-29 ~18:07 UTC, bf16, one run of
     `python bench/shortconv.py --prefill-sweep` (16 settings per width; bench/results/shortconv.md):
       1x8192x6144: 256 channels, 64 rows, unroll 16, 2 warps: 63.0 us = 1.03 of y = 2x (64.9 us);
                    with a state (the model's call) 65.5 us = 0.99. The earlier default (512, 256, 8, 2): 0.84.
