@@ -21,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from serve.chat import ChatError, ChatFormat, ChatOutput
-from serve.engine import Engine, EngineStopped, QueueFull
+from serve.engine import Engine
+from serve.request import EngineStopped, QueueFull
 from serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, validation_message
 from serve.responses import ChatResponder, Choice, CompletionResponder, Responder, usage
 from serve.sampling import InvalidParams, SamplingParams

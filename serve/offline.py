@@ -10,7 +10,8 @@ import dataclasses
 import itertools
 import threading
 
-from serve.engine import Engine, Output
+from serve.engine import Engine
+from serve.request import Output
 from serve.sampling import SamplingParams
 
 _ids = itertools.count()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from serve.engine import Output
+from serve.request import Output
 from serve.text_stream import TokenEntry
 from serve.tokenizer import Tokenizer
 

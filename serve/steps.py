@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx, struct
 
 from serve import cache_rows
-from serve.sampler import Sampled, SamplingBatch, apply_penalties, choose
+from serve.sampler import SamplingBatch, apply_penalties, choose
 
 
 @struct.dataclass

@@ -26,7 +26,8 @@ from serve.api import Service
 from serve.app import ServerThread, serving_app
 from serve.chat import ChatFormat, ChatOutput
 from serve.config import EngineConfig
-from serve.engine import Engine, EngineStopped
+from serve.engine import Engine
+from serve.request import EngineStopped
 from serve.model_runner import compilation_count
 from serve.random_weights import random_model
 from serve.sampling import SamplingParams

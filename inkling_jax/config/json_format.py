@@ -97,13 +97,13 @@ def _parse_text(data: dict, mtp_block: dict) -> tuple[TextConfig, MTPConfig | No
     if "dense_mlp_idx" in data:
         from_idx = tuple(range(f.get("dense_mlp_idx")))
         if dense is not None and dense != from_idx:
-            raise ConfigError(f"text_config: dense_mlp_idx and dense_layer_ids disagree")
+            raise ConfigError("text_config: dense_mlp_idx and dense_layer_ids disagree")
         dense = from_idx
     if "mlp_layer_types" in data:
         from_types = _ids_from_types(f.get("mlp_layer_types"), {"dense": True, "sparse": False},
                                      "text_config", "mlp_layer_types")
         if dense is not None and dense != from_types:
-            raise ConfigError(f"text_config: mlp_layer_types and dense_mlp_idx disagree")
+            raise ConfigError("text_config: mlp_layer_types and dense_mlp_idx disagree")
         dense = from_types
     if dense is None:
         raise ConfigError("text_config: no dense_mlp_idx, dense_layer_ids or mlp_layer_types: "
