@@ -32,17 +32,21 @@ def with_row_state(cache: Cache, state: tuple[dict, ...]) -> Cache:
 
 
 def take_rows(cfg: TextConfig, cache: Cache, rows) -> Cache:
-    """A cache of just `rows` (lengths and page table included); the page pools are shared, not copied."""
-    state = jax.tree.map(lambda x: x[rows], row_state(cfg, cache))
-    return with_row_state(cache, state).replace(lengths=cache.lengths[rows], page_table=cache.page_table[rows])
+    """A cache of just `rows` (lengths and page table included); the page pools are shared, not copied.
+    Rows past the end (a step's padding rows) read the last row, the scratch row."""
+    take = lambda x: x.at[rows].get(mode="clip")  # noqa: E731
+    state = jax.tree.map(take, row_state(cfg, cache))
+    return with_row_state(cache, state).replace(lengths=take(cache.lengths), page_table=take(cache.page_table))
 
 
 def put_rows(cfg: TextConfig, cache: Cache, rows, sub: Cache) -> Cache:
-    """`cache` with `rows` replaced by the rows of `sub` and its page pools taken from `sub`. Rows listed
-    twice must carry equal data (padding rows all point at one untouched scratch row)."""
-    state = jax.tree.map(lambda x, y: x.at[rows].set(y), row_state(cfg, cache), row_state(cfg, sub))
-    return with_row_state(sub, state).replace(lengths=cache.lengths.at[rows].set(sub.lengths),
-                                              page_table=cache.page_table.at[rows].set(sub.page_table))
+    """`cache` with `rows` replaced by the rows of `sub` and its page pools taken from `sub`. `rows` must be
+    distinct; rows past the end (padding) are dropped. Declaring the indices unique lets XLA write the rows with
+    plain stores: with possible duplicates its GPU scatter updates bf16 elements by atomic compare-and-swap."""
+    put = lambda x, y: x.at[rows].set(y, mode="drop", unique_indices=True)  # noqa: E731
+    state = jax.tree.map(put, row_state(cfg, cache), row_state(cfg, sub))
+    return with_row_state(sub, state).replace(lengths=put(cache.lengths, sub.lengths),
+                                              page_table=put(cache.page_table, sub.page_table))
 
 
 def empty_snapshots(cfg: TextConfig, cache: Cache, count: int) -> tuple[dict, ...]:

@@ -51,12 +51,8 @@ class EngineConfig:
 
     @property
     def num_rows(self) -> int:
-        """Cache rows: one per slot plus a scratch row that padding rows of a step point at."""
+        """Cache rows: one per slot plus a scratch row, the last, that padding rows of a gathered step read."""
         return self.max_num_seqs + 1
-
-    @property
-    def scratch_row(self) -> int:
-        return self.max_num_seqs
 
     @property
     def max_chunk(self) -> int:

@@ -262,11 +262,13 @@ class ModelRunner:
         return outs
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
-        """Host arrays of one step; padding rows point at the scratch row and add nothing."""
+        """Host arrays of one step; padding rows add nothing. In a gathered step each padding row gets its own
+        row number past the cache (they read the scratch row, the last one, and their writes are dropped), so
+        that the rows a step scatters back are distinct (see `cache_rows.put_rows`)."""
         cfg = self.config
         every_row = rows == cfg.num_rows
         index = self._row_index(group) if group else []
-        cache_row = np.arange(rows, dtype=np.int32) if every_row else np.full((rows,), cfg.scratch_row, np.int32)
+        cache_row = np.arange(rows, dtype=np.int32) + (0 if every_row else cfg.num_rows)
         ids = np.zeros((rows, chunk), np.int32)
         n_new, lengths, index_out, steps = (np.zeros((rows,), np.int32) for _ in range(4))
         page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)

@@ -33,7 +33,7 @@ from serve.sampler import SamplingBatch, apply_penalties, choose
 
 @struct.dataclass
 class StepInputs:
-    rows: jax.Array  # [R] cache row of each step row (the scratch row for padding)
+    rows: jax.Array  # [R] cache row of each step row (padding rows: distinct rows past the cache)
     ids: jax.Array  # [R, T]
     n_new: jax.Array  # [R] real tokens per row (decode: 1)
     lengths: jax.Array  # [R] tokens already cached
@@ -138,9 +138,10 @@ class StepPrograms:
         whether any row uses them would cost a host round-trip (see `sampler.choose`)."""
         penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
         logits = logits.astype(jnp.float32)
-        adjusted = apply_penalties(logits, counts[inp.rows], penalties.prompt_mask[inp.rows], p)
+        rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
+        adjusted = apply_penalties(logits, rows(counts), rows(penalties.prompt_mask), p)
         out = choose(logits, adjusted, p, self.num_top, full)
-        counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32))
+        counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
