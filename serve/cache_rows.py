@@ -41,8 +41,9 @@ def take_rows(cfg: TextConfig, cache: Cache, rows) -> Cache:
 
 def put_rows(cfg: TextConfig, cache: Cache, rows, sub: Cache) -> Cache:
     """`cache` with `rows` replaced by the rows of `sub` and its page pools taken from `sub`. `rows` must be
-    distinct; rows past the end (padding) are dropped. Declaring the indices unique lets XLA write the rows with
-    plain stores: with possible duplicates its GPU scatter updates bf16 elements by atomic compare-and-swap."""
+    distinct; rows past the end (padding) are dropped. The indices are declared unique so that XLA need not
+    order colliding writes (on the H200 a 32-row gathered decode step cost ~3 ms more than the in-place all-rows
+    step while padding rows all shared one scratch row; whether this removes it is not measured yet)."""
     put = lambda x, y: x.at[rows].set(y, mode="drop", unique_indices=True)  # noqa: E731
     state = jax.tree.map(put, row_state(cfg, cache), row_state(cfg, sub))
     return with_row_state(sub, state).replace(lengths=put(cache.lengths, sub.lengths),
