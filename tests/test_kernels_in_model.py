@@ -26,9 +26,10 @@ def _run(model, ids, backend):
         steps = StepFunctions(model)
         full = np.asarray(steps.forward(ids))
         cache = model.init_cache(ids.shape[0], 48)
-        logits, cache = steps.extend(ids[:, :20], cache)
+        # Prefill past the window (16) and the extent (24); the decode steps then cross the ring's wrap at 32.
+        logits, cache = steps.extend(ids[:, :28], cache)
         outs = [np.asarray(logits)]
-        for t in range(20, ids.shape[1]):
+        for t in range(28, ids.shape[1]):
             logits, cache = steps.extend(ids[:, t:t + 1], cache)
             outs.append(np.asarray(logits))
         before = jax.tree.map(np.asarray, cache)

@@ -158,12 +158,19 @@ def _parse_text(data: dict, mtp_block: dict) -> tuple[TextConfig, MTPConfig | No
     return text, mtp
 
 
-def _parse_vision(data: dict, hidden: int) -> VisionConfig:
-    f = _Fields(data, "vision_config")
-    f.check_fixed({"vision_encoder_type": "hmlp", "use_vision_norm": True})
+def _tower_fields(data: dict, name: str, fixed: dict, hidden: int) -> _Fields:
+    """The fields of a media tower's config, after the checks both towers share: the fixed choices of the
+    release and an output width equal to the text model's."""
+    f = _Fields(data, name)
+    f.check_fixed(fixed)
     out = f.get("decoder_dmodel", "text_hidden_size", default=hidden)
     if out != hidden:
-        raise ConfigError(f"vision_config: output width {out} != text hidden_size {hidden}")
+        raise ConfigError(f"{name}: output width {out} != text hidden_size {hidden}")
+    return f
+
+
+def _parse_vision(data: dict, hidden: int) -> VisionConfig:
+    f = _tower_fields(data, "vision_config", {"vision_encoder_type": "hmlp", "use_vision_norm": True}, hidden)
     cfg = VisionConfig(patch_size=f.get("patch_size", default=40),
                        temporal_patch_size=f.get("temporal_patch_size", default=2),
                        num_channels=f.get("n_channels", "num_channels", default=3),
@@ -175,11 +182,7 @@ def _parse_vision(data: dict, hidden: int) -> VisionConfig:
 
 
 def _parse_audio(data: dict, hidden: int) -> AudioConfig:
-    f = _Fields(data, "audio_config")
-    f.check_fixed({"audio_mode": "dmel", "use_audio_norm": True})
-    out = f.get("decoder_dmodel", "text_hidden_size", default=hidden)
-    if out != hidden:
-        raise ConfigError(f"audio_config: output width {out} != text hidden_size {hidden}")
+    f = _tower_fields(data, "audio_config", {"audio_mode": "dmel", "use_audio_norm": True}, hidden)
     cfg = AudioConfig(n_mel_bins=f.get("n_mel_bins", default=80), mel_vocab_size=f.get("mel_vocab_size", default=16),
                       dmel_min_value=float(f.get("dmel_min_value", default=-7.0)),
                       dmel_max_value=float(f.get("dmel_max_value", default=2.0)))
