@@ -1,7 +1,7 @@
 """Issue 5's kernel targets in one table: each kernel at Inkling's shapes against its peer or ceiling, measured in
 the same run, with the target, the measured ratio and whether it is met.
 
-    PYTHONPATH=. python bench/kernels.py [--out DIR] [--sweep] [--smoke]
+    PYTHONPATH=. python bench/kernels.py [--out DIR] [--smoke]
 
 Rows (bf16; batch 1, 8192 tokens, 64 query heads, head_dim 128, d_rel 16 unless said):
 - relative attention, full (8 KV heads, E 1024) and sliding (16 KV heads, window 512) layers: forward vs torch
@@ -10,8 +10,8 @@ Rows (bf16; batch 1, 8192 tokens, 64 query heads, head_dim 128, d_rel 16 unless 
 - decode attention at batch 64: paged (context 8192) KV TB/s (>= 3.5), and the sliding ring, for the record;
 - ShortConv prefill GB/s vs a jitted y = 2x over the same bytes (>= 0.85), for the tiled and strip kernels;
 - the fused decode prologue at 64 tokens vs the unfused jitted jnp sequence (>= 2x), both layer kinds.
---sweep adds, before the table, the ShortConv prefill tile sweeps (tiled and strip kernels) and a sweep of the
-sliding layer's forward tiles (each kernel alone; the table keeps the tuned tiles).
+The table uses the tuned tiles; the tile sweeps are the kernels' own scripts (`bench/shortconv.py
+--prefill-sweep`, `bench/rel_attention_tiles.py`).
 The timing of each kind is that of its own benchmark (bench/rel_attention.py, decode_attention_cases.py,
 shortconv.py), whose functions this script calls; the ceilings are bench/ceilings.py's. FlexAttention runs
 first, in a child process, so torch and JAX never share the GPU's memory. --smoke runs tiny shapes (interpret
@@ -44,9 +44,6 @@ from pallas_kernels.attn_prologue import reference as prologue_reference  # noqa
 from pallas_kernels.shortconv import shortconv_prefill, shortconv_prefill_strip  # noqa: E402
 
 TORCH_TIMEOUT_S = 180  # FlexAttention compiles its forward and backward for two layers
-# Sliding-layer forward tiles tried by --sweep, as (rows = tokens x 4 heads, keys, warps, stages): more tokens
-# per program amortise the per-program costs over more key tiles (BENCHMARKS.md, "Why the targets are missed").
-SLIDING_FORWARD_SWEEP = ((128, 64, 8, 3), (256, 64, 8, 3), (256, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3))
 START = time.time()
 
 
@@ -173,7 +170,7 @@ def decode_rows(shapes, results, smoke):
     return rows
 
 
-def shortconv_rows(shapes, results, sweep):
+def shortconv_rows(shapes, results):
     rows = []
     for shape in shapes.prefill:
         x, w, moved = sc.prefill_inputs(shape)
@@ -181,11 +178,9 @@ def shortconv_rows(shapes, results, sweep):
         scale = attempt("y = 2x", lambda: sc.scale_seconds(x, shapes.reps))
         name = "x".join(map(str, shape))
         found = {"y = 2x": scale}
-        for label, kernel, settings in (("tiled", shortconv_prefill, sc.PREFILL_SWEEP),
-                                        ("strip", shortconv_prefill_strip, sc.STRIP_SWEEP)):
-            settings = settings if sweep else [None]
+        for label, kernel in (("tiled", shortconv_prefill), ("strip", shortconv_prefill_strip)):
             best = attempt(label, lambda: sc.best_of(
-                settings, lambda b: measure(lambda x, w: kernel(x, w, blocks=b)), log, f"prefill {label} {name}"))
+                [None], lambda b: measure(lambda x, w: kernel(x, w, blocks=b)), log, f"prefill {label} {name}"))
             found[label] = best and best[0]
             ratio = best and scale and (moved / best[0]) / (2 * x.size * 2 / scale)
             us = f"{best[0] * 1e6:.1f} us {moved / best[0] / 1e9:.0f} GB/s" if best else "-"
@@ -225,7 +220,6 @@ def table(rows, header):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT"))
-    parser.add_argument("--sweep", action="store_true", help="also sweep ShortConv prefill and sliding forward tiles")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the plumbing on CPU")
     parser.add_argument("--torch-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -241,11 +235,6 @@ def main():
                "torch": flex.get("torch"), "smoke": args.smoke}
     results["matmul_tflops"] = attempt("matmul ceiling", lambda: matmul_flops(shapes.matmul_n, data="normal") / 1e12)
     results["copy_gbs"] = attempt("copy ceiling", lambda: copy_bandwidth(shapes.copy_elems, data="normal") / 1e9)
-    if args.sweep:
-        sc.SWEEP_SECONDS[0] = float("inf")  # its cut-off counts from import time, meant for its own script
-        layer = shapes.layers["sliding"]
-        results["sliding forward sweep"] = attempt("sliding sweep", lambda: rel.sweep(
-            "sliding", layer, (SLIDING_FORWARD_SWEEP, (), ())) and rel.RESULTS["sweep"]["sliding"]["forward"])
     rows = results["rows"] = []
 
     def emit():  # after every section, so that a run cut short still leaves the rows it measured
@@ -263,7 +252,7 @@ def main():
 
     for section in (lambda: attention_rows(shapes, flex, results, args.smoke),
                     lambda: decode_rows(shapes, results, args.smoke),
-                    lambda: shortconv_rows(shapes, results, args.sweep), lambda: prologue_rows(shapes, results)):
+                    lambda: shortconv_rows(shapes, results), lambda: prologue_rows(shapes, results)):
         rows += attempt("section", section) or []
         emit()
     print(emit(), flush=True)

@@ -10,7 +10,7 @@ Also checks the tuned kernels against the jnp reference on the device (1536 toke
 Run: PYTHONPATH=. python bench/rel_attention.py   (writes $OUT/rel_attention.json when $OUT is set)
 The functions take a `Layer` so that bench/kernels.py can reuse them (also at tiny shapes on CPU); shapes, inputs
 and timing are in rel_attention_setup.py, the peers in rel_attention_peers.py; rel_attention_tiles.py times
-each kernel alone under tile variants (its `sweep` is bench/kernels.py's, through this module).
+each kernel alone under tile variants.
 """
 
 import dataclasses
@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.rel_attention_peers import cudnn, flex
-# Layer, TIMING and sweep are bench/kernels.py's, through this module.
+# Layer and TIMING are bench/kernels.py's, through this module.
 from bench.rel_attention_setup import (LAYERS, RESULTS, START, TIMING, Layer, guarded, inputs, log,  # noqa: F401
                                        prepared, rooflines, save, time_ms)
-from bench.rel_attention_tiles import sweep  # noqa: F401
 from pallas_kernels.rel_attention import kernel, rel_attention
 
 FLEX_START_LIMIT_S = float(os.environ.get("FLEX_START_LIMIT_S", 220))  # FlexAttention compiles slowly

@@ -26,15 +26,15 @@ KERNELS = ("forward", "dkdv", "dq")
 # FLOPs of each kernel in units of the layer's forward FLOPs (the backward kernels recompute q k^T): dK/dV runs
 # four matmuls of the forward's size, dQ three.
 FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5}
-# (forward, dK/dV, dQ) candidates as (rows, keys, warps, stages), the tuned shape first. The sliding layer's
-# forward won with 64 rows (0.90 ms against 1.34 at 128 rows: tuning.py); its backward still runs the full
-# layer's shapes, at 0.32x FlexAttention's backward, so this sweep tries smaller rows there.
+# (forward, dK/dV, dQ) candidates as (rows, keys, warps, stages), the tuned shape first, then its neighbours and
+# the shapes tuning.py used before this sweep chose the current ones (the sliding layer's programs meet ~9 key
+# tiles each, so smaller rows win there).
 CANDIDATES = {
     "sliding": ((tuning.SLIDING[0], (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 3)),
-                (tuning.SLIDING[1], (32, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)),
-                (tuning.SLIDING[2], (64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (128, 64, 4, 2))),
+                (tuning.SLIDING[1], (64, 64, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2)),
+                (tuning.SLIDING[2], (64, 64, 4, 2), (32, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 2))),
     "full": ((tuning.FULL[0],),
-             (tuning.FULL[1], (128, 64, 8, 2), (32, 64, 4, 2)),
+             (tuning.FULL[1], (64, 64, 4, 2), (128, 64, 8, 2)),
              (tuning.FULL[2], (64, 64, 4, 2))),
 }
 OUTPUTS = {"forward": ("out", "lse"), "dkdv": ("dk", "dv"), "dq": ("dq", "dr", "dP")}
