@@ -113,11 +113,7 @@ def decode_program_seconds(engine: Engine, num_rows: int) -> float:
     program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
     def call():  # one run of decode_steps tokens, as the engine dispatches it
-        previous = runner._no_tokens[rows]
-        for k in range(cfg.decode_steps):
-            runner.cache, runner.penalties, out, previous = program(runner.params, runner.cache, runner.penalties,
-                                                                    inputs, runner._step_index[k], previous)
-        return out
+        return runner.run_decode(program, rows, inputs, cfg.decode_steps)[-1]
 
     return median_seconds(call, trials=5)
 

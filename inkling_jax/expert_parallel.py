@@ -115,7 +115,8 @@ class _Plan:
         starts = self.before_sender[:, self.me]
         ends = starts + self.sizes[:, self.me]
         rows = jnp.arange(capacity, dtype=jnp.int32)
-        sender = jnp.minimum(jnp.searchsorted(ends, rows, side="right"), ends.shape[0] - 1)
+        # compare_all: the default scan is an XLA while loop (see pallas_kernels/moe/groups.py).
+        sender = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), ends.shape[0] - 1)
         within = rows - starts[sender]
         bounds = jnp.cumsum(self.all_counts[:, self.me], -1)[sender]  # [capacity, L]
         local = jnp.sum(bounds <= within[:, None], axis=-1).astype(jnp.int32)

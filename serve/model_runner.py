@@ -18,9 +18,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from inkling_jax.cache import cache_bytes
+from inkling_jax.generate import flat_params
 from inkling_jax.model import InklingModel
 from serve import cache_rows
 from serve.config import EngineConfig
@@ -55,14 +55,13 @@ class ModelRunner:
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
         self.model = self.placement.shard_model(model)
-        self.graphdef, params = nnx.split(self.model)
-        self.params, param_tree = jax.tree.flatten(params)  # a flat list: cheap to pass at every call
+        self.params, merge = flat_params(self.model)
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or self._pages_for_memory(model)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
-        self.programs = StepPrograms(self.graphdef, param_tree, self.text, config.max_logprobs, config.pages_per_row,
+        self.programs = StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row,
                                      self._constrain_cache)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
@@ -219,10 +218,10 @@ class ModelRunner:
         for group, outs in dispatched:
             host: Sampled = jax.tree.map(lambda *steps: np.concatenate(steps), *jax.device_get(outs))
             for chunk, row in zip(group, self._row_index(group)):
-                if chunk.seq.num_cached + chunk.num_tokens == len(chunk.seq):
+                if chunk.samples:
                     results[chunk.seq.seq_id] = [(int(host.tokens[k, row]), float(host.logprobs[k, row]),
                                                   host.top_ids[k, row], host.top_logprobs[k, row])
-                                                 for k in range(chunk.steps)]
+                                                 for k in range(chunk.samples)]
         return results
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
@@ -252,8 +251,13 @@ class ModelRunner:
             self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
             return [out]
+        return self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued)
+
+    def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None):
+        """`num_steps` dispatches of a compiled decode program over the same (device) inputs, each feeding the
+        next its samples; calls `on_queued` after the first. Returns the samples of every step."""
         outs, previous = [], self._no_tokens[rows]
-        for k in range(max(c.steps for c in group)):
+        for k in range(num_steps):
             self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
                                                                 self._step_index[k], previous)
             outs.append(out)
@@ -288,7 +292,7 @@ class ModelRunner:
             ids[row, :c.num_tokens] = seq.token_ids[start:end]
             n_new[row], lengths[row] = c.num_tokens, start
             page_rows[row, :len(seq.block_ids)] = seq.block_ids
-            steps[row] = c.steps if end == len(seq) else 0
+            steps[row] = c.samples
             for name, value in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
                                 ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
                                 ("repetition", p.repetition_penalty)):

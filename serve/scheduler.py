@@ -30,6 +30,11 @@ class Chunk:
     admitted: bool = False  # the sequence (re)entered a slot in this step
     steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
 
+    @property
+    def samples(self) -> int:
+        """Tokens this chunk samples: `steps` if it ends its sequence's known tokens (as scheduled), else 0."""
+        return self.steps if self.seq.num_cached + self.num_tokens == len(self.seq) else 0
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):

@@ -14,8 +14,8 @@ Both gather their rows' state out of the cache (the all-rows bucket works in pla
 back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh).
 
 Host overhead per call is on the serving critical path, so the programs take the parameters as a flat list of
-arrays (an nnx.State pytree costs about a millisecond to flatten at every call) and the step inputs packed into
-two arrays (`pack`; one host-to-device copy each instead of fifteen).
+arrays (`inkling_jax.generate.flat_params`) and the step inputs packed into two arrays (`pack`; one
+host-to-device copy each instead of fifteen).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import struct
 
 from serve import cache_rows
-from serve.sampler import SamplingBatch, apply_penalties, choose
+from serve.sampler import SamplingBatch, sample
 
 
 @struct.dataclass
@@ -90,20 +90,16 @@ class PenaltyState:
 
 
 class StepPrograms:
-    def __init__(self, graphdef, param_tree, text_config, num_top: int, pages_per_row: int,
+    def __init__(self, merge: Callable, text_config, num_top: int, pages_per_row: int,
                  constrain: Callable = lambda cache: cache):
-        self.graphdef = graphdef
-        self.param_tree = param_tree  # treedef of the parameter leaves the programs take
+        self.merge = merge  # parameter leaves -> model (see `flat_params`)
         self.pages_per_row = pages_per_row
         self.text = text_config
         self.num_top = num_top
         self.constrain = constrain
 
-    def _model(self, param_leaves):
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.param_tree, param_leaves))
-
     def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool):
-        model = self._model(param_leaves)
+        model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         sub = self._rows_in(cache, inp, gather)
         embeds = None
@@ -119,7 +115,7 @@ class StepPrograms:
                gather: bool, full: bool):
         """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R], tokens [R]).
         `full`: the sampler with top-k / top-p filters and top logprobs (see `sampler.choose`)."""
-        model = self._model(param_leaves)
+        model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         active = step < inp.steps
         inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
@@ -137,10 +133,8 @@ class StepPrograms:
         new tokens added. Penalties are applied to every row (neutral values change nothing): a branch on
         whether any row uses them would cost a host round-trip (see `sampler.choose`)."""
         penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
-        logits = logits.astype(jnp.float32)
         rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        adjusted = apply_penalties(logits, rows(counts), rows(penalties.prompt_mask), p)
-        out = choose(logits, adjusted, p, self.num_top, full)
+        out = sample(logits, p, rows(counts), rows(penalties.prompt_mask), self.num_top, full)
         counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
         return out, counts
 

@@ -38,7 +38,7 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     slab_ends = slab_starts + slab_sizes
     pg = jnp.minimum(jnp.searchsorted(slab_ends, padded, side="right", method="compare_all"), num_groups - 1)
     src = starts[pg] + padded - slab_starts[pg]
-    valid = (padded < slab_starts[pg] + slab_sizes[pg]) & (src < ends[pg])
+    valid = (padded < slab_ends[pg]) & (src < ends[pg])
     src = jnp.where(valid, src, 0)
     x_slabs = jnp.where(valid[:, None], x[src], 0)
     rw_slabs = jnp.where(valid, row_weights[src], 0)
