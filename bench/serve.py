@@ -7,8 +7,8 @@ host work adds); transformers' Inkling at 32 concurrent requests (one batched `g
     PYTHONPATH=. python bench/serve.py --preset tiny --concurrency 1,4 --prompt-tokens 16 --output-tokens 8 \\
         --no-peer --copy-mib 64                                      # a functional check on CPU
 
-Each concurrency level submits that many requests at once (random prompt ids, fixed output length, EOS
-ignored) and times every token as the engine hands it out. The engine decodes up to `--decode-steps` tokens per
+Each concurrency level submits that many prompts at once, as one engine request (random prompt ids, fixed
+output length, EOS ignored; see `run_load`), and times every token as the engine hands it out. The engine decodes up to `--decode-steps` tokens per
 device call, so tokens arrive in bursts: ITL p50 is then near zero and ITL p99 is the time of one call; TPOT
 (time per output token after the first, per request) is the decode speed. The batch-1 decode bytes count the
 weights one token reads (every parameter except the embedding table, of the routed experts only the top-k)
@@ -95,57 +95,75 @@ def decode_bytes(model: InklingModel, config: EngineConfig) -> int:
     return int(total - skipped + kv)
 
 
+def _program_inputs(engine: Engine, num_rows: int, tokens: int):
+    """Device inputs of a step of `num_rows` rows in the smallest row bucket that holds them: `tokens` new
+    tokens per row (1: decode, sampling `decode_steps` tokens, after 128 cached ones; more: a prefill chunk
+    from position 0)."""
+    runner = engine.runner
+    cfg = runner.config
+    rows = cfg.row_bucket(num_rows)
+    inputs = runner._inputs([], rows, cfg.chunk_bucket(tokens))
+    if rows != cfg.num_rows:
+        inputs.rows[:num_rows] = np.arange(num_rows)
+    inputs.lengths[:num_rows] = 128 if tokens == 1 else 0
+    inputs.n_new[:num_rows] = tokens
+    inputs.steps[:num_rows] = cfg.decode_steps if tokens == 1 else 1
+    inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
+    return rows, runner.placement.put(pack(inputs))
+
+
 def decode_program_seconds(engine: Engine, num_rows: int) -> float:
     """Seconds per call of the compiled decode program alone (no host work between calls): `num_rows` rows at
     128 cached tokens, each sampling `decode_steps` tokens, in the smallest decode bucket that holds them.
     Run after the engine thread has stopped: it uses the engine's cache."""
     runner = engine.runner
-    cfg = runner.config
-    rows = cfg.row_bucket(num_rows)
-    inputs = runner._inputs([], rows, 1)
-    if rows != cfg.num_rows:
-        inputs.rows[:num_rows] = np.arange(num_rows)
-    inputs.lengths[:num_rows] = 128
-    inputs.n_new[:num_rows] = 1
-    inputs.steps[:num_rows] = cfg.decode_steps
-    inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
-    inputs = runner.placement.put(pack(inputs))
+    rows, inputs = _program_inputs(engine, num_rows, 1)
     program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
     def call():  # one run of decode_steps tokens, as the engine dispatches it
-        return runner.run_decode(program, rows, inputs, cfg.decode_steps)[-1]
+        return runner.run_decode(program, rows, inputs, runner.config.decode_steps)[-1]
+
+    return median_seconds(call, trials=5)
+
+
+def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float:
+    """Seconds per call of the compiled prefill program alone: `num_rows` prompts of `tokens` tokens."""
+    runner = engine.runner
+    rows, inputs = _program_inputs(engine, num_rows, tokens)
+    program = runner._steps[rows, runner.config.chunk_bucket(tokens), True]
+
+    def call():
+        runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)
+        return out
 
     return median_seconds(call, trials=5)
 
 
 def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int):
+    """`concurrency` prompts submitted together as one engine request (as /v1/completions takes a list of
+    prompts), so that they all arrive before the engine's next step, as the peer's batch does; submitted one
+    by one, the engine thread may wake after the first few and prefill the rest in a second step."""
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
-    times: dict[str, list[float]] = {}
+    times: list[list[float]] = [[] for _ in range(concurrency)]
     done = threading.Event()
     finished = [0]
-    lock = threading.Lock()
 
-    def sink_for(name):
-        def sink(output):
-            with lock:
-                times[name].append(time.perf_counter())
-                finished[0] += output.finish_reason is not None
-                if finished[0] == concurrency:
-                    done.set()
-        return sink
+    def sink(output):  # called on the engine thread only
+        times[output.index].append(time.perf_counter())
+        finished[0] += output.finish_reason is not None
+        if finished[0] == concurrency:
+            done.set()
 
+    prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(concurrency)]
     start = time.perf_counter()
-    for r in range(concurrency):
-        times[f"r{r}"] = []
-        engine.submit(f"bench-{seed}-{r}", [rng.integers(0, vocab, prompt_tokens).tolist()], params, 1, Timestamps,
-                      sink_for(f"r{r}"))
+    engine.submit(f"bench-{seed}", prompts, params, 1, Timestamps, sink)
     if not done.wait(600):
         raise TimeoutError(f"concurrency {concurrency} did not finish")
-    end = max(t[-1] for t in times.values())
-    ttft = [t[0] - start for t in times.values()]
-    itl = np.concatenate([np.diff(t) for t in times.values()])
-    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times.values() if len(t) > 1]
+    end = max(t[-1] for t in times)
+    ttft = [t[0] - start for t in times]
+    itl = np.concatenate([np.diff(t) for t in times])
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in times if len(t) > 1]
     ms = lambda values, q: 1e3 * float(np.percentile(values, q))  # noqa: E731
     return {"concurrency": concurrency, "tok_s": concurrency * output_tokens / (end - start),
             "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99), "tpot_p50_ms": ms(tpot, 50),
@@ -158,12 +176,14 @@ def main():
     p.add_argument("--concurrency", default="1,8,32,128")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="token budget of a step: 4096 prefills the 32 prompts of the 32 level in one step")
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
-    p.add_argument("--trace", help="write a profiler trace (perfetto JSON) of a batch-1 request and of the batch-1 "
-                   "decode program into this directory")
+    p.add_argument("--trace", help="write profiler traces (perfetto JSON) into this directory: a load at "
+                   "--trace-concurrency and the decode program at each level")
+    p.add_argument("--trace-concurrency", type=int, default=1)
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     levels = sorted(int(c) for c in args.concurrency.split(","))
@@ -199,11 +219,13 @@ def main():
     results["levels"] = [run_load(engine, c, args.prompt_tokens, args.output_tokens, vocab, seed=c) for c in levels]
     if args.trace:
         with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-            run_load(engine, 1, args.prompt_tokens, 3 * args.decode_steps, vocab, seed=7)
+            run_load(engine, args.trace_concurrency, args.prompt_tokens, 3 * args.decode_steps, vocab, seed=7)
     engine.shutdown(drain_seconds=0)
     # The decode program alone: what the engine's host work between calls adds is TPOT minus this.
     results["program_ms_per_token"] = {
         n: 1e3 * decode_program_seconds(engine, n) / args.decode_steps for n in levels if n < 128 or gpu}
+    prefill_rows = [r for r, t in engine_config.buckets if t > 1]
+    results["prefill_ms"] = {r: 1e3 * prefill_program_seconds(engine, r, chunks[1]) for r in prefill_rows}
     for n in levels if args.trace else ():
         with jax.profiler.trace(os.path.join(args.trace, f"program{n}"), create_perfetto_trace=True):
             decode_program_seconds(engine, n)
@@ -220,6 +242,8 @@ def main():
     for r in results["levels"]:
         print(f"| {r['concurrency']} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
               f"{r['tpot_p50_ms']:.2f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} |")
+    for r, ms in results["prefill_ms"].items():
+        print(f"prefill program alone, {r} rows x {chunks[1]} tokens: {ms:.2f} ms = {r * chunks[1] / ms:.1f}k tok/s")
     for n, ms in results["program_ms_per_token"].items():
         print(f"decode program alone, {n} rows: {ms:.2f} ms per token (step of {args.decode_steps} tokens)")
     if batch1:

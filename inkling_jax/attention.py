@@ -34,7 +34,7 @@ class Attention(nnx.Module):
         self.rel_proj = nnx.Param(normal(rngs, (cfg.d_rel, s.extent), dtype))
 
     def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
-                 page_table=None):
+                 page_table=None, ring_rows=None):
         """u [B, T, hidden] (normed) at `positions [B, T]`.
 
         Without a cache the T tokens attend among themselves (segment ids separate packed sequences).
@@ -52,9 +52,9 @@ class Attention(nnx.Module):
             q, _, _, new_k, new_v, k_conv, v_conv = kernels.decode_prologue(
                 q[:, 0].reshape(batch, -1), self.wk(u)[:, 0], self.wv(u)[:, 0], self.k_sconv.weight[...],
                 self.v_sconv.weight[...], self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv,
-                cache.v_conv, cache.k, cache.v, self._cache_index(cache, page_table, positions, n_new)[:, 0],
+                cache.v_conv, cache.k, cache.v, self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0],
                 eps=self.q_norm.eps)
-            out = self._decode_attention(new_k, new_v, page_table, q[:, None], r, positions, n_new, tau)
+            out = self._decode_attention(new_k, new_v, page_table, ring_rows, q[:, None], r, positions, n_new, tau)
             return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
 
         k, k_conv = self.k_sconv(self.wk(u), None if cache is None else cache.k_conv, segment_ids, n_new)
@@ -68,11 +68,12 @@ class Attention(nnx.Module):
                                          segment_ids=segment_ids)
             updated = None
         else:
-            out, new_k, new_v = self._cached_attention(cache, page_table, q, k, v, r, positions, n_new, tau)
+            out, new_k, new_v = self._cached_attention(cache, page_table, ring_rows, q, k, v, r, positions, n_new,
+                                                       tau)
             updated = dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
         return self.wo(out.reshape(batch, seq, -1)), updated
 
-    def _cache_index(self, cache, page_table, positions, n_new):
+    def _cache_index(self, cache, page_table, ring_rows, positions, n_new):
         """[B, T] row of each token in the cache flattened to [rows, Hkv, D], or -1 where nothing is written:
         padding tokens, and on sliding layers all but the last `window` real tokens (so no two writes collide)."""
         seq = positions.shape[1]
@@ -80,32 +81,35 @@ class Attention(nnx.Module):
         if self.local:
             window = cache.k.shape[1]
             keep = real & (jnp.arange(seq)[None, :] >= n_new[:, None] - window)
-            flat = jnp.arange(positions.shape[0])[:, None] * window + jnp.mod(positions, window)
+            rows = jnp.arange(positions.shape[0]) if ring_rows is None else ring_rows
+            flat = rows[:, None] * window + jnp.mod(positions, window)
             return jnp.where(keep, flat, -1)
         page_size = cache.k.shape[1]
         page = jnp.take_along_axis(page_table, jnp.minimum(positions // page_size, page_table.shape[1] - 1), axis=1)
         return jnp.where(real, page * page_size + positions % page_size, -1)
 
-    def _decode_attention(self, k_cache, v_cache, page_table, q, r, positions, n_new, tau):
+    def _decode_attention(self, k_cache, v_cache, page_table, ring_rows, q, r, positions, n_new, tau):
         """A decode step's attention straight over the cache that already holds the new token."""
         lengths = jnp.maximum(positions[:, 0] + n_new, 1)  # idle rows (n_new 0) compute noise, write nothing
         out = kernels.decode_attention(q[:, 0], k_cache, v_cache, r[:, 0], self.rel_proj[...], lengths,
-                                       page_table=None if self.local else page_table, window=self.window,
-                                       tau=None if tau is None else tau[:, 0])
+                                       page_table=None if self.local else page_table, ring_rows=ring_rows,
+                                       window=self.window, tau=None if tau is None else tau[:, 0])
         return out[:, None]
 
-    def _cached_attention(self, cache, page_table, q, k, v, r, positions, n_new, tau):
+    def _cached_attention(self, cache, page_table, ring_rows, q, k, v, r, positions, n_new, tau):
         """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
         seq = positions.shape[1]
         real = jnp.arange(seq)[None, :] < n_new[:, None]
-        flat = self._cache_index(cache, page_table, positions, n_new)
+        flat = self._cache_index(cache, page_table, ring_rows, positions, n_new)
         new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
         if seq == 1:  # a decode step: attend straight over the cache
-            return self._decode_attention(new_k, new_v, page_table, q, r, positions, n_new, tau), new_k, new_v
+            out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)
+            return out, new_k, new_v
         if self.local:  # the ring as it was before this chunk, then the chunk itself
             last = positions[:, :1] - 1  # the newest cached position, -1 for an empty row
             slot_pos = last - jnp.mod(last - jnp.arange(cache.k.shape[1])[None, :], cache.k.shape[1])
-            keys, values = jnp.concatenate([cache.k, k], axis=1), jnp.concatenate([cache.v, v], axis=1)
+            ring_k, ring_v = (cache.k, cache.v) if ring_rows is None else (cache.k[ring_rows], cache.v[ring_rows])
+            keys, values = jnp.concatenate([ring_k, k], axis=1), jnp.concatenate([ring_v, v], axis=1)
             k_pos = jnp.concatenate([slot_pos, positions], axis=1)
             k_valid = jnp.concatenate([slot_pos >= 0, real], axis=1)
         else:  # every page of the row, with the chunk already written

@@ -8,7 +8,10 @@ Per layer:
   grows with the sequence.
 - The four ShortConv states (k, v, attention output, MLP output): the last `width - 1` conv *inputs*.
 Plus `lengths [B]`: tokens already in the cache per row (rows may differ). `init_cache` gives each row its own
-contiguous pages; a server hands pages out from a shared pool instead, by writing `page_table`.
+contiguous pages; a server hands pages out from a shared pool instead, by writing `page_table`. Likewise
+`ring_rows [B]` (None: row b's own) names the ring of each row, so that a server's step over a few of its
+sequences uses their rings in place (a ring is megabytes per row; gathering and scattering them cost more than
+the attention that reads them).
 
 All shapes are fixed by (batch, max_len), so prefill and decode steps jit once per shape.
 """
@@ -35,6 +38,7 @@ class Cache:
     lengths: jax.Array  # [B] int32
     page_table: jax.Array  # [B, pages_per_row] int32, pages of the full-attention layers
     layers: tuple[LayerCache, ...]
+    ring_rows: jax.Array | None = None  # [B] int32, rows of the sliding layers' rings; None: row b uses ring b
 
     @property
     def batch(self) -> int:

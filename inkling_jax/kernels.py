@@ -132,13 +132,15 @@ def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_
     return q, k, v, new_k.reshape(k_cache.shape), new_v.reshape(v_cache.shape), k_state, v_state
 
 
-def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=None, window=None, tau=None):
+def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=None, ring_rows=None, window=None,
+                     tau=None):
     """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
-    given) or a window ring (sliding layers). `lengths` counts the new token."""
+    given) or a window ring (sliding layers; row b's ring is `ring_rows[b]`, default b). `lengths` counts the
+    new token."""
     from pallas_kernels import decode_attention as decode
 
     if page_table is None:
         fn = decode.ring_decode_attention if _pallas() else decode.ring_decode_reference
-        return fn(q, k_cache, v_cache, lengths, r, rel_proj, window=window)
+        return fn(q, k_cache, v_cache, lengths, r, rel_proj, window=window, rows=ring_rows)
     fn = decode.paged_decode_attention if _pallas() else decode.paged_decode_reference
     return fn(q, k_cache, v_cache, page_table, lengths, r, rel_proj, tau=tau)

@@ -35,11 +35,11 @@ class DecoderLayer(nnx.Module):
         self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
 
     def __call__(self, x, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
-                 page_table=None, expert_ids=None):
+                 page_table=None, ring_rows=None, expert_ids=None):
         """Returns (x, updated LayerCache or None, the MoE's expert ids or None)."""
         conv = (lambda name: None) if cache is None else (lambda name: getattr(cache, name))
         a, attn_cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache, n_new=n_new,
-                                  page_table=page_table)
+                                  page_table=page_table, ring_rows=ring_rows)
         a, attn_conv = self.attn_sconv(a, conv("attn_conv"), segment_ids, n_new)
         x = x + a
         m, chosen = self.mlp(self.mlp_norm(x), expert_ids)
@@ -157,7 +157,8 @@ class InklingModel(nnx.Module):
         positions = cache.lengths[:, None] + jnp.arange(seq)[None, :]
         new_layers = []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table)
+            x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table,
+                                    ring_rows=cache.ring_rows)
             new_layers.append(new_cache)
         if logits_at is not None:
             x = x[jnp.arange(batch), logits_at]

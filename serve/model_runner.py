@@ -168,10 +168,22 @@ class ModelRunner:
         self._init_penalties = compiled.pop("init_penalties")
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
         self._steps = compiled
+        self._run_once()
         seconds = time.perf_counter() - start
         log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
                  len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
         return seconds
+
+    def _run_once(self) -> None:
+        """Runs every step program once on rows that hold nothing (they change no state), so that the first run
+        of a program on a GPU (loading its kernels) does not land in a request's time to first token."""
+        for (rows, chunk, _), program in self._steps.items():
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
+            if chunk > 1:
+                self.cache, self.penalties, _ = program(self.params, self.cache, self.penalties, inputs)
+            else:
+                self.run_decode(program, rows, inputs, 1)
+        jax.block_until_ready(self.cache)
 
     def _init_penalties_fn(self, penalties: PenaltyState, row, tokens, num_prompt):
         """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt`

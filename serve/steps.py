@@ -139,8 +139,8 @@ class StepPrograms:
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
-        sub = cache_rows.take_rows(self.text, cache, inp.rows) if gather else cache
+        sub = cache_rows.take_rows(cache, inp.rows) if gather else cache
         return sub.replace(lengths=inp.lengths, page_table=inp.page_rows)
 
     def _rows_out(self, cache, inp: StepInputs, sub, gather: bool):
-        return self.constrain(cache_rows.put_rows(self.text, cache, inp.rows, sub) if gather else sub)
+        return self.constrain(cache_rows.put_rows(cache, inp.rows, sub) if gather else sub)

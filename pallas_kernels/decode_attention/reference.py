@@ -28,8 +28,10 @@ def paged_decode_reference(q, k_pages, v_pages, page_table, lengths, r, rel_proj
                          tau=None if tau is None else tau[:, None], scale=scale)
 
 
-def ring_decode_reference(q, k_ring, v_ring, lengths, r, rel_proj, *, window, scale=None):
+def ring_decode_reference(q, k_ring, v_ring, lengths, r, rel_proj, *, window, rows=None, scale=None):
     """Same contract as `ring_decode_attention`."""
+    if rows is not None:
+        k_ring, v_ring = k_ring[rows], v_ring[rows]
     slot = jnp.arange(k_ring.shape[1])[None, :]
     last = (lengths - 1)[:, None]
     k_pos = last - (last - slot) % window  # the newest position p <= lengths-1 with p % window == slot

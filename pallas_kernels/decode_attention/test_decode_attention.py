@@ -128,7 +128,8 @@ def test_contiguous_cache_through_paged_kernel():
     assert _relative_error(out, ref) < TOLERANCE[jnp.float32]
 
 
-def _check_ring(lengths, dtype, groups, window, **launch):
+def _check_ring(lengths, dtype, groups, window, pool_rows=None, **launch):
+    """pool_rows: read each query's ring from this row of a larger pool whose other rows hold NaN."""
     rng = np.random.default_rng(len(lengths) * groups + window)
     lengths = np.array(lengths, np.int32)
     shape = (len(lengths), window, KV_HEADS, DIM)
@@ -138,8 +139,13 @@ def _check_ring(lengths, dtype, groups, window, **launch):
     v_ring = jnp.asarray(np.where(written, rng.standard_normal(shape, np.float32), np.nan), dtype)
     q, r, rel_proj = _queries(rng, len(lengths), groups, window, dtype)
     lengths = jnp.asarray(lengths)
+    pooled = (k_ring, v_ring)
+    if pool_rows is not None:
+        launch["rows"] = jnp.asarray(pool_rows, jnp.int32)
+        pooled = [jnp.full((max(pool_rows) + 2,) + shape[1:], jnp.nan, dtype).at[launch["rows"]].set(x)
+                  for x in pooled]
     out = jax.jit(functools.partial(ring_decode_attention, window=window, **launch))(
-        q, k_ring, v_ring, lengths, r, rel_proj)
+        q, *pooled, lengths, r, rel_proj)
     ref = _exact(functools.partial(ring_decode_reference, window=window))(
         *_fp32(q, k_ring, v_ring), lengths, *_fp32(r, rel_proj))
     assert out.dtype == dtype and out.shape == q.shape
@@ -155,6 +161,11 @@ def test_ring_matches_reference(dtype, groups):
 def test_ring_default_launch():
     # Default block for a 48-slot window is 16 slots (largest power of two dividing it): three blocks.
     _check_ring([5, 48, 100, 131], jnp.bfloat16, 8, window=48)
+
+
+def test_ring_reads_rings_by_row():
+    # A server's step over a few sequences reads their rings where they are in the pool.
+    _check_ring([5, 48, 100], jnp.bfloat16, 4, window=48, pool_rows=[4, 0, 2], block_slots=16)
 
 
 def test_ring_rejects_extent_other_than_window():
