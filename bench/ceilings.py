@@ -3,7 +3,8 @@
 - `median_seconds`: seconds per call of a (jitted) function, the median over trials after warm-up;
 - `copy_bandwidth`: bytes/s of a jitted `y = 2x` over bf16, counting the bytes read and the bytes written;
 - `read_bandwidth`: bytes/s of a jitted fp32-accumulated sum over bf16, counting the bytes read;
-- `matmul_flops`: FLOP/s of a jitted bf16 n x n x n matmul.
+- `matmul_flops`: FLOP/s of a jitted bf16 n x n x n matmul;
+- `decode_step_bytes`: the bytes a decode step of the model must read, the numerator of its achieved bytes/s.
 
 The input data is an explicit argument, `data="ones"` or `data="normal"`, because it changes the result: the
 H200's matmuls are power-limited, and constant inputs toggle fewer bits than random ones, so the same matmul
@@ -20,6 +21,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from flax import nnx
 
 DATA = ("ones", "normal")
 CALLS = 5
@@ -83,3 +86,28 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def decode_step_bytes(model, batch: int, context: int) -> int:
+    """Bytes one decode step of `batch` rows at `context` tokens must read at least: every text weight but
+    the untouched experts' (the expected count of distinct experts hit by batch x top-k uniform picks) and the
+    embedding table (one row per token), plus each row's K/V in use (sliding layers: at most the window)."""
+    text = model.config.text
+    item = model.dtype.itemsize
+    total = 0
+    for path, var in nnx.iter_graph(model):
+        if not isinstance(var, nnx.Param) or path[0] in ("vision", "audio", "mtp"):
+            continue
+        size = var.get_value().nbytes
+        if path[-1] == "embed":
+            size = batch * text.hidden_size * item
+        elif path[-1] in ("w_gate", "w_up", "w_down") and var.get_value().ndim == 3:
+            touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** batch)
+            size = size * touched / text.num_experts
+        total += size
+    kv = 0
+    for i in range(text.num_layers):
+        shape = text.attention(text.is_local(i))
+        tokens = min(context, shape.window) if shape.window else context
+        kv += 2 * tokens * shape.num_kv_heads * shape.head_dim * item
+    return int(total + batch * kv)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.ceilings import copy_bandwidth, median_seconds
+from bench.ceilings import copy_bandwidth, decode_step_bytes, median_seconds
 from inkling_jax import InklingModel, kernels, preset
 from inkling_jax.generate import StepFunctions
 
@@ -23,31 +23,6 @@ def build(config):
     graphdef, _ = nnx.split(abstract)
     state = jax.jit(lambda: nnx.split(InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[1])()
     return nnx.merge(graphdef, state)
-
-
-def decode_bytes(model, batch, max_len):
-    """Bytes one decode step must read at least: every weight but the untouched experts' (expected count of
-    distinct experts hit by batch x top-k uniform picks), one embedding row per token, the KV in use."""
-    text = model.config.text
-    total = 0
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Param):
-            continue
-        size = var.get_value().nbytes
-        if path[-1] == "embed":
-            size = batch * text.hidden_size * 2
-        elif path[-1] in ("w_gate", "w_up", "w_down") and var.get_value().ndim == 3:
-            touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** batch)
-            size = size * touched / text.num_experts
-        elif path[0] in ("vision", "audio", "mtp"):
-            size = 0
-        total += size
-    kv = 0
-    for i in range(text.num_layers):
-        shape = text.attention(text.is_local(i))
-        tokens = min(max_len, shape.window) if shape.window else max_len
-        kv += 2 * tokens * shape.num_kv_heads * shape.head_dim * 2
-    return total + batch * kv
 
 
 def main():
@@ -86,7 +61,7 @@ def main():
         # Eight back-to-back steps per trial, as a server chains them: the host's dispatch of one step overlaps
         # the device's work on the one before, so the time is the device's.
         seconds = median_seconds(step, trials=5, calls=8)
-        need = decode_bytes(model, batch, 256)
+        need = decode_step_bytes(model, batch, 256)
         rows.append((f"decode step bs={batch} ctx=256", seconds * 1e3, batch / seconds,
                      f"{need / seconds / 1e9:.0f}", f"{need / seconds / ceiling:.2f}"))
     print(f"\n{'case':<34} {'ms':>9} {'tok/s':>10} {'GB/s':>7} {'of copy':>8}")

@@ -10,9 +10,9 @@ host work adds); transformers' Inkling at 32 concurrent requests (one batched `g
 Each concurrency level submits that many prompts at once, as one engine request (random prompt ids, fixed
 output length, EOS ignored; see `run_load`), and times every token as the engine hands it out. The engine decodes up to `--decode-steps` tokens per
 device call, so tokens arrive in bursts: ITL p50 is then near zero and ITL p99 is the time of one call; TPOT
-(time per output token after the first, per request) is the decode speed. The batch-1 decode bytes count the
-weights one token reads (every parameter except the embedding table, of the routed experts only the top-k)
-plus the KV and window state it attends over; dividing by the batch-1 median TPOT gives achieved bytes/s, host
+(time per output token after the first, per request) is the decode speed. The batch-1 decode bytes are
+`bench.ceilings.decode_step_bytes` (the same count as bench/model.py: every weight but the untouched routed
+experts and one embedding row, plus the K/V of the longest context); dividing by the batch-1 median TPOT gives achieved bytes/s, host
 round-trips included. The peer runs first, in its own process, before JAX takes the GPU's memory.
 """
 
@@ -33,14 +33,13 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from inkling_jax import InklingModel, preset  # noqa: E402
-from inkling_jax.mlp import MoE  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 from serve.steps import pack  # noqa: E402
 
-from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
+from bench.ceilings import copy_bandwidth, decode_step_bytes, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
 from serve.text_stream import Delta  # noqa: E402
 
 PEER = r"""
@@ -76,25 +75,6 @@ class Timestamps:
         return []
 
 
-def decode_bytes(model: InklingModel, config: EngineConfig) -> int:
-    """Bytes one batch-1 decode step must read: weights (top-k routed experts only, one embedding row) and the
-    KV span and window rings the attention reads."""
-    text = model.config.text
-    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    skipped = model.embed[...].nbytes
-    for layer in model.layers:
-        if isinstance(layer.mlp, MoE):
-            routed = sum(getattr(layer.mlp, w)[...].nbytes for w in ("w_gate", "w_up", "w_down"))
-            skipped += routed * (1 - text.num_experts_per_tok / text.num_experts)
-    item = model.dtype.itemsize
-    kv = 0
-    for i in range(text.num_layers):
-        shape = text.attention(text.is_local(i))
-        positions = shape.window if text.is_local(i) else config.pages_per_row * config.page_size
-        kv += 2 * positions * shape.num_kv_heads * shape.head_dim * item
-    return int(total - skipped + kv)
-
-
 def _program_inputs(engine: Engine, num_rows: int, tokens: int):
     """Device inputs of a step of `num_rows` rows in the smallest row bucket that holds them: `tokens` new
     tokens per row (1: decode, sampling `decode_steps` tokens, after 128 cached ones; more: a prefill chunk
@@ -109,6 +89,9 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int):
     inputs.n_new[:num_rows] = tokens
     inputs.steps[:num_rows] = cfg.decode_steps if tokens == 1 else 1
     inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
+    # Distinct random tokens per row: identical rows would route to the same few experts (the H200 trace of
+    # 32 rows fed token 0 read ~9 experts per layer where the engine's requests read all 32).
+    inputs.ids[:num_rows] = np.random.default_rng(num_rows).integers(0, runner.vocab, inputs.ids[:num_rows].shape)
     return rows, runner.placement.put(pack(inputs))
 
 
@@ -230,7 +213,8 @@ def main():
         with jax.profiler.trace(os.path.join(args.trace, f"program{n}"), create_perfetto_trace=True):
             decode_program_seconds(engine, n)
 
-    step_bytes = decode_bytes(model, engine_config)
+    # the longest context of a batch-1 request: an upper bound on the K/V its steps read
+    step_bytes = decode_step_bytes(model, 1, args.prompt_tokens + args.output_tokens)
     batch1 = next((r for r in results["levels"] if r["concurrency"] == 1), None)
     print(f"{results['device']}, jax {jax.__version__}, preset {args.preset}, prompt {args.prompt_tokens}, "
           f"output {args.output_tokens}, decode steps {args.decode_steps}; build {results['build_s']:.1f}s, "
