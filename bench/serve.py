@@ -104,7 +104,8 @@ def decode_program_seconds(engine: Engine, num_rows: int) -> float:
     program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
     def call():  # one run of decode_steps tokens, as the engine dispatches it
-        return runner.run_decode(program, rows, inputs, runner.config.decode_steps)[-1]
+        _, last_tokens = runner.run_decode(program, rows, inputs, runner.config.decode_steps)
+        return last_tokens
 
     return median_seconds(call, trials=5)
 

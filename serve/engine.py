@@ -8,7 +8,10 @@ Host work overlaps device work: a step's samples are first applied to their sequ
 stop ids and length limits end them, freeing their slots), which the next step's schedule needs; the text work
 (detokenizing, stop strings, handing outputs to listeners) waits until the next step is dispatched and runs while
 the device computes it. A stop string found then ends a sequence that the step in flight still computes: the
-tokens it brings back for that sequence are dropped.
+tokens it brings back for that sequence are dropped. A decode run that can go on (no waiting sequence could be
+admitted, every row has tokens left) is continued before its tokens are read: the next run feeds back the last
+tokens on device, so the device never waits for the host between runs; a sequence that ended in the first run
+has the second's tokens dropped, and a request arriving meanwhile waits for the run in flight.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._owner: dict[int, Request] = {}  # seq_id -> its request
         self._unreported: list[tuple] = []  # applied tokens whose text is not yet out (see `_report`)
+        self._inflight = None  # (chunks, dispatched): a decode run queued before the last one was read
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
         self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
@@ -128,6 +132,7 @@ class Engine:
             if self._stop.is_set():
                 return
             if self.scheduler.idle:
+                self._inflight = None  # every sequence of a run still in flight has ended
                 self._report()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
@@ -136,7 +141,7 @@ class Engine:
                 self.step()
             except Exception:  # a failed step must not take the server down: fail its requests, start clean
                 log.exception("engine step failed; failing every request in flight")
-                self._unreported = []
+                self._unreported, self._inflight = [], None
                 for request_id in list(self._requests):
                     self._end_request(request_id, "error")
                 self.runner.reset()
@@ -163,18 +168,31 @@ class Engine:
             self._queued = len(self.scheduler.waiting)
 
     def step(self) -> None:
-        preempted = self.scheduler.num_preemptions
-        chunks = self.scheduler.schedule()
-        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
-        if not chunks:
-            self._report()
-            return
-        for chunk in chunks:
-            if chunk.admitted:
-                self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
-        self._plan_decode_steps(chunks)
-        # The previous step's text is reported while the device runs this one.
-        dispatched = self.runner.dispatch(chunks, on_queued=self._report)
+        if self._inflight is not None:  # a continuation queued by the last step: read it now
+            (chunks, dispatched), self._inflight = self._inflight, None
+        else:
+            preempted = self.scheduler.num_preemptions
+            chunks = self.scheduler.schedule()
+            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+            if not chunks:
+                self._report()
+                return
+            for chunk in chunks:
+                if chunk.admitted:
+                    self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
+            for chunk, steps in zip(chunks, self._decode_plan(chunks, [0] * len(chunks)) or ()):
+                chunk.steps = steps
+            # The previous step's text is reported while the device runs this one.
+            dispatched = self.runner.dispatch(chunks, on_queued=self._report)
+        # A decode run that can go on is continued before its tokens are read, so that the device does not
+        # wait for the host's reading, stop checks and scheduling (~3 ms per run of 32 rows on the H200).
+        ahead = [c.steps for c in chunks]
+        plan = self._decode_plan(chunks, ahead)
+        if plan is not None:
+            following = [Chunk(c.seq, 1, steps=n, ahead=a) for c, a, n in zip(chunks, ahead, plan)]
+            self._inflight = following, self.runner.dispatch(
+                following, on_queued=self._report, previous=self.runner.last_tokens(dispatched))
+        self._report()  # (a no-op where a dispatch above has reported)
         self._unreported = self._apply(chunks, self.runner.collect(dispatched), time.monotonic())
 
     def _apply(self, chunks: list[Chunk], results: dict[int, list[tuple]], now: float) -> list[tuple]:
@@ -212,24 +230,25 @@ class Engine:
             if seq.seq_id in self._owner:  # not ended by an earlier stop string or an abort
                 self._on_token(seq, *sample, now, reason)
 
-    def _plan_decode_steps(self, chunks: list[Chunk]) -> None:
-        """Let a step of decodes only run up to `decode_steps` tokens per row on device, when no waiting
-        sequence could be admitted meanwhile and pages for all of them are free. Each row stops at its
-        max_tokens and the context length."""
+    def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
+        """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
+        `decode_steps`, its max_tokens and the context length, with the pages for them reserved. None where
+        a multi-token run is not wanted (a prefill chunk, an ended sequence, a row with nothing left, a waiting
+        sequence that could be admitted meanwhile) or the free pages do not cover it."""
         cfg, blocks = self.config, self.blocks
         steps = min(self.decode_steps, cfg.decode_steps)
         admissible = self.scheduler.waiting and self.scheduler.free_slots
-        if steps == 1 or admissible or any(c.num_tokens > 1 for c in chunks):
-            return
-        plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output, cfg.max_model_len - len(c.seq))
-                for c in chunks]
-        needed = sum(max(0, blocks.blocks_for(c.seq.num_cached + n) - len(c.seq.block_ids))
-                     for c, n in zip(chunks, plan))
-        if needed > blocks.num_free:
-            return
-        for chunk, n in zip(chunks, plan):
-            blocks.grow(chunk.seq, chunk.seq.num_cached + n)
-            chunk.steps = n
+        if admissible or any(c.num_tokens > 1 or c.seq.finished for c in chunks):
+            return None
+        plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
+                for c, a in zip(chunks, ahead)]
+        ends = [c.seq.num_cached + a + n for c, a, n in zip(chunks, ahead, plan)]
+        needed = sum(max(0, blocks.blocks_for(end) - len(c.seq.block_ids)) for c, end in zip(chunks, ends))
+        if min(plan) < 1 or needed > blocks.num_free:
+            return None
+        for chunk, end in zip(chunks, ends):
+            blocks.grow(chunk.seq, end)
+        return plan
 
     def _advance(self, seq: Sequence, num_tokens: int) -> None:
         """`num_tokens` more tokens are in the cache: publish its full pages, and snapshot a prefill chunk's

@@ -205,10 +205,11 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------------------
     # Execution
 
-    def dispatch(self, chunks: list[Chunk], on_queued: Callable[[], None] = lambda: None) -> list:
+    def dispatch(self, chunks: list[Chunk], on_queued: Callable[[], None] = lambda: None, previous=None) -> list:
         """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
         waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
-        there overlaps the device without waiting for the rest of a decode run to be dispatched."""
+        there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`:
+        the last tokens of the decode run that continuation chunks (`Chunk.ahead`) follow, on device."""
         put = self.placement.put
         for chunk in chunks:
             seq = chunk.seq
@@ -220,14 +221,19 @@ class ModelRunner:
                 tokens[:len(seq)] = seq.token_ids
                 self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
                                                                             np.int32(seq.num_prompt))))
-        return [(group, self._dispatch(group, on_queued if i == 0 else lambda: None))
+        return [(group, *self._dispatch(group, on_queued if i == 0 else lambda: None, previous))
                 for i, group in enumerate(self._groups(chunks))]
+
+    @staticmethod
+    def last_tokens(dispatched: list):
+        """The device tokens a decode step's last program sampled, for a continuation to feed back."""
+        return dispatched[0][2]
 
     def collect(self, dispatched: list) -> dict[int, list[tuple]]:
         """Wait for a dispatched step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
         chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
         results = {}
-        for group, outs in dispatched:
+        for group, outs, _ in dispatched:
             host: Sampled = jax.tree.map(lambda *steps: np.concatenate(steps), *jax.device_get(outs))
             for chunk, row in zip(group, self._row_index(group)):
                 if chunk.samples:
@@ -251,9 +257,9 @@ class ModelRunner:
         rows = self.config.row_bucket(len(group))
         return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
 
-    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None]) -> list[Sampled]:
-        """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples, [steps,
-        rows] each."""
+    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple[list[Sampled], object]:
+        """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples ([steps,
+        rows] each) and a decode run's last tokens."""
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
@@ -262,20 +268,23 @@ class ModelRunner:
         if chunk > 1:
             self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
-            return [out]
-        return self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued)
+            return [out], None
+        return self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous)
 
-    def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None):
+    def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
+                   previous=None):
         """`num_steps` dispatches of a compiled decode program over the same (device) inputs, each feeding the
-        next its samples; calls `on_queued` after the first. Returns the samples of every step."""
-        outs, previous = [], self._no_tokens[rows]
+        next its samples (the first feeds `previous` to rows whose input id is -1); calls `on_queued` after the
+        first. Returns the samples of every step and the last step's tokens."""
+        outs = []
+        previous = self._no_tokens[rows] if previous is None else previous
         for k in range(num_steps):
             self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
                                                                 self._step_index[k], previous)
             outs.append(out)
             if k == 0:
                 on_queued()
-        return outs
+        return outs, previous
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
         """Host arrays of one step; padding rows add nothing. In a gathered step each padding row gets its own
@@ -300,8 +309,8 @@ class ModelRunner:
         for c, row in zip(group, index):
             seq, p = c.seq, c.seq.params
             cache_row[row] = seq.slot
-            start, end = seq.num_cached, seq.num_cached + c.num_tokens
-            ids[row, :c.num_tokens] = seq.token_ids[start:end]
+            start = seq.num_cached + c.ahead
+            ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
             n_new[row], lengths[row] = c.num_tokens, start
             page_rows[row, :len(seq.block_ids)] = seq.block_ids
             steps[row] = c.samples
@@ -309,10 +318,10 @@ class ModelRunner:
                                 ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
                                 ("repetition", p.repetition_penalty)):
                 floats[name][row] = value
-            top_k[row], seed[row], index_out[row] = p.top_k, p.seed or 0, seq.num_output
+            top_k[row], seed[row], index_out[row] = p.top_k, p.seed or 0, seq.num_output + c.ahead
             if media is not None and seq.media is not None:
                 positions, features = seq.media
-                inside = (positions >= start) & (positions < end)
+                inside = (positions >= start) & (positions < start + c.num_tokens)
                 media[row, positions[inside] - start] = features[inside]
                 is_media[row, positions[inside] - start] = True
         params = SamplingBatch(top_k=top_k, seed=seed, index=index_out, **floats)

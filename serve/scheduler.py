@@ -29,6 +29,7 @@ class Chunk:
     restore: int | None = None  # snapshot to load into the sequence's slot first (a prefix-cache hit)
     admitted: bool = False  # the sequence (re)entered a slot in this step
     steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
+    ahead: int = 0  # tokens a decode run still in flight adds first: this chunk continues after them
 
     @property
     def samples(self) -> int:

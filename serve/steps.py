@@ -120,7 +120,7 @@ class StepPrograms:
         active = step < inp.steps
         inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
         sub = self._rows_in(cache, inp, gather)
-        ids = jnp.where(step == 0, inp.ids[:, 0], previous)[:, None]
+        ids = jnp.where((step == 0) & (inp.ids[:, 0] >= 0), inp.ids[:, 0], previous)[:, None]
         rows = ids.shape[0]
         logits, sub = model.extend(ids, sub, active.astype(jnp.int32), logits_at=jnp.zeros((rows,), jnp.int32))
         params = inp.params.replace(index=inp.params.index + step)
