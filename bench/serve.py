@@ -166,7 +166,7 @@ def main():
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
     p.add_argument("--trace", help="write profiler traces (perfetto JSON) into this directory: a load at "
-                   "--trace-concurrency and the decode program at each level")
+                   "--trace-concurrency, the decode program at each level and the largest prefill program")
     p.add_argument("--trace-concurrency", type=int, default=1)
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
@@ -213,6 +213,9 @@ def main():
     for n in levels if args.trace else ():
         with jax.profiler.trace(os.path.join(args.trace, f"program{n}"), create_perfetto_trace=True):
             decode_program_seconds(engine, n)
+    if args.trace and prefill_rows:
+        with jax.profiler.trace(os.path.join(args.trace, f"prefill{prefill_rows[-1]}"), create_perfetto_trace=True):
+            prefill_program_seconds(engine, prefill_rows[-1], chunks[1])
 
     # the longest context of a batch-1 request: an upper bound on the K/V its steps read
     step_bytes = decode_step_bytes(model, 1, args.prompt_tokens + args.output_tokens)
