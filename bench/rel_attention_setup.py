@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.ceilings import copy_bandwidth, matmul_flops  # noqa: E402
-from pallas_kernels.rel_attention import kernel, tuning  # noqa: E402
+from pallas_kernels.rel_attention import kernel  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +100,14 @@ def inputs(layer, seed=0):
 
 
 def prepared(layer, blocks=None, interpret=None, seed=0):
-    """Geometries (one per Blocks; the tuned forward, dK/dV, dQ tiles by default), padded kernel operands and the
-    cotangent of one layer's call."""
+    """Geometries (one per Blocks; by default the tiles `rel_flash_attention` picks: the Mosaic GPU forward's
+    where it applies), padded kernel operands and the cotangent of one layer's call."""
     (q, k, v, r, p), tau, ct = inputs(layer, seed)
-    blocks = blocks or tuning.blocks(layer.groups, layer.dim, layer.window)
-    geos, args = kernel.prepare(q, k, v, r, p, q_offset=0, window=layer.window, tau=tau, segment_ids=None,
-                                scale=None, interpret=interpret, blocks=blocks)
+    kwargs = dict(q_offset=0, window=layer.window, tau=tau, segment_ids=None, scale=None, interpret=interpret)
+    if blocks is None:
+        geos, args = kernel.plan(q, k, v, r, p, **kwargs)
+    else:
+        geos, args = kernel.prepare(q, k, v, r, p, blocks=blocks, **kwargs)
     return geos, args, ct
 
 

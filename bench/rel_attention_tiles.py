@@ -4,10 +4,13 @@ For each layer (sliding first: its backward is the far-off target) and kernel (f
 reduction), times the kernel alone on the padded operands under each candidate tile shape (rows = tokens x group
 heads, keys, warps, stages; the first candidate is the tuned one, pallas_kernels/rel_attention/tuning.py) and
 compares every output with the first candidate's on the same inputs (relative L2, the largest over the kernel's
-outputs). Then cuDNN (no bias) and FlexAttention + bias, forward and backward, at the same shapes. A candidate
-that fails to compile, or whose tokens per tile exceed its keys, is reported and skipped.
+outputs). The Mosaic GPU (wgmma) forward, mgpu_forward.py, runs as forward candidate "mosaic" next to them (where
+it covers the layer), checked against the tuned Triton forward. Then cuDNN (no bias) and FlexAttention + bias,
+forward and backward, at the same shapes. A candidate that fails to compile, or whose tokens per tile exceed its
+keys, is reported and skipped.
 
-Run: PYTHONPATH=. python bench/rel_attention_tiles.py [--smoke]   ($OUT/rel_attention_tiles.json if $OUT is set)
+Run: PYTHONPATH=. python bench/rel_attention_tiles.py [--smoke] [--forward-only]
+     ($OUT/rel_attention_tiles.json if $OUT is set; --forward-only: the tuned Triton forward, Mosaic, the peers)
 """
 
 import argparse
@@ -20,7 +23,7 @@ import jax.numpy as jnp
 from bench.rel_attention_peers import cudnn, flex
 from bench.rel_attention_setup import (LAYERS, RESULTS, START, TIMING, Layer, guarded, log, prepared, rooflines,
                                        save, time_ms)
-from pallas_kernels.rel_attention import backward, forward, tuning
+from pallas_kernels.rel_attention import backward, forward, mgpu_forward, tuning
 
 KERNELS = ("forward", "dkdv", "dq")
 # FLOPs of each kernel in units of the layer's forward FLOPs (the backward kernels recompute q k^T): dK/dV runs
@@ -85,6 +88,25 @@ def sweep(name, layer, candidates, interpret=None):
     return best
 
 
+def mosaic(name, layer, interpret=None):
+    """The Mosaic GPU forward alone, as forward candidate "mosaic", checked against the tuned Triton forward on the
+    same inputs (relative L2 of out and lse)."""
+    tuned = tuning.blocks(layer.groups, layer.dim, layer.window)
+    geos, args, _ = prepared(layer, (tuning.mosaic_forward(layer.groups),) + tuned, interpret)
+    if not mgpu_forward.supports(geos[0], args[0].dtype):
+        log(f"[{name}] forward mosaic: not covered ({geos[0].blocks}, head_dim {layer.dim}; see mgpu_forward.py)")
+        return
+    fn = jax.jit(lambda *a: mgpu_forward.forward(geos[0], *a))
+    want = jax.jit(lambda *a: forward.forward(geos[1], *a))(*args)
+    outputs = fn(*args)
+    ms = time_ms(fn, *args)
+    entry = {"ms": ms, "tflops": layer.flops() / ms / 1e9,
+             "rel_err_vs_first": {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS["forward"], outputs, want)}}
+    RESULTS.setdefault("sweep", {}).setdefault(name, {}).setdefault("forward", {})["mosaic"] = entry
+    log(f"[{name}] forward mosaic: {entry}")
+    save("rel_attention_tiles.json")
+
+
 def _fits(name, kernel, shape, groups):
     blocks = tuning.as_blocks(shape, groups)
     if blocks.block_q > blocks.block_k:
@@ -111,13 +133,16 @@ def table(layers):
 
 
 def _versus_peers(name, found):
-    """Tuned and best forward / backward (dK/dV + dQ, delta's row sums not counted) against the peers."""
-    if not all(found.get(k) for k in KERNELS):
+    """Tuned and best forward / backward (dK/dV + dQ, delta's row sums not counted) against the peers; the
+    forward alone when the backward was not run (--forward-only)."""
+    kernels = [k for k in KERNELS if found.get(k)]
+    if "forward" not in kernels:
         return []
-    tuned = {k: next(iter(found[k].values()))["ms"] for k in KERNELS}
-    best = {k: min(x["ms"] for x in found[k].values()) for k in KERNELS}
-    ours = {"fwd": (tuned["forward"], best["forward"]),
-            "bwd": (tuned["dkdv"] + tuned["dq"], best["dkdv"] + best["dq"])}
+    tuned = {k: next(iter(found[k].values()))["ms"] for k in kernels}
+    best = {k: min(x["ms"] for x in found[k].values()) for k in kernels}
+    ours = {"fwd": (tuned["forward"], best["forward"])}
+    if "dkdv" in kernels and "dq" in kernels:
+        ours["bwd"] = (tuned["dkdv"] + tuned["dq"], best["dkdv"] + best["dq"])
     lines = [f"ours {part}: tuned {t:.3f} ms, best {b:.3f} ms" for part, (t, b) in ours.items()]
     for peer in ("flex + bias", "cudnn (no bias)"):
         x = RESULTS.get(name, {}).get(peer)
@@ -132,7 +157,9 @@ def _versus_peers(name, found):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny layers, two candidates per kernel, on CPU")
-    smoke = parser.parse_args().smoke
+    parser.add_argument("--forward-only", action="store_true", help="tuned Triton forward, Mosaic forward, peers")
+    flags = parser.parse_args()
+    smoke = flags.smoke
     layers = SMOKE_LAYERS if smoke else {name: LAYERS[name] for name in CANDIDATES}
     if smoke:
         TIMING.update(reps=1, rounds=1)
@@ -140,18 +167,23 @@ def main():
     rooflines(*((128, 1 << 16) if smoke else ()))
     for name, layer in layers.items():
         candidates = tuple(c[:2] for c in CANDIDATES[name]) if smoke else CANDIDATES[name]
+        if flags.forward_only:
+            candidates = (candidates[0][:1], (), ())
         guarded(f"[{name}] sweep", lambda: sweep(name, layer, candidates))
+        if not smoke:  # on CPU the Mosaic kernel needs its interpreter (minutes)
+            guarded(f"[{name}] mosaic", lambda: mosaic(name, layer))
         print(table(layers), flush=True)
     for name, layer in layers.items():
         guarded(f"[{name}] cudnn", lambda: RESULTS.setdefault(name, {}).__setitem__(
-            "cudnn (no bias)", cudnn(layer, None if smoke else "cudnn")))
+            "cudnn (no bias)", cudnn(layer, None if smoke else "cudnn", backward=not flags.forward_only)))
         save("rel_attention_tiles.json")
     print(table(layers), flush=True)
     for name, layer in layers.items():
         if not smoke and time.time() - START > FLEX_START_LIMIT_S:
             log(f"[{name}] flex skipped: out of time")
             continue
-        guarded(f"[{name}] flex", lambda: RESULTS.setdefault(name, {}).__setitem__("flex + bias", flex(layer)))
+        guarded(f"[{name}] flex", lambda: RESULTS.setdefault(name, {}).__setitem__(
+            "flex + bias", flex(layer, backward=not flags.forward_only)))
         log(f"[{name}] flex", RESULTS[name].get("flex + bias"))
         save("rel_attention_tiles.json")
         print(table(layers), flush=True)

@@ -3,7 +3,8 @@
 Same math as `reference.rel_attention` with q_pos = q_offset + arange(T) and k_pos = arange(S). The relative
 bias r_i . P[:, i - j] is built per tile from r and P (see tiles.py) and never stored as [H, T, S] or
 [T, H, E]; tiles entirely beyond the extent run as plain attention, tiles outside the sliding window are never
-visited. On GPU the kernels lower through Pallas' Triton backend.
+visited. The backward kernels lower through Pallas' Triton backend; the forward is the Mosaic GPU (wgmma) kernel
+of mgpu_forward.py where it applies (`forward_impl`), else the Triton one of forward.py.
 """
 
 import dataclasses
@@ -15,20 +16,28 @@ import jax.numpy as jnp
 from pallas_kernels._common import interpret_default
 from pallas_kernels.rel_attention import backward as backward_kernels
 from pallas_kernels.rel_attention import forward as forward_kernel
-from pallas_kernels.rel_attention import tuning
+from pallas_kernels.rel_attention import mgpu_forward, tuning
 from pallas_kernels.rel_attention.tiles import Geometry
 
 _PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # padded tokens form their own segment
+# Which forward kernel runs: "mosaic" (mgpu_forward.py), "triton" (forward.py), or None: Mosaic where it applies
+# (compiled on a GPU, no packed segments, 16-bit inputs) and was measured faster, else Triton. Per call,
+# `forward_impl` overrides it.
+FORWARD_IMPL: str | None = None
+
+
+def _forward(geo: Geometry, *args):
+    return (mgpu_forward.forward if geo.blocks.mosaic else forward_kernel.forward)(geo, *args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def padded_attention(geos, q, k, v, r, p, tau, qseg, kseg):
     """The differentiable core on the operands and geometries that `prepare` returns."""
-    return forward_kernel.forward(geos[0], q, k, v, r, p, tau, qseg, kseg)[0]
+    return _forward(geos[0], q, k, v, r, p, tau, qseg, kseg)[0]
 
 
 def _attention_fwd(geos, q, k, v, r, p, tau, qseg, kseg):
-    out, lse = forward_kernel.forward(geos[0], q, k, v, r, p, tau, qseg, kseg)
+    out, lse = _forward(geos[0], q, k, v, r, p, tau, qseg, kseg)
     return out, (q, k, v, r, p, tau, qseg, kseg, out, lse)
 
 
@@ -91,7 +100,7 @@ def prepare(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, 
 
 def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int | None = None, tau=None,
                         segment_ids=None, scale: float | None = None, interpret: bool | None = None,
-                        block_q: int | None = None, block_k: int | None = None):
+                        block_q: int | None = None, block_k: int | None = None, forward_impl: str | None = None):
     """Causal GQA attention with Inkling's query-conditioned relative bias; returns [B, T, Hq, D] in q.dtype.
 
     Args:
@@ -103,11 +112,31 @@ def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int 
       segment_ids: optional [B, T] int ids of packed sequences (self-attention only: T == S, q_offset 0).
       scale: defaults to 1 / head_dim.
       interpret: Pallas interpret mode; defaults to True off GPU.
-      block_q, block_k: override the tuned tile sizes of all three kernels (block_q counts tokens).
+      block_q, block_k: override the tuned tile sizes of the Triton kernels (block_q counts tokens).
+      forward_impl: "mosaic", "triton" or None (FORWARD_IMPL, whose None picks Mosaic where it applies); an
+        explicit "mosaic" with interpret runs Pallas' Mosaic GPU interpreter (slow; tests).
     """
+    geos, args = plan(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau, segment_ids=segment_ids,
+                      scale=scale, interpret=interpret, block_q=block_q, block_k=block_k, forward_impl=forward_impl)
+    return padded_attention(geos, *args)[:, :q.shape[1]]
+
+
+def plan(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, interpret, block_q=None, block_k=None,
+         forward_impl=None):
+    """`prepare` with the tiles `rel_flash_attention` runs: the Mosaic GPU forward's where it applies."""
     groups = q.shape[2] // k.shape[2]
     blocks = tuple(dataclasses.replace(b, block_q=block_q or b.block_q, block_k=block_k or b.block_k)
                    for b in tuning.blocks(groups, q.shape[3], window))
-    geos, args = prepare(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau,
-                         segment_ids=segment_ids, scale=scale, interpret=interpret, blocks=blocks)
-    return padded_attention(geos, *args)[:, :q.shape[1]]
+    kwargs = {"q_offset": q_offset, "window": window, "tau": tau, "segment_ids": segment_ids, "scale": scale,
+              "interpret": interpret}
+    impl = forward_impl or FORWARD_IMPL
+    if impl not in (None, "mosaic", "triton"):
+        raise ValueError(f"forward_impl must be 'mosaic', 'triton' or None, not {impl!r}")
+    if impl != "triton" and 64 % groups == 0:
+        geos, args = prepare(q, k, v, r, rel_proj, blocks=(tuning.mosaic_forward(groups),) + blocks[1:], **kwargs)
+        if mgpu_forward.supports(geos[0], q.dtype) and (
+                impl == "mosaic" or (not geos[0].interpret and mgpu_forward.faster_than_triton(geos[0]))):
+            return geos, args
+    if impl == "mosaic":
+        raise ValueError("the Mosaic GPU forward does not cover this call (packed segments, fp32, group size?)")
+    return prepare(q, k, v, r, rel_proj, blocks=blocks, **kwargs)

@@ -16,6 +16,7 @@ heads (group 8), E 1024; sliding: 16 KV heads (group 4), window = E = 512. Times
 """
 
 from pallas_kernels.rel_attention.tiles import Blocks
+from pallas_kernels.rel_attention.toeplitz import tokens_per_tile
 
 # (rows, keys, warps, stages) of the forward, dK/dV and dQ kernels.
 FULL = ((128, 64, 8, 3), (32, 64, 4, 2), (128, 64, 8, 2))
@@ -32,3 +33,16 @@ def blocks(groups: int, head_dim: int, window: int | None) -> tuple[Blocks, Bloc
     """Tiles of the forward, dK/dV and dQ kernels of a layer; window None is a full causal layer."""
     del head_dim  # all Inkling layers have head_dim 128
     return tuple(as_blocks(shape, groups) for shape in (FULL if window is None else SLIDING))
+
+
+# Keys per tile of the Mosaic GPU forward (mgpu_forward.py): 64 is what shared memory allows with double-buffered
+# K, V and Tz on full layers (128 keys would need ~320 KB of the 227 KB); sliding layers (Tz of 16 tokens x d_rel
+# 16) fit only with single Tz and V buffers. Measured on one H200 (2026-11-29, bench/rel_attention_tiles.py
+# --forward-only): full layer 2.52 ms against the Triton forward's 3.41 ms; sliding layer 0.92 against 0.87 ms, so
+# that layer keeps the Triton forward (mgpu_forward.faster_than_triton).
+MOSAIC_FORWARD_KEYS = 64
+
+
+def mosaic_forward(groups: int) -> Blocks:
+    """The Mosaic GPU forward's tile: two warpgroups of 64 rows (64 / groups tokens each) per CTA."""
+    return Blocks(block_q=2 * tokens_per_tile(groups), block_k=MOSAIC_FORWARD_KEYS, mosaic=True)
