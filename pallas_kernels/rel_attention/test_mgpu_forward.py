@@ -25,8 +25,9 @@ from pallas_kernels.rel_attention import (
 )
 from pallas_kernels.rel_attention.tiles import LOG2E
 
-needs_gpu_or_interpreter = pytest.mark.skipif(interpret_default() and not os.environ.get("REL_ATTENTION_MOSAIC_INTERPRET"),
-                                reason="the Mosaic GPU interpreter takes minutes on CPU")
+needs_gpu_or_interpreter = pytest.mark.skipif(
+    interpret_default() and not os.environ.get("REL_ATTENTION_MOSAIC_INTERPRET"),
+    reason="the Mosaic GPU interpreter takes minutes on CPU")
 
 HEAD_DIM = 64
 D_REL = 16
