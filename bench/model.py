@@ -38,7 +38,8 @@ def main():
     t0 = time.time()
     model = build(config)
     params = sum(v.get_value().size for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
-    print(f"bench preset: {params / 1e9:.2f}B parameters, built in {time.time() - t0:.1f}s, moe={kernels.moe_backend()}")
+    print(f"bench preset: {params / 1e9:.2f}B parameters, built in {time.time() - t0:.1f}s, "
+          f"moe={kernels.moe_backend()}")
     steps = StepFunctions(model)
     rows = []
     for batch, length in ((1, 2048), (8, 1024)) if not args.quick else ((1, 2048),):

@@ -55,7 +55,8 @@ def init_layer_cache(cfg: TextConfig, local: bool, batch: int, num_pages: int, p
     rows = (batch, shape.window) if local else (num_pages, page_size)
     kv_shape = rows + (shape.num_kv_heads, shape.head_dim)
     # Every field its own buffer: the jitted steps donate the cache, and a buffer cannot be donated twice.
-    return LayerCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype), k_conv=jnp.zeros((batch, hist, kv_width), dtype),
+    return LayerCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
+                      k_conv=jnp.zeros((batch, hist, kv_width), dtype),
                       v_conv=jnp.zeros((batch, hist, kv_width), dtype),
                       attn_conv=jnp.zeros((batch, hist, cfg.hidden_size), dtype),
                       mlp_conv=jnp.zeros((batch, hist, cfg.hidden_size), dtype))

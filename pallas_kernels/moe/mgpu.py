@@ -50,13 +50,21 @@ def load_row_vector(ref):
     return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
 
 
+def as_wgmma_tile(x, interpret: bool):
+    """x laid out as a WGMMA accumulator tile when compiled (jax 0.10.2's interpreter has no rule for layout
+    casts, and needs none)."""
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
+
+
+def as_wgmma_rows(x, interpret: bool):
+    """A [rows] vector laid out to broadcast along a WGMMA accumulator's columns when compiled."""
+    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
+
+
 def zero_rows_outside(tile_ref, row_axis: int, first_row, start, end, interpret: bool):
     """Zeroes the rows of an SMEM tile whose absolute index is outside [start, end)."""
     vals = tile_ref[...]
-    rows = lax.broadcasted_iota(jnp.int32, vals.shape, row_axis)
-    if not interpret:  # jax 0.10.2's interpreter has no rule for layout casts
-        rows = plgpu.layout_cast(rows, plgpu.Layout.WGMMA)
-    rows = first_row + rows
+    rows = first_row + as_wgmma_tile(lax.broadcasted_iota(jnp.int32, vals.shape, row_axis), interpret)
     tile_ref[...] = jnp.where((rows >= start) & (rows < end), vals, jnp.zeros_like(vals))
     plgpu.commit_smem()
 

@@ -132,7 +132,7 @@ def plan(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, int
     impl = forward_impl or FORWARD_IMPL
     if impl not in (None, "mosaic", "triton"):
         raise ValueError(f"forward_impl must be 'mosaic', 'triton' or None, not {impl!r}")
-    if impl != "triton" and 64 % groups == 0:
+    if impl != "triton" and mgpu_forward.ROWS % groups == 0:
         geos, args = prepare(q, k, v, r, rel_proj, blocks=(tuning.mosaic_forward(groups),) + blocks[1:], **kwargs)
         if mgpu_forward.supports(geos[0], q.dtype) and (
                 impl == "mosaic" or (not geos[0].interpret and mgpu_forward.faster_than_triton(geos[0]))):

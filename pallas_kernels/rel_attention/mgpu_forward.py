@@ -55,15 +55,6 @@ def buffers(geo: Geometry) -> tuple[int, int] | None:
     return next((b for b in ((2, 2), (1, 2), (1, 1)) if _smem_bytes(geo, *b) <= SMEM_LIMIT), None)
 
 
-def _row_layout(x, interpret):
-    # jax 0.10.2's interpreter has no rule for layout casts; compiled, vectors must match the accumulator rows.
-    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1))
-
-
-def _tile_layout(x, interpret):
-    return x if interpret else plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-
-
 def _iota(axis, bk, interpret):
     if interpret:
         return lax.broadcasted_iota(jnp.int32, (ROWS, bk), axis)
@@ -160,9 +151,9 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
 
             return lax.fori_loop(start, stop, step, carry)
 
-        carry = (_tile_layout(jnp.zeros((ROWS, geo.head_dim), jnp.float32), interpret),
-                 _row_layout(jnp.full((ROWS,), NEG, jnp.float32), interpret),
-                 _row_layout(jnp.zeros((ROWS,), jnp.float32), interpret))
+        carry = (mgpu.as_wgmma_tile(jnp.zeros((ROWS, geo.head_dim), jnp.float32), interpret),
+                 mgpu.as_wgmma_rows(jnp.full((ROWS,), NEG, jnp.float32), interpret),
+                 mgpu.as_wgmma_rows(jnp.zeros((ROWS,), jnp.float32), interpret))
         pl.when(wg == 1)(take_turn)
         masked = geo.window is not None
         carry = loop(lo, near, False, masked, carry)
