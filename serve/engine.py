@@ -11,7 +11,8 @@ the device computes it. A stop string found then ends a sequence that the step i
 tokens it brings back for that sequence are dropped. A decode run that can go on (no waiting sequence could be
 admitted, every row has tokens left) is continued before its tokens are read: the next run feeds back the last
 tokens on device, so the device never waits for the host between runs; a sequence that ended in the first run
-has the second's tokens dropped, and a request arriving meanwhile waits for the run in flight.
+has the second's tokens dropped. A request arriving meanwhile waits for the run in flight, but no run is
+continued or made multi-step while it waits for admission.
 """
 
 from __future__ import annotations
@@ -233,11 +234,13 @@ class Engine:
     def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
         """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
         `decode_steps`, its max_tokens and the context length, with the pages for them reserved. None where
-        a multi-token run is not wanted (a prefill chunk, an ended sequence, a row with nothing left, a waiting
-        sequence that could be admitted meanwhile) or the free pages do not cover it."""
+        a multi-token run is not wanted (a prefill chunk, an ended sequence, a row with nothing left, a waiting or
+        newly submitted sequence that could be admitted meanwhile) or the free pages do not cover it."""
         cfg, blocks = self.config, self.blocks
         steps = min(self.decode_steps, cfg.decode_steps)
-        admissible = self.scheduler.waiting and self.scheduler.free_slots
+        with self._lock:
+            mail = bool(self._inbox)  # a request arrived meanwhile: let the next schedule see it
+        admissible = (self.scheduler.waiting or mail) and self.scheduler.free_slots
         if admissible or any(c.num_tokens > 1 or c.seq.finished for c in chunks):
             return None
         plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)

@@ -81,3 +81,33 @@ def test_stop_token_inside_a_multi_step_call_discards_the_rest(engine):
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert got[1].finish_reason == "stop" and len(got[1].token_ids) <= 5
     assert engine.blocks.num_free == engine.blocks.num_blocks  # every page came back
+
+
+def test_a_request_arriving_during_a_decode_run_is_admitted_after_it(engine):
+    """A decode run that could go on is not continued while a new request waits: the device call after the
+    run in flight prefills the newcomer (continuing would make it wait a whole further run)."""
+    engine.decode_steps = 4
+    calls = []  # per device call: (continued?, requests admitted)
+    dispatch = engine.runner.dispatch
+    newcomer = {}
+
+    def watch(chunks, **kw):
+        calls.append((kw.get("previous") is not None, [c.seq.request_id for c in chunks if c.admitted]))
+        if not newcomer and max(c.steps for c in chunks) == 4:  # the first multi-step decode run
+            newcomer["call"] = len(calls) - 1
+            newcomer["pool"] = pool = concurrent.futures.ThreadPoolExecutor(1)
+            newcomer["result"] = pool.submit(generate, engine, [PROMPTS[2]], SamplingParams(max_tokens=3))
+            while not engine._inbox:  # submitted, not yet taken by the engine thread
+                pass
+        return dispatch(chunks, **kw)
+
+    engine.runner.dispatch = watch
+    try:
+        first = generate(engine, [PROMPTS[0]], SamplingParams(ignore_eos=True, max_tokens=24))[0]
+        second = newcomer["result"].result(timeout=60)[0]
+    finally:
+        engine.runner.dispatch = dispatch
+        newcomer["pool"].shutdown()
+    assert len(first.token_ids) == 24 and second.finish_reason
+    continued, admitted = calls[newcomer["call"] + 1]
+    assert not continued and len(admitted) == 1 and admitted != calls[0][1]
