@@ -240,8 +240,8 @@ def main():
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
     for r in results["levels"]:
         submitted = "separate requests" if r["separate"] else "one request"
-        print(f"| {r['concurrency']} | {submitted} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.1f} | {r['ttft_p99_ms']:.1f} | "
-              f"{r['tpot_p50_ms']:.2f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} |")
+        print(f"| {r['concurrency']} | {submitted} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.1f} | "
+              f"{r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} |")
     for r, ms in results["prefill_ms"].items():
         print(f"prefill program alone, {r} rows x {chunks[1]} tokens: {ms:.2f} ms = {r * chunks[1] / ms:.1f}k tok/s")
     for n, ms in results["program_ms_per_token"].items():
