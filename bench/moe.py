@@ -13,9 +13,11 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
-    PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU)
+    PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU;
+                                        --decode-sweep: only a tile sweep of the 32-token decode step)
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -27,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds
+from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth
 from bench.moe_peers import mgpu_peer, unfused_ffn
 from inkling_jax import kernels
 from inkling_jax.mlp import experts
@@ -183,6 +185,34 @@ def decode(w):
         print(f"decode {tokens}", json.dumps(row), flush=True)
 
 
+def decode_sweep(w, tokens=32):
+    """Bytes/s of `moe_ffn_decode` at the serving engine's 32-row decode step for a few tiles per role (the
+    other role at its default), against the read bandwidth (a jitted sum) measured here."""
+    from pallas_kernels.moe.tuning import DECODE, KernelConfigs
+
+    read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
+    d = rows_inputs(tokens, seed=tokens)
+    nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * 2
+    base = {role: DECODE[role][jnp.dtype(jnp.bfloat16)] for role in ("swiglu", "gmm")}
+    # (swiglu changes, gmm changes) from the decode defaults
+    variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
+                (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
+                ({}, dict(block_n=128, block_k=128, stages=4))]
+    cases = [(f"swiglu {sw} gmm {mm}", KernelConfigs(decode=True, swiglu=dataclasses.replace(base["swiglu"], **sw),
+                                                    gmm=dataclasses.replace(base["gmm"], **mm)))
+             for sw, mm in variants]
+    sweep = R["decode_sweep"] = {}
+    print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights", flush=True)
+    for name, cfgs in cases:
+        kernel = jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs))
+        t = guarded(f"decode sweep {name}", lambda: median_seconds(
+            kernel, d["x"], *w, d["gs"], d["rw"], trials=5, warmup=2, calls=20))
+        if t:
+            sweep[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read)
+            print(f"  {name:45s} {t * 1e6:7.0f} us = {nbytes / t / 1e9:5.0f} GB/s = "
+                  f"{nbytes / t / 1e9 / read:.2f} of read", flush=True)
+
+
 def kernel_sweep(d, w):
     """Per-kernel TFLOP/s of ours at the prefill shape, for a few tile configurations, while time is left."""
     m = d["x"].shape[0]
@@ -258,6 +288,10 @@ def main():
     try:
         ceilings()
         w = weights()
+        if "--decode-sweep" in sys.argv:  # only the decode tiles (with --dry-run: tiny, on CPU)
+            with kernels.use(moe="pallas"):
+                decode_sweep(w)
+            return
         with kernels.use(moe="pallas"):
             d = prefill(w)
             decode(w)
