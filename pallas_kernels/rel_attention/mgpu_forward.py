@@ -3,8 +3,9 @@
 One CTA per (query block of 2 * n_tok tokens, KV head, batch): two compute warpgroups own 64 rows each (the GQA
 group's heads x n_tok tokens, head-major) and a memory warpgroup streams the K/V tiles (double-buffered) and, on
 tiles that carry relative bias, each compute warpgroup's Tz (toeplitz.py). Per key tile the logits are
-q' @ K^T (+ A @ Tz, into the same wgmma accumulator), already base-2 with tau * scale folded into q' and tau into
-A; the online softmax runs in base 2. The compute warpgroups take turns on the tensor cores (a shared barrier
+c * (q @ K^T + A @ Tz), the two products in one wgmma accumulator, with A built from r / scale and the per-row
+factor c = tau * scale * log2(e) applied to the tile in registers (no pass over q in the wrapper); the online
+softmax runs in base 2. The compute warpgroups take turns on the tensor cores (a shared barrier
 orders one's matmuls against the other's softmax). Key blocks past the diagonal, and outside the window on
 sliding layers, are never loaded; only diagonal tiles (every tile on sliding layers) are masked.
 Not covered (kernel.py keeps the Triton forward for them): packed segments, fp32, groups that do not divide 64,
@@ -40,7 +41,7 @@ def supports(geo: Geometry, dtype) -> bool:
 def _smem_bytes(geo: Geometry, tz_slots: int, v_slots: int) -> int:
     bk, dim, bias_k = geo.blocks.block_k, geo.head_dim, toeplitz.tokens_per_tile(geo.groups) * geo.d_rel
     elements = 2 * ROWS * (dim + bias_k) + (K_SLOTS + v_slots) * bk * dim + tz_slots * 2 * bias_k * bk
-    return 2 * elements + 2 * ROWS * 4 + 3 * 1024  # bf16 tiles, the lse rows, alignment and barriers
+    return 2 * elements + 4 * ROWS * 4 + 3 * 1024  # bf16 tiles, the lse and c rows, alignment and barriers
 
 
 def faster_than_triton(geo: Geometry) -> bool:
@@ -82,8 +83,8 @@ def _accumulate(acc, lhs, rhs_smem, lhs_smem):
 
 
 def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret: bool, q_ref, k_ref, v_ref,
-            a_ref, tz_ref, o_ref, lse_ref, smem, barriers):
-    q_smem, a_smem, k_smem, v_smem, tz_smem, lse_smem, *p_smem = smem
+            a_ref, tz_ref, c_ref, o_ref, lse_ref, smem, barriers):
+    q_smem, a_smem, k_smem, v_smem, tz_smem, lse_smem, c_smem, *p_smem = smem
     q_bar, a_bar, k_bar, v_bar, tz_bar, k_free, v_free, tz_free, turn = barriers
     groups, bk, n_tz, n_v = geo.groups, geo.blocks.block_k, tz_smem.shape[0], v_smem.shape[0]
     b, g, wg = lax.axis_index("b"), lax.axis_index("g"), lax.axis_index("wg")
@@ -106,8 +107,13 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tw, n_tok), g * groups + h],
                                     q_smem.at[wg, pl.ds(h * n_tok, n_tok)], q_bar.at[wg])
         plgpu.copy_gmem_to_smem(a_ref.at[b, g, 2 * cta + wg], a_smem.at[wg], a_bar.at[wg])
+        plgpu.copy_gmem_to_smem(c_ref.at[b, 2 * cta + wg], c_smem.at[wg], a_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(a_bar.at[wg])
+        if interpret:
+            c = c_smem.at[wg][...]
+        else:
+            c = plgpu.load(c_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
 
         def loop(start, stop, bias, mask, carry):
             def step(kb, carry):
@@ -126,6 +132,7 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
                     return s_ref[...]
 
                 s = pl.run_scoped(logits, plgpu.ACC((ROWS, bk), jnp.float32))
+                s = s * lax.broadcast_in_dim(c, s.shape, [0])
                 plgpu.barrier_arrive(k_free.at[slot])
                 if bias:
                     plgpu.barrier_arrive(tz_free.at[tz_slot])
@@ -231,8 +238,11 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
         raise ValueError(f"the Mosaic GPU forward does not cover {geo} with {dtype}")
     n_tz, n_v = buffers(geo)
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
-    q_scaled = (q.astype(jnp.float32) * (tau * (geo.scale * LOG2E))[:, :, None, None]).astype(dtype)
-    a = toeplitz.block_diagonal_r(r, tau, n_tok, kv_heads)
+    # A from r / scale (block_diagonal_r multiplies r by its second argument times log2(e)); the row factor c,
+    # rows head-major as in a tile: [B, T / n_tok, 64]
+    a = toeplitz.block_diagonal_r(r, jnp.full(tau.shape, 1.0 / (geo.scale * LOG2E)), n_tok, kv_heads)
+    c = jnp.tile((tau * (geo.scale * LOG2E)).reshape(batch, seq_q // n_tok, 1, n_tok), (1, 1, geo.groups, 1))
+    c = c.reshape(batch, seq_q // n_tok, ROWS)
     tz = toeplitz.offset_table(rel_proj, q_offset=geo.q_offset, n_tok=n_tok, block_k=bk, dtype=dtype)
     bias_k = a.shape[-1]
     smem = [plgpu.SMEM((2, ROWS, dim), dtype, transforms=mgpu.tile_transforms(dim, dtype)),
@@ -240,10 +250,11 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
             plgpu.SMEM((K_SLOTS, dim, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)),
             plgpu.SMEM((n_v, bk, dim), dtype, transforms=mgpu.tile_transforms(dim, dtype)),
             plgpu.SMEM((n_tz, 2, bias_k, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)),
-            plgpu.SMEM((2, ROWS), jnp.float32)]
+            plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32)]
     if geo.interpret:  # probabilities staged for the interpreter's wgmma (see _accumulate)
         smem.append(plgpu.SMEM((2, ROWS, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)))
-    barriers = [plgpu.Barrier(num_arrivals=geo.groups, num_barriers=2), plgpu.Barrier(num_barriers=2),
+    barriers = [plgpu.Barrier(num_arrivals=geo.groups, num_barriers=2),
+                plgpu.Barrier(num_arrivals=2, num_barriers=2),
                 plgpu.Barrier(num_barriers=K_SLOTS), plgpu.Barrier(num_barriers=n_v),
                 plgpu.Barrier(num_barriers=2 * n_tz),
                 plgpu.Barrier(num_arrivals=2, num_barriers=K_SLOTS),
@@ -263,7 +274,7 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mgpu.interpret_params(geo.interpret),
-    )(q_scaled, k.transpose(0, 2, 3, 1), v, a, tz)  # K^T tiles [D, block_k]: wgmma's B operand as stored
+    )(q, k.transpose(0, 2, 3, 1), v, a, tz, c)  # K^T tiles [D, block_k]: wgmma's B operand as stored
     # lse rows are (kv head, query tile, head in group, token) -> [B, T, Hq], the Triton forward's layout
     lse = lse.reshape(batch, kv_heads, seq_q // n_tok, geo.groups, n_tok).transpose(0, 2, 4, 1, 3)
     return out, lse.reshape(batch, seq_q, heads)
