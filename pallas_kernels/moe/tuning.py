@@ -59,11 +59,14 @@ DEFAULTS = {
     "gmm_pairs": {_BF16: GmmConfig(block_k=32), _F32: GmmConfig(block_n=128, block_k=16)},
     "wgrad": {_BF16: WgradConfig(), _F32: WgradConfig(block_n=128, block_rows=32)},
 }
-# Decode: one 64-row tile per touched expert, narrow n-blocks so that every SM streams weights.
+# Decode: one 64-row tile per touched expert, n-blocks narrow enough that every SM streams weights. bf16 tiles
+# from `bench/moe.py --decode-sweep` on one H200 (2026-11-29 23:25, 32 tokens, 3.85 GB of expert weights):
+# 1064 us = 0.88 of the read bandwidth, against 1168 us (0.80) for swiglu block_n 64 / 8 stages with gmm
+# block_n 128 / 8 stages; swiglu block_n 256 (3 stages) fell to 0.34.
 DECODE = {
-    "gmm": {_BF16: GmmConfig(compute_wgs=1, block_n=128, stages=8, grid_tile_width=1),
+    "gmm": {_BF16: GmmConfig(compute_wgs=1, block_n=256, stages=4, grid_tile_width=1),
             _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=8, grid_tile_width=1)},
-    "swiglu": {_BF16: GmmConfig(compute_wgs=1, block_n=64, stages=8, grid_tile_width=1),
+    "swiglu": {_BF16: GmmConfig(compute_wgs=1, block_n=128, stages=5, grid_tile_width=1),
                _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=4, grid_tile_width=1)},
 }
 
