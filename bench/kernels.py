@@ -141,6 +141,8 @@ def attention_rows(shapes, flex, results, smoke):
                         0.75, ratio(ours, cudnn, "fwd_ms")))
         rows.append(row(f"rel. attention bwd, {name}: vs Flex + bias bwd", shape, ms(bwd(ours), "ms"),
                         ms(bwd(peer), "ms"), 3.0, ratio(bwd(ours), bwd(peer), "ms")))
+        rows.append(row(f"rel. attention bwd, {name}: vs cuDNN no-bias bwd (for the record)", shape,
+                        ms(bwd(ours), "ms"), ms(bwd(cudnn), "ms"), None, ratio(bwd(ours), bwd(cudnn), "ms")))
     return rows
 
 
