@@ -110,10 +110,7 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
         plgpu.copy_gmem_to_smem(c_ref.at[b, 2 * cta + wg], c_smem.at[wg], a_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(a_bar.at[wg])
-        if interpret:
-            c = c_smem.at[wg][...]
-        else:
-            c = plgpu.load(c_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+        c = c_smem.at[wg][...] if interpret else mgpu.load_row_vector(c_smem.at[wg])
 
         def loop(start, stop, bias, mask, carry):
             def step(kb, carry):
