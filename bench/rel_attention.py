@@ -61,7 +61,7 @@ def ours(layer, blocks=None, interpret=None):
     fwd = jax.jit(lambda *a: kernel.padded_attention(geos, *a))
     fwd_bwd = jax.jit(lambda *a: jax.vjp(lambda *x: kernel.padded_attention(geos, *x, *a[5:]), *a[:5])[1](ct))
     return {"fwd_ms": time_ms(fwd, *args), "fwd_bwd_ms": time_ms(fwd_bwd, *args),
-            "blocks": [str(g.blocks) for g in geos]}
+            "blocks": [str(g.blocks) for g in geos if g is not None]}
 
 
 def table():

@@ -19,11 +19,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bench.rel_attention_peers import cudnn, flex
 from bench.rel_attention_setup import (LAYERS, RESULTS, START, TIMING, Layer, guarded, log, prepared, rooflines,
                                        save, time_ms)
-from pallas_kernels.rel_attention import backward, forward, mgpu_forward, tuning
+from pallas_kernels.rel_attention import backward, forward, mgpu_dkdv, mgpu_dq, mgpu_forward, tiles, tuning
 
 KERNELS = ("forward", "dkdv", "dq")
 # FLOPs of each kernel in units of the layer's forward FLOPs (the backward kernels recompute q k^T): dK/dV runs
@@ -107,6 +108,75 @@ def mosaic(name, layer, interpret=None):
     save("rel_attention_tiles.json")
 
 
+def mosaic_dkdv(name, layer):
+    """The Mosaic GPU dK/dV kernel (mgpu_dkdv.py, its operand preparation included) and the tuned Triton dK/dV, each
+    alone on the same residuals, as dkdv candidates "mosaic" and "triton (tuned)"; errors against the Triton one."""
+    tuned = tuning.blocks(layer.groups, layer.dim, layer.window)
+    geos, args, ct = prepared(layer, (mgpu_dkdv.tile(layer.groups),) + tuned)
+    log(f"[{name}] dkdv mosaic: {geos[0].blocks}, buffers {mgpu_dkdv.buffers(geos[0])}, operands "
+        f"{[(tuple(a.shape), str(a.dtype)) for a in args]}")
+    out, lse = jax.jit(lambda *a: forward.forward(geos[1], *a))(*args)
+    residuals = backward.residual_args(*args, out, lse, ct)
+    found = RESULTS.setdefault("sweep", {}).setdefault(name, {}).setdefault("dkdv", {})
+    want = None
+    for label, fn in (("triton (tuned)", lambda *a: backward.dkdv(geos[2], *a)),
+                      ("mosaic", lambda *a: mgpu_dkdv.dkdv(geos[0], *a))):
+        fn = jax.jit(fn)
+        outputs = fn(*residuals)
+        want = want or outputs
+        ms = time_ms(fn, *residuals)
+        found[label] = {"ms": ms, "tflops": FLOP_FACTOR["dkdv"] * layer.flops() / ms / 1e9,
+                        "rel_err_vs_first": {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS["dkdv"], outputs, want)},
+                        "max_err_over_max": {o: float(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).max()
+                                                      / jnp.abs(y.astype(jnp.float32)).max())
+                                             for o, x, y in zip(OUTPUTS["dkdv"], outputs, want)}}
+        log(f"[{name}] dkdv {label}: {found[label]}")
+        save("rel_attention_tiles.json")
+
+
+def mosaic_dq(name, layer):
+    """The split dQ (mgpu_dq.dq_split: the Mosaic GPU dQ of the key tiles without bias, then the Triton dQ of the
+    tiles with bias, dr and dP, adding it) and the tuned Triton dQ, each alone on the same residuals, as dq
+    candidates "mosaic split" and "triton (tuned)"; errors against the Triton one. Its two parts alone go to
+    RESULTS['sweep'][name]['dq parts'], their TFLOP/s over their own share of the (query, key) pairs."""
+    tuned = tuning.blocks(layer.groups, layer.dim, layer.window)
+    geos, args, ct = prepared(layer, (tuned[0], tuned[2], tuning.mosaic_forward(layer.groups)))
+    geo_triton, geo_mosaic = geos[1], geos[2]
+    if not mgpu_dq.supports(geo_mosaic, args[0].dtype):
+        log(f"[{name}] dq mosaic: not covered ({geo_mosaic.blocks}, window {layer.window}): the Triton dQ alone")
+        return
+    tq, bk = geo_triton.blocks.block_q, geo_triton.blocks.block_k
+    near = np.asarray(tiles.key_block_ranges(geo_triton, (np.arange(layer.tokens) // tq) * tq)[1])
+    plain_share = float(near.sum()) * bk * 4 * layer.batch * layer.heads * layer.dim / layer.flops()
+    log(f"[{name}] dq mosaic: {geo_mosaic.blocks}, {mgpu_dq.slots(geo_mosaic)} slots; bias tiles of "
+        f"{geo_triton.blocks}; {100 * plain_share:.1f}% of the pairs in tiles without bias; operands "
+        f"{[(tuple(a.shape), str(a.dtype)) for a in args]}")
+    out, lse = jax.jit(lambda *a: forward.forward(geos[0], *a))(*args)
+    residuals = backward.residual_args(*args, out, lse, ct)
+    plain = jax.jit(lambda *a: mgpu_dq.dq_plain(geo_mosaic, *a, split=geo_triton))
+    found = RESULTS.setdefault("sweep", {}).setdefault(name, {})
+    want = None
+    for label, fn, operands, share in (
+            ("triton (tuned)", lambda *a: backward.dq(geo_triton, *a), residuals, 1.0),
+            ("mosaic split", lambda *a: mgpu_dq.dq_split(geo_triton, geo_mosaic, *a), residuals, 1.0),
+            ("mosaic plain part", plain, residuals, plain_share),
+            ("triton bias part", lambda *a: backward.dq(geo_triton, *a[:-1], dq_plain=a[-1]),
+             (*residuals, plain(*residuals)), 1 - plain_share)):
+        fn = jax.jit(fn)
+        outputs = fn(*operands)
+        want = want or outputs
+        ms = time_ms(fn, *operands)
+        entry = {"ms": ms, "tflops": share * FLOP_FACTOR["dq"] * layer.flops() / ms / 1e9}
+        if isinstance(outputs, tuple):  # all but the plain part: (dq, dr, dP) as the Triton dQ's
+            entry["rel_err_vs_first"] = {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS["dq"], outputs, want)}
+            entry["max_err_over_max"] = {o: float(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).max()
+                                                  / jnp.abs(y.astype(jnp.float32)).max())
+                                         for o, x, y in zip(OUTPUTS["dq"], outputs, want)}
+        found.setdefault("dq" if share == 1.0 else "dq parts", {})[label] = entry
+        log(f"[{name}] dq {label}: {entry}")
+        save("rel_attention_tiles.json")
+
+
 def _fits(name, kernel, shape, groups):
     blocks = tuning.as_blocks(shape, groups)
     if blocks.block_q > blocks.block_k:
@@ -158,6 +228,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny layers, two candidates per kernel, on CPU")
     parser.add_argument("--forward-only", action="store_true", help="tuned Triton forward, Mosaic forward, peers")
+    parser.add_argument("--mosaic-dkdv", action="store_true", help="the Mosaic and tuned Triton dK/dV only")
+    parser.add_argument("--mosaic-dq", action="store_true", help="the split (Mosaic + Triton) and tuned Triton dQ only")
     flags = parser.parse_args()
     smoke = flags.smoke
     layers = SMOKE_LAYERS if smoke else {name: LAYERS[name] for name in CANDIDATES}
@@ -165,6 +237,16 @@ def main():
         TIMING.update(reps=1, rounds=1)
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     rooflines(*((128, 1 << 16) if smoke else ()))
+    if flags.mosaic_dq:
+        for name, layer in LAYERS.items():
+            guarded(f"[{name}] dq mosaic", lambda: mosaic_dq(name, layer))
+        print(table(LAYERS), flush=True)
+        return
+    if flags.mosaic_dkdv:
+        for name, layer in LAYERS.items():
+            guarded(f"[{name}] dkdv mosaic", lambda: mosaic_dkdv(name, layer))
+        print(table(LAYERS), flush=True)
+        return
     for name, layer in layers.items():
         candidates = tuple(c[:2] for c in CANDIDATES[name]) if smoke else CANDIDATES[name]
         if flags.forward_only:

@@ -62,7 +62,8 @@ def rel_chunks(geo: Geometry) -> int:
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, dr_ref, dp_ref, *, geo: Geometry):
+               *refs, geo: Geometry):
+    dq_plain_ref, (dq_ref, dr_ref, dp_ref) = (refs[0], refs[1:]) if len(refs) == 4 else (None, refs)
     n_blocks = geo.seq_q // geo.blocks.block_q
     qb = n_blocks - 1 - pl.program_id(0)
     g = pl.program_id(1)
@@ -102,7 +103,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_ref, d
     # From the diagonal outwards, so that consecutive bands overlap by one half.
     for start, stop, mask in reversed(tiles.bias_loops(geo, near, diag, end, diagonal_first=False)):
         carry = tiles.fori(start, stop, step(True, mask), carry, descending=True)
-    dq, dr, pending = tiles.fori(lo, near, step(False, geo.masked), carry, descending=True)
+    if dq_plain_ref is None:
+        dq, dr, pending = tiles.fori(lo, near, step(False, geo.masked), carry, descending=True)
+    else:  # the key tiles [lo, near) were done elsewhere (mgpu_dq.py): add their dq
+        dq, dr, pending = carry
+        dq = dq + dq_plain_ref[tok, head, :].astype(jnp.float32)
     last = end - near  # chunk index of the pending half; chunks after it are zero
     dp_ref[:, pl.ds(last * bk, bk)] = pending
 
@@ -161,8 +166,11 @@ def dkdv(geo: Geometry, *args):
                  "rel_attention_dkdv")
 
 
-def dq(geo: Geometry, *args):
-    """-> (dq, dr fp32, gradient of the padded P fp32); args as residual_args returns."""
+def dq(geo: Geometry, *args, dq_plain=None):
+    """-> (dq, dr fp32, gradient of the padded P fp32); args as residual_args returns. With dq_plain ([B, T, Hq, D],
+    the dq of every query block's key tiles that carry no bias, [lo, near) of tiles.key_block_ranges), the kernel
+    walks only the tiles that carry bias and adds dq_plain to its dq."""
+    args = args if dq_plain is None else (*args, dq_plain)
     q, k, r = args[0], args[1], args[3]
     batch, kv_heads, n_blocks = q.shape[0], k.shape[2], q.shape[1] // geo.blocks.block_q
     chunks = jax.ShapeDtypeStruct(
@@ -174,11 +182,3 @@ def dq(geo: Geometry, *args):
                                    "rel_attention_dq")
     # Program i of the dQ grid handled query block n_blocks - 1 - i.
     return grad_q, grad_r, _sum_rel_chunks(geo, chunks[:, :, ::-1], args[4].shape[1])
-
-
-def backward(geo_dkdv: Geometry, geo_dq: Geometry, *residuals):
-    """Gradients (dq, dk, dv, dr, dP_padded) of the padded inputs; residuals as in residual_args."""
-    args = residual_args(*residuals)
-    grad_k, grad_v = dkdv(geo_dkdv, *args)
-    grad_q, grad_r, grad_p = dq(geo_dq, *args)
-    return grad_q, grad_k, grad_v, grad_r.astype(args[3].dtype), grad_p.astype(args[4].dtype)

@@ -3,8 +3,9 @@
 Same math as `reference.rel_attention` with q_pos = q_offset + arange(T) and k_pos = arange(S). The relative
 bias r_i . P[:, i - j] is built per tile from r and P (see tiles.py) and never stored as [H, T, S] or
 [T, H, E]; tiles entirely beyond the extent run as plain attention, tiles outside the sliding window are never
-visited. The backward kernels lower through Pallas' Triton backend; the forward is the Mosaic GPU (wgmma) kernel
-of mgpu_forward.py where it applies (`forward_impl`), else the Triton one of forward.py.
+visited. Where they apply and were measured faster (`plan`), the forward and dK/dV are Mosaic GPU (wgmma)
+kernels (mgpu_forward.py, mgpu_dkdv.py); elsewhere, and for dQ, the kernels of forward.py and backward.py, which
+lower through Pallas' Triton backend.
 """
 
 import dataclasses
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from pallas_kernels._common import interpret_default
 from pallas_kernels.rel_attention import backward as backward_kernels
 from pallas_kernels.rel_attention import forward as forward_kernel
-from pallas_kernels.rel_attention import mgpu_forward, tuning
+from pallas_kernels.rel_attention import mgpu_dkdv, mgpu_dq, mgpu_forward, tuning
 from pallas_kernels.rel_attention.tiles import Geometry
 
 _PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # padded tokens form their own segment
@@ -32,7 +33,8 @@ def _forward(geo: Geometry, *args):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def padded_attention(geos, q, k, v, r, p, tau, qseg, kseg):
-    """The differentiable core on the operands and geometries that `prepare` returns."""
+    """The differentiable core on the operands `prepare` returns and the geometries (forward, dK/dV, dQ[, the
+    Mosaic dQ of the tiles without bias, or None]) as `plan` returns them."""
     return _forward(geos[0], q, k, v, r, p, tau, qseg, kseg)[0]
 
 
@@ -42,8 +44,16 @@ def _attention_fwd(geos, q, k, v, r, p, tau, qseg, kseg):
 
 
 def _attention_bwd(geos, residuals, dout):
-    dq, dk, dv, dr, dp = backward_kernels.backward(geos[1], geos[2], *residuals, dout)
-    return dq, dk, dv, dr, dp, None, None, None  # tau and segment ids are not differentiated
+    dkdv_geo, dq_geo = geos[1:3]
+    dq_plain_geo = geos[3] if len(geos) > 3 else None
+    args = backward_kernels.residual_args(*residuals, dout)
+    dk, dv = (mgpu_dkdv.dkdv if dkdv_geo.blocks.mosaic else backward_kernels.dkdv)(dkdv_geo, *args)
+    if dq_plain_geo is None:
+        dq, dr, dp = backward_kernels.dq(dq_geo, *args)
+    else:  # the tiles without bias on the tensor cores, the others (and dr, dP) in the Triton dQ
+        dq, dr, dp = mgpu_dq.dq_split(dq_geo, dq_plain_geo, *args)
+    # tau and segment ids are not differentiated
+    return dq, dk, dv, dr.astype(args[3].dtype), dp.astype(args[4].dtype), None, None, None
 
 
 padded_attention.defvjp(_attention_fwd, _attention_bwd)
@@ -123,20 +133,32 @@ def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int 
 
 def plan(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, interpret, block_q=None, block_k=None,
          forward_impl=None):
-    """`prepare` with the tiles `rel_flash_attention` runs: the Mosaic GPU forward's where it applies."""
+    """`prepare` with the tiles `rel_flash_attention` runs: (forward, dK/dV, dQ, Mosaic dQ of the tiles without
+    bias or None) geometries. The Mosaic GPU kernels replace or share the Triton ones' work where they apply and
+    were measured faster."""
     groups = q.shape[2] // k.shape[2]
-    blocks = tuple(dataclasses.replace(b, block_q=block_q or b.block_q, block_k=block_k or b.block_k)
-                   for b in tuning.blocks(groups, q.shape[3], window))
-    kwargs = {"q_offset": q_offset, "window": window, "tau": tau, "segment_ids": segment_ids, "scale": scale,
-              "interpret": interpret}
+    tuned = tuple(dataclasses.replace(b, block_q=block_q or b.block_q, block_k=block_k or b.block_k)
+                  for b in tuning.blocks(groups, q.shape[3], window))
     impl = forward_impl or FORWARD_IMPL
     if impl not in (None, "mosaic", "triton"):
         raise ValueError(f"forward_impl must be 'mosaic', 'triton' or None, not {impl!r}")
-    if impl != "triton" and mgpu_forward.ROWS % groups == 0:
-        geos, args = prepare(q, k, v, r, rel_proj, blocks=(tuning.mosaic_forward(groups),) + blocks[1:], **kwargs)
-        if mgpu_forward.supports(geos[0], q.dtype) and (
-                impl == "mosaic" or (not geos[0].interpret and mgpu_forward.faster_than_triton(geos[0]))):
-            return geos, args
-    if impl == "mosaic":
+    interpret = interpret_default() if interpret is None else bool(interpret)
+    # Mosaic tiles join the padding only where they may run: compiled, or an explicit Mosaic forward.
+    mosaic = mgpu_forward.ROWS % groups == 0 and impl != "triton" and (not interpret or impl == "mosaic")
+    extra = (tuning.mosaic_forward(groups), mgpu_dkdv.tile(groups)) if mosaic else ()
+    geos, args = prepare(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau, segment_ids=segment_ids,
+                         scale=scale, interpret=interpret, blocks=tuned + extra)
+    forward, dkdv, dq = geos[:3]
+    dq_plain = None
+    if mosaic:
+        mosaic_forward, mosaic_dkdv = geos[3:]  # the Mosaic dQ's CTAs are the forward's
+        if mgpu_forward.supports(mosaic_forward, q.dtype) and (
+                impl == "mosaic" or (not interpret and mgpu_forward.faster_than_triton(mosaic_forward))):
+            forward = mosaic_forward
+        if not interpret and mgpu_dkdv.supports(mosaic_dkdv, q.dtype) and mgpu_dkdv.faster_than_triton(mosaic_dkdv):
+            dkdv = mosaic_dkdv
+        if not interpret and mgpu_dq.supports(mosaic_forward, q.dtype) and mgpu_dq.faster_than_triton(mosaic_forward):
+            dq_plain = mosaic_forward
+    if impl == "mosaic" and not forward.blocks.mosaic:
         raise ValueError("the Mosaic GPU forward does not cover this call (packed segments, fp32, group size?)")
-    return prepare(q, k, v, r, rel_proj, blocks=blocks, **kwargs)
+    return (forward, dkdv, dq, dq_plain), args
