@@ -47,9 +47,11 @@ SMOKE_LAYERS = {"sliding": Layer(kv_heads=2, extent=64, window=64, tokens=192, h
                 "full": Layer(kv_heads=1, extent=96, window=None, tokens=192, heads=8, dim=16, d_rel=4)}
 
 
-def _rel_l2(a, b):
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+def _errors(kernel, outputs, want):
+    """Per output of `kernel`: relative L2 error and max error over max |want| of outputs against want."""
+    pairs = [(o, x.astype(jnp.float32), y.astype(jnp.float32)) for o, x, y in zip(OUTPUTS[kernel], outputs, want)]
+    return {"rel_err_vs_first": {o: float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y)) for o, x, y in pairs},
+            "max_err_over_max": {o: float(jnp.abs(x - y).max() / jnp.abs(y).max()) for o, x, y in pairs}}
 
 
 def sweep(name, layer, candidates, interpret=None):
@@ -81,7 +83,7 @@ def sweep(name, layer, candidates, interpret=None):
                 continue
             first = first or outputs
             entry = {"ms": ms, "tflops": FLOP_FACTOR[kernel] * layer.flops() / ms / 1e9,
-                     "rel_err_vs_first": {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS[kernel], outputs, first)}}
+                     **_errors(kernel, outputs, first)}
             found[str(shape)] = entry
             log(f"[{name}] {kernel} {shape}: {entry}")
             save("rel_attention_tiles.json")
@@ -101,8 +103,7 @@ def mosaic(name, layer, interpret=None):
     want = jax.jit(lambda *a: forward.forward(geos[1], *a))(*args)
     outputs = fn(*args)
     ms = time_ms(fn, *args)
-    entry = {"ms": ms, "tflops": layer.flops() / ms / 1e9,
-             "rel_err_vs_first": {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS["forward"], outputs, want)}}
+    entry = {"ms": ms, "tflops": layer.flops() / ms / 1e9, **_errors("forward", outputs, want)}
     RESULTS.setdefault("sweep", {}).setdefault(name, {}).setdefault("forward", {})["mosaic"] = entry
     log(f"[{name}] forward mosaic: {entry}")
     save("rel_attention_tiles.json")
@@ -126,10 +127,7 @@ def mosaic_dkdv(name, layer):
         want = want or outputs
         ms = time_ms(fn, *residuals)
         found[label] = {"ms": ms, "tflops": FLOP_FACTOR["dkdv"] * layer.flops() / ms / 1e9,
-                        "rel_err_vs_first": {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS["dkdv"], outputs, want)},
-                        "max_err_over_max": {o: float(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).max()
-                                                      / jnp.abs(y.astype(jnp.float32)).max())
-                                             for o, x, y in zip(OUTPUTS["dkdv"], outputs, want)}}
+                        **_errors("dkdv", outputs, want)}
         log(f"[{name}] dkdv {label}: {found[label]}")
         save("rel_attention_tiles.json")
 
@@ -168,10 +166,7 @@ def mosaic_dq(name, layer):
         ms = time_ms(fn, *operands)
         entry = {"ms": ms, "tflops": share * FLOP_FACTOR["dq"] * layer.flops() / ms / 1e9}
         if isinstance(outputs, tuple):  # all but the plain part: (dq, dr, dP) as the Triton dQ's
-            entry["rel_err_vs_first"] = {o: _rel_l2(x, y) for o, x, y in zip(OUTPUTS["dq"], outputs, want)}
-            entry["max_err_over_max"] = {o: float(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)).max()
-                                                  / jnp.abs(y.astype(jnp.float32)).max())
-                                         for o, x, y in zip(OUTPUTS["dq"], outputs, want)}
+            entry.update(_errors("dq", outputs, want))
         found.setdefault("dq" if share == 1.0 else "dq parts", {})[label] = entry
         log(f"[{name}] dq {label}: {entry}")
         save("rel_attention_tiles.json")

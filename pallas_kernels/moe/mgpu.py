@@ -44,10 +44,18 @@ def tile_transforms(minor: int, dtype) -> tuple:
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _load(ref, layout):
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
+
+
 def load_row_vector(ref):
     """A [rows] vector laid out to broadcast along the columns of a WGMMA accumulator."""
-    layout = plgpu.Layout.WGMMA.reduce(1)
-    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
+    return _load(ref, plgpu.Layout.WGMMA.reduce(1))
+
+
+def load_column_vector(ref):
+    """A [columns] vector laid out to broadcast along the rows of a WGMMA accumulator."""
+    return _load(ref, plgpu.Layout.WGMMA.reduce(0))
 
 
 def as_wgmma_tile(x, interpret: bool):

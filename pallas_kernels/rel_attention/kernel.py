@@ -3,9 +3,9 @@
 Same math as `reference.rel_attention` with q_pos = q_offset + arange(T) and k_pos = arange(S). The relative
 bias r_i . P[:, i - j] is built per tile from r and P (see tiles.py) and never stored as [H, T, S] or
 [T, H, E]; tiles entirely beyond the extent run as plain attention, tiles outside the sliding window are never
-visited. Where they apply and were measured faster (`plan`), the forward and dK/dV are Mosaic GPU (wgmma)
-kernels (mgpu_forward.py, mgpu_dkdv.py); elsewhere, and for dQ, the kernels of forward.py and backward.py, which
-lower through Pallas' Triton backend.
+visited. Where they apply and were measured faster (`plan`: full layers), the forward, dK/dV and the dQ of the
+key tiles without bias are Mosaic GPU (wgmma) kernels (mgpu_forward.py, mgpu_dkdv.py, mgpu_dq.py); the kernels
+of forward.py and backward.py, which lower through Pallas' Triton backend, do the rest (and dr, dP).
 """
 
 import dataclasses
@@ -22,8 +22,8 @@ from pallas_kernels.rel_attention.tiles import Geometry
 
 _PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # padded tokens form their own segment
 # Which forward kernel runs: "mosaic" (mgpu_forward.py), "triton" (forward.py), or None: Mosaic where it applies
-# (compiled on a GPU, no packed segments, 16-bit inputs) and was measured faster, else Triton. Per call,
-# `forward_impl` overrides it.
+# (compiled on a GPU, no packed segments, 16-bit inputs) and was measured faster, else Triton. "triton" also keeps
+# the backward on the Triton kernels. Per call, `forward_impl` overrides it.
 FORWARD_IMPL: str | None = None
 
 
@@ -124,7 +124,8 @@ def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int 
       interpret: Pallas interpret mode; defaults to True off GPU.
       block_q, block_k: override the tuned tile sizes of the Triton kernels (block_q counts tokens).
       forward_impl: "mosaic", "triton" or None (FORWARD_IMPL, whose None picks Mosaic where it applies); an
-        explicit "mosaic" with interpret runs Pallas' Mosaic GPU interpreter (slow; tests).
+        explicit "mosaic" with interpret runs Pallas' Mosaic GPU interpreter (slow; tests); "triton" runs the
+        Triton kernels only, the backward's too.
     """
     geos, args = plan(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau, segment_ids=segment_ids,
                       scale=scale, interpret=interpret, block_q=block_q, block_k=block_k, forward_impl=forward_impl)

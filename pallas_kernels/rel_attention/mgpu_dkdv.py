@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
 from pallas_kernels.rel_attention import mgpu_forward, tiles, toeplitz
+from pallas_kernels.rel_attention import mgpu_parts as parts
 from pallas_kernels.rel_attention.tiles import LOG2E, NEG, Blocks, Geometry
 
 ROWS = toeplitz.TILE_ROWS  # query rows of a tile, and keys of a warpgroup
@@ -62,14 +63,6 @@ def faster_than_triton(geo: Geometry) -> bool:
     return buffers(geo) == (2, 2)
 
 
-def _column_vector(ref, interpret: bool):
-    """A [64] vector laid out to broadcast along the rows of a WGMMA accumulator (mgpu.load_row_vector's twin)."""
-    if interpret:
-        return ref[...]
-    layout = plgpu.Layout.WGMMA.reduce(0)
-    return plgpu.load(ref, (), layout=layout) if mgpu._LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
-
-
 def _probs_and_dp(interpret: bool, s_terms, dp_term, probs):
     """(probs(S^T), dP^T) for S^T = the sum of a @ b^T over its (a, b) SMEM pairs and dP^T = a @ b^T of dp_term:
     all products issued at once, and probs runs while dP^T's is still in flight. The interpreter of jax 0.10.2
@@ -90,10 +83,10 @@ def _probs_and_dp(interpret: bool, s_terms, dp_term, probs):
 
 def _accumulate(dk, dv, p, dscore, q_smem, do_smem, staged):
     """(dk + dscore() @ q, dv + p @ do), p and dscore() 16-bit, from registers: dscore runs while p @ do is in
-    flight. Under the interpreter (`staged` given) they go one by one through SMEM (see mgpu_forward._accumulate)."""
+    flight. Under the interpreter (`staged` given) they go one by one through SMEM (see mgpu_parts.accumulate)."""
     if staged is not None:
-        dv = mgpu_forward._accumulate(dv, p, do_smem, staged)
-        return mgpu_forward._accumulate(dk, dscore(), q_smem, staged), dv
+        dv = parts.accumulate(dv, p, do_smem, staged)
+        return parts.accumulate(dk, dscore(), q_smem, staged), dv
 
     def issue(acc_refs):
         dk_ref, dv_ref = acc_refs
@@ -136,17 +129,17 @@ def _kernel(geo: Geometry, n_off: int, dtype, interpret: bool, q_ref, k_ref, v_r
 
                 def probs(s):
                     if mask:  # rows are keys, columns query rows (head-major: token = column % n_tok)
-                        token = lax.rem(mgpu_forward._iota(1, ROWS, interpret), n_tok)
-                        dist = geo.q_offset + i * n_tok + token - kw - mgpu_forward._iota(0, ROWS, interpret)
+                        token = lax.rem(parts.iota(1, ROWS, interpret), n_tok)
+                        dist = geo.q_offset + i * n_tok + token - kw - parts.iota(0, ROWS, interpret)
                         visible = dist >= 0 if geo.window is None else (dist >= 0) & (dist < geo.window)
                         s = jnp.where(visible, s, NEG)
-                    lse = _column_vector(ld_smem.at[slot, 0], interpret)
+                    lse = parts.column_vector(ld_smem.at[slot, 0], interpret)
                     return jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
 
                 p, dp = _probs_and_dp(interpret, s_terms, (v_smem.at[wg], do_smem.at[slot]), probs)
                 if bias:
                     plgpu.barrier_arrive(bias_free.at[bias_slot])
-                delta = lax.broadcast_in_dim(_column_vector(ld_smem.at[slot, 1], interpret), dp.shape, [1])
+                delta = lax.broadcast_in_dim(parts.column_vector(ld_smem.at[slot, 1], interpret), dp.shape, [1])
                 dk, dv = _accumulate(dk, dv, p.astype(dtype), lambda: (p * (dp - delta)).astype(dtype),
                                      q_smem.at[slot], do_smem.at[slot], stage[0].at[wg] if interpret else None)
                 plgpu.barrier_arrive(tile_free.at[slot])
@@ -182,9 +175,7 @@ def _kernel(geo: Geometry, n_off: int, dtype, interpret: bool, q_ref, k_ref, v_r
                 plgpu.barrier_wait(tile_free.at[slot])
 
             plgpu.copy_gmem_to_smem(q_ref.at[b, g, i], q_smem.at[slot], tile_bar.at[slot])
-            for h in range(groups):
-                plgpu.copy_gmem_to_smem(do_ref.at[b, pl.ds(i * n_tok, n_tok), g * groups + h],
-                                        do_smem.at[slot, pl.ds(h * n_tok, n_tok)], tile_bar.at[slot])
+            parts.copy_head_major(do_ref, do_smem.at[slot], b, i * n_tok, g, groups, n_tok, tile_bar.at[slot])
             plgpu.copy_gmem_to_smem(ld_ref.at[b, g, i], ld_smem.at[slot], tile_bar.at[slot])
 
             @pl.when(i < near)  # the tiles that carry bias are [lo, near)
@@ -212,14 +203,6 @@ def _kernel(geo: Geometry, n_off: int, dtype, interpret: bool, q_ref, k_ref, v_r
             plgpu.barrier_wait(bias_free.at[lax.rem(i - lo, n_bias)])
 
 
-def _per_tile(x, n_tok: int, kv_heads: int):
-    """[B, T, Hq, ...] -> [B, Hkv, T / n_tok, 64, ...]: each query tile's rows, head-major."""
-    batch, seq, heads = x.shape[:3]
-    x = x.reshape(batch, seq // n_tok, n_tok, kv_heads, heads // kv_heads, *x.shape[3:])
-    x = jnp.moveaxis(x, 3, 1)  # [B, Hkv, T/n, t, G, ...]
-    return jnp.swapaxes(x, 3, 4).reshape(batch, kv_heads, seq // n_tok, ROWS, *x.shape[5:])
-
-
 def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):
     """(dk, dv) in k.dtype; the operands of backward.dkdv (backward.residual_args); qseg and kseg are ignored
     (no packed segments here)."""
@@ -230,7 +213,7 @@ def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):
     n_slots, n_bias = buffers(geo)
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
     q_scaled = (q.astype(jnp.float32) * (tau * (geo.scale * LOG2E))[:, :, None, None]).astype(dtype)
-    lse_delta = jnp.stack([_per_tile(x, n_tok, kv_heads) for x in (lse, delta)], axis=3)  # [B, Hkv, T/n, 2, 64]
+    lse_delta = jnp.stack([parts.per_tile(x, n_tok, kv_heads) for x in (lse, delta)], axis=3)  # [B, Hkv, T/n, 2, 64]
     a = toeplitz.block_diagonal_r(r, tau, n_tok, kv_heads)
     tz_t = toeplitz.offset_table(rel_proj, q_offset=geo.q_offset, n_tok=n_tok, block_k=ROWS,
                                  dtype=dtype).transpose(0, 2, 1)  # [offsets, 64 keys, n_tok * d_rel]
@@ -243,7 +226,7 @@ def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):
             plgpu.SMEM((n_slots, 2, ROWS), jnp.float32),
             plgpu.SMEM((n_bias, ROWS, bias_k), dtype, transforms=bias_tiles),
             plgpu.SMEM((n_bias, 2, ROWS, bias_k), dtype, transforms=bias_tiles)]
-    if geo.interpret:  # P^T and dS^T staged for the interpreter's wgmma (see mgpu_forward._accumulate)
+    if geo.interpret:  # P^T and dS^T staged for the interpreter's wgmma (see mgpu_parts.accumulate)
         smem.append(plgpu.SMEM((2, ROWS, ROWS), dtype, transforms=mgpu.tile_transforms(ROWS, dtype)))
     barriers = [plgpu.Barrier(num_arrivals=2, num_barriers=2),
                 plgpu.Barrier(num_arrivals=geo.groups + 2, num_barriers=n_slots),
@@ -263,4 +246,4 @@ def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mgpu.interpret_params(geo.interpret),
-    )(_per_tile(q_scaled, n_tok, kv_heads), k, v, dout, lse_delta, a, tz_t)
+    )(parts.per_tile(q_scaled, n_tok, kv_heads), k, v, dout, lse_delta, a, tz_t)

@@ -23,12 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
-from pallas_kernels.rel_attention import backward, mgpu_forward, tiles, toeplitz
-from pallas_kernels.rel_attention.mgpu_forward import (
-    COMPUTE_REGISTERS,
-    ROWS,
-    SMEM_LIMIT,
-)
+from pallas_kernels.rel_attention import backward, tiles, toeplitz
+from pallas_kernels.rel_attention import mgpu_parts as parts
+from pallas_kernels.rel_attention.mgpu_forward import COMPUTE_REGISTERS, ROWS, SMEM_LIMIT
 from pallas_kernels.rel_attention.tiles import LOG2E, Geometry
 
 MAX_SLOTS = 4  # K / V pipeline depth where shared memory allows
@@ -56,29 +53,9 @@ def supports(geo: Geometry, dtype) -> bool:
 
 
 def faster_than_triton(geo: Geometry) -> bool:
-    """Not yet measured against the Triton dQ alone on the H200: on until then (see tuning.py)."""
+    """Every call it covers (full layers): on the H200 (2026-11-29, bench/rel_attention_tiles.py --mosaic-dq) the
+    split took 5.01 ms (this kernel 1.91, the Triton bias tiles 3.17) against the Triton dQ's 5.67 ms."""
     return True
-
-
-def _row_vector(ref, interpret):
-    """A [64] fp32 row vector from SMEM, laid out to broadcast along a WGMMA tile's columns when compiled (the
-    interpreter has no plgpu.load, and needs no layout)."""
-    return ref[...] if interpret else mgpu.load_row_vector(ref)
-
-
-def take_turn(turn):
-    """One compute warpgroup's matmuls against the other's elementwise work: both arrive, then wait (the FA3
-    ping-pong; mgpu_forward has the same two lines inline)."""
-    plgpu.barrier_arrive(turn)
-    plgpu.barrier_wait(turn)
-
-
-def copy_head_major(gmem, smem, b, t, g, groups, n_tok, barrier):
-    """TMA copies of a [B, T, Hq, D] array's n_tok tokens from t, for the `groups` query heads of KV head g, into
-    a [groups * n_tok, D] SMEM tile with the rows head-major (one copy per head, each arriving on `barrier`; the
-    forward loads q the same way inline)."""
-    for h in range(groups):
-        plgpu.copy_gmem_to_smem(gmem.at[b, pl.ds(t, n_tok), g * groups + h], smem.at[pl.ds(h * n_tok, n_tok)], barrier)
 
 
 def _plain_blocks(geo: Geometry, split: Geometry, t0):
@@ -112,10 +89,10 @@ def _kernel(geo: Geometry, split: Geometry, n_tok: int, n_cta: int, dtype, inter
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         tw = t0 + wg * n_tok
         for gmem, smem_ in ((q_ref, q_smem), (do_ref, do_smem)):
-            copy_head_major(gmem, smem_.at[wg], b, tw, g, groups, n_tok, in_bar.at[wg])
+            parts.copy_head_major(gmem, smem_.at[wg], b, tw, g, groups, n_tok, in_bar.at[wg])
         plgpu.copy_gmem_to_smem(rows_ref.at[b, g, 2 * cta + wg], row_smem.at[wg], in_bar.at[wg])
         plgpu.barrier_wait(in_bar.at[wg])
-        lse, delta, coef = (_row_vector(row_smem.at[wg, i], interpret) for i in range(N_ROW_VECTORS))
+        lse, delta, coef = (parts.row_vector(row_smem.at[wg, i], interpret) for i in range(N_ROW_VECTORS))
 
         def step(kb, acc):
             slot = lax.rem(kb, n_slots)
@@ -124,7 +101,7 @@ def _kernel(geo: Geometry, split: Geometry, n_tok: int, n_cta: int, dtype, inter
             def products(s_ref, dp_ref):
                 plgpu.wgmma(s_ref, q_smem.at[wg], transposed(0, slot))
                 plgpu.wgmma(dp_ref, do_smem.at[wg], transposed(1, slot))
-                take_turn(turn)
+                parts.take_turn(turn)
                 return s_ref[...], dp_ref[...]
 
             s, dp = pl.run_scoped(products, *[plgpu.ACC((ROWS, bk), jnp.float32)] * 2)
@@ -134,14 +111,14 @@ def _kernel(geo: Geometry, split: Geometry, n_tok: int, n_cta: int, dtype, inter
             acc, ds = lax.optimization_barrier((acc, ds))
             plgpu.barrier_arrive(turn)  # elementwise work done
             plgpu.barrier_wait(turn)  # the other warpgroup has issued its matmuls
-            acc = mgpu_forward._accumulate(acc, ds, k_smem.at[slot], interpret_smem[0].at[wg] if interpret else None)
+            acc = parts.accumulate(acc, ds, k_smem.at[slot], interpret_smem[0].at[wg] if interpret else None)
             plgpu.barrier_arrive(free.at[slot])
             return acc
 
-        pl.when(wg == 1)(lambda: take_turn(turn))
+        pl.when(wg == 1)(lambda: parts.take_turn(turn))
         acc = lax.fori_loop(0, n_plain, step, mgpu.as_wgmma_tile(jnp.zeros((ROWS, geo.head_dim), jnp.float32),
                                                                     interpret))
-        pl.when(wg == 0)(lambda: take_turn(turn))
+        pl.when(wg == 0)(lambda: parts.take_turn(turn))
 
         q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(coef * (1 / LOG2E), acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
@@ -176,12 +153,10 @@ def _kernel(geo: Geometry, split: Geometry, n_tok: int, n_cta: int, dtype, inter
 def row_vectors(geo: Geometry, lse, delta, tau):
     """(lse, delta, coef = tau * scale * log2(e)) per row of every 64-row tile: [B, T, Hq] x 2 and [B, T] ->
     [B, Hkv, T / n_tok, 3, 64] fp32, the rows head-major like the kernel's q tile."""
-    batch, seq, heads = lse.shape
-    n_tok, kv_heads = toeplitz.tokens_per_tile(geo.groups), heads // geo.groups
     coef = jnp.broadcast_to((tau * (geo.scale * LOG2E))[:, :, None], lse.shape)
     rows = jnp.stack([lse, delta, coef], axis=-1).astype(jnp.float32)  # [B, T, Hq, 3]
-    rows = rows.reshape(batch, seq // n_tok, n_tok, kv_heads, geo.groups, N_ROW_VECTORS)
-    return rows.transpose(0, 3, 1, 5, 4, 2).reshape(batch, kv_heads, seq // n_tok, N_ROW_VECTORS, ROWS)
+    rows = parts.per_tile(rows, toeplitz.tokens_per_tile(geo.groups), lse.shape[2] // geo.groups)
+    return jnp.swapaxes(rows, 3, 4)
 
 
 def dq_plain(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta, *, split: Geometry | None = None):
@@ -203,7 +178,7 @@ def dq_plain(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta, *,
     key_tiles = plgpu.SMEM((n_slots, bk, dim), dtype, transforms=mgpu.tile_transforms(dim, dtype))
     smem = [rows_tile, rows_tile, plgpu.SMEM((2, N_ROW_VECTORS, ROWS), jnp.float32), key_tiles, key_tiles]
     operands = [k, v]
-    if geo.interpret:  # dS staged for the interpreter's wgmma (see mgpu_forward._accumulate), K^T and V^T tiles
+    if geo.interpret:  # dS staged for the interpreter's wgmma (see mgpu_parts.accumulate), K^T and V^T tiles
         smem += [plgpu.SMEM((2, ROWS, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype))] + [
             plgpu.SMEM((n_slots, dim, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype))] * 2
         operands += [k.transpose(0, 2, 3, 1), v.transpose(0, 2, 3, 1)]

@@ -22,10 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
+from pallas_kernels.rel_attention import mgpu_parts as parts
 from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import LOG2E, NEG, Geometry
 
-ROWS = toeplitz.TILE_ROWS
+ROWS = parts.ROWS
 K_SLOTS = 2  # K pipeline depth (V's is 2 where shared memory allows, else 1: see `buffers`)
 SMEM_LIMIT = 227 * 1024
 COMPUTE_REGISTERS = 232
@@ -56,32 +57,6 @@ def buffers(geo: Geometry) -> tuple[int, int] | None:
     return next((b for b in ((2, 2), (1, 2), (1, 1)) if _smem_bytes(geo, *b) <= SMEM_LIMIT), None)
 
 
-def _iota(axis, bk, interpret):
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, (ROWS, bk), axis)
-    return plgpu.broadcasted_iota(jnp.int32, (ROWS, bk), axis, layout=plgpu.Layout.WGMMA)
-
-
-def _accumulate(acc, lhs, rhs_smem, lhs_smem):
-    """acc + lhs @ rhs on the tensor cores, lhs from registers, accumulating in place. Under the interpreter
-    (lhs_smem given), which has neither run_state nor register operands, lhs goes through SMEM and the product
-    through a fresh accumulator."""
-    if lhs_smem is not None:
-        lhs_smem[...] = lhs
-        plgpu.commit_smem()
-
-        def product(acc_ref):
-            plgpu.wgmma(acc_ref, lhs_smem, rhs_smem)
-            return acc_ref[...]
-
-        return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
-
-    def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, lhs, rhs_smem)
-
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-
-
 def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret: bool, q_ref, k_ref, v_ref,
             a_ref, tz_ref, c_ref, o_ref, lse_ref, smem, barriers):
     q_smem, a_smem, k_smem, v_smem, tz_smem, lse_smem, c_smem, *p_smem = smem
@@ -94,23 +69,19 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
     lo, near, diag, end = (jnp.asarray(x, jnp.int32) for x in tiles.key_block_ranges(geo, p0))
     first_off = toeplitz.first_offset(geo.q_offset, n_tok)
 
-    def take_turn():  # one warpgroup's matmuls against the other's softmax
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+    take_turn = functools.partial(parts.take_turn, turn)  # one warpgroup's matmuls against the other's softmax
 
     @pl.when(wg < 2)
     def _compute():
         if not interpret:
             plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         tw = t0 + wg * n_tok
-        for h in range(groups):
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(tw, n_tok), g * groups + h],
-                                    q_smem.at[wg, pl.ds(h * n_tok, n_tok)], q_bar.at[wg])
+        parts.copy_head_major(q_ref, q_smem.at[wg], b, tw, g, groups, n_tok, q_bar.at[wg])
         plgpu.copy_gmem_to_smem(a_ref.at[b, g, 2 * cta + wg], a_smem.at[wg], a_bar.at[wg])
         plgpu.copy_gmem_to_smem(c_ref.at[b, 2 * cta + wg], c_smem.at[wg], a_bar.at[wg])
         plgpu.barrier_wait(q_bar.at[wg])
         plgpu.barrier_wait(a_bar.at[wg])
-        c = c_smem.at[wg][...] if interpret else mgpu.load_row_vector(c_smem.at[wg])
+        c = parts.row_vector(c_smem.at[wg], interpret)
 
         def loop(start, stop, bias, mask, carry):
             def step(kb, carry):
@@ -134,8 +105,8 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
                 if bias:
                     plgpu.barrier_arrive(tz_free.at[tz_slot])
                 if mask:
-                    token = lax.rem(_iota(0, bk, interpret), n_tok)  # rows are head-major
-                    dist = geo.q_offset + tw - kb * bk + token - _iota(1, bk, interpret)
+                    token = lax.rem(parts.iota(0, bk, interpret), n_tok)  # rows are head-major
+                    dist = geo.q_offset + tw - kb * bk + token - parts.iota(1, bk, interpret)
                     visible = dist >= 0 if geo.window is None else (dist >= 0) & (dist < geo.window)
                     s = jnp.where(visible, s, NEG)
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -149,7 +120,7 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
                 plgpu.barrier_wait(v_bar.at[v_slot])
                 plgpu.barrier_wait(turn)  # the other warpgroup has issued its matmuls
 
-                acc = _accumulate(acc, p16, v_smem.at[v_slot], p_smem[0].at[wg] if interpret else None)
+                acc = parts.accumulate(acc, p16, v_smem.at[v_slot], p_smem[0].at[wg] if interpret else None)
                 plgpu.barrier_arrive(v_free.at[v_slot])
                 return acc, m_new, l
 
@@ -248,7 +219,7 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
             plgpu.SMEM((n_v, bk, dim), dtype, transforms=mgpu.tile_transforms(dim, dtype)),
             plgpu.SMEM((n_tz, 2, bias_k, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)),
             plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32)]
-    if geo.interpret:  # probabilities staged for the interpreter's wgmma (see _accumulate)
+    if geo.interpret:  # probabilities staged for the interpreter's wgmma (see mgpu_parts.accumulate)
         smem.append(plgpu.SMEM((2, ROWS, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)))
     barriers = [plgpu.Barrier(num_arrivals=geo.groups, num_barriers=2),
                 plgpu.Barrier(num_arrivals=2, num_barriers=2),
