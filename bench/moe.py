@@ -34,7 +34,7 @@ from bench.moe_peers import mgpu_peer, unfused_ffn
 from inkling_jax import kernels
 from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
-from pallas_kernels.moe.tuning import GmmConfig, WgradConfig
+from pallas_kernels.moe.tuning import DECODE, GmmConfig, KernelConfigs, WgradConfig
 
 H, I, LOCAL, SHARED, TOP_K, TOKENS, RAGGED_TOKENS = 6144, 3072, 32, 2, 6, 16384, 2048
 CEIL_COPY, CEIL_MM = 1 << 30, 8192
@@ -188,8 +188,6 @@ def decode(w):
 def decode_sweep(w, tokens=32):
     """Bytes/s of `moe_ffn_decode` at the serving engine's 32-row decode step for a few tiles per role (the
     other role at its default), against the read bandwidth (a jitted sum) measured here."""
-    from pallas_kernels.moe.tuning import DECODE, KernelConfigs
-
     read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
     d = rows_inputs(tokens, seed=tokens)
     nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * 2

@@ -9,13 +9,13 @@ host work adds); transformers' Inkling at 32 concurrent requests (one batched `g
 
 Each concurrency level submits that many prompts at once, as one engine request (random prompt ids, fixed
 output length, EOS ignored; see `run_load`), then again as separate requests in a burst (as many clients would),
-and times every token as the engine hands it out. The engine
-decodes up to `--decode-steps` tokens per device call, so tokens arrive in bursts: ITL p50 is then near zero and
-ITL p99 is the time of one call; TPOT (time per output token after the first, per request) is the decode speed.
-The batch-1 decode bytes are `bench.ceilings.decode_step_bytes` (the same count as bench/model.py: every weight
-but the untouched routed experts and one embedding row, plus the K/V of the longest context); dividing by the
-batch-1 median TPOT gives achieved bytes/s, host round-trips included. The peer runs first, in its own process,
-before JAX takes the GPU's memory.
+and times every token as the engine hands it out. The engine decodes up to `--decode-steps` tokens per device
+call, so tokens arrive in bursts: ITL p50 is then near zero and ITL p99 is the time of one call; TPOT (time per
+output token after the first, per request) is the decode speed. The batch-1 decode bytes are
+`bench.ceilings.decode_step_bytes` (the same count as bench/model.py: every weight but the untouched routed
+experts and one embedding row, plus the K/V of the longest context); dividing by the batch-1 median TPOT gives
+achieved bytes/s, host round-trips included. The peer runs first, in its own process, before JAX takes the GPU's
+memory.
 """
 
 import argparse

@@ -24,14 +24,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
-from pallas_kernels.rel_attention import mgpu_forward, tiles, toeplitz
+from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention import mgpu_parts as parts
 from pallas_kernels.rel_attention.tiles import LOG2E, NEG, Blocks, Geometry
 
-ROWS = toeplitz.TILE_ROWS  # query rows of a tile, and keys of a warpgroup
-KEYS = 2 * ROWS  # keys of a CTA
-SMEM_LIMIT = mgpu_forward.SMEM_LIMIT
-COMPUTE_REGISTERS = mgpu_forward.COMPUTE_REGISTERS  # with mgpu.MEMORY_REGISTERS for the TMA warpgroup: 64K in all
+ROWS, SMEM_LIMIT, COMPUTE_REGISTERS = parts.ROWS, parts.SMEM_LIMIT, parts.COMPUTE_REGISTERS
+KEYS = 2 * ROWS  # keys of a CTA: each compute warpgroup owns ROWS keys (a query tile has ROWS rows)
 
 
 def tile(groups: int) -> Blocks:
@@ -214,7 +212,7 @@ def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
     q_scaled = (q.astype(jnp.float32) * (tau * (geo.scale * LOG2E))[:, :, None, None]).astype(dtype)
     lse_delta = jnp.stack([parts.per_tile(x, n_tok, kv_heads) for x in (lse, delta)], axis=3)  # [B, Hkv, T/n, 2, 64]
-    a = toeplitz.block_diagonal_r(r, tau, n_tok, kv_heads)
+    a = toeplitz.block_diagonal_r(r, tau * LOG2E, n_tok, kv_heads)
     tz_t = toeplitz.offset_table(rel_proj, q_offset=geo.q_offset, n_tok=n_tok, block_k=ROWS,
                                  dtype=dtype).transpose(0, 2, 1)  # [offsets, 64 keys, n_tok * d_rel]
     bias_k = a.shape[-1]

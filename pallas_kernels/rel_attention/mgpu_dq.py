@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.moe import mgpu
 from pallas_kernels.rel_attention import backward, tiles, toeplitz
 from pallas_kernels.rel_attention import mgpu_parts as parts
-from pallas_kernels.rel_attention.mgpu_forward import COMPUTE_REGISTERS, ROWS, SMEM_LIMIT
+from pallas_kernels.rel_attention.mgpu_parts import COMPUTE_REGISTERS, ROWS, SMEM_LIMIT
 from pallas_kernels.rel_attention.tiles import LOG2E, Geometry
 
 MAX_SLOTS = 4  # K / V pipeline depth where shared memory allows
@@ -122,9 +122,7 @@ def _kernel(geo: Geometry, split: Geometry, n_tok: int, n_cta: int, dtype, inter
 
         q_smem.at[wg][...] = (acc * lax.broadcast_in_dim(coef * (1 / LOG2E), acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        for h in range(groups):  # dq goes out through q's tile, head by head
-            plgpu.copy_smem_to_gmem(q_smem.at[wg, pl.ds(h * n_tok, n_tok)],
-                                    dq_ref.at[b, pl.ds(tw, n_tok), g * groups + h])
+        parts.store_head_major(q_smem.at[wg], dq_ref, b, tw, g, groups, n_tok)  # dq goes out through q's tile
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)

@@ -26,10 +26,8 @@ from pallas_kernels.rel_attention import mgpu_parts as parts
 from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import LOG2E, NEG, Geometry
 
-ROWS = parts.ROWS
+ROWS, SMEM_LIMIT, COMPUTE_REGISTERS = parts.ROWS, parts.SMEM_LIMIT, parts.COMPUTE_REGISTERS
 K_SLOTS = 2  # K pipeline depth (V's is 2 where shared memory allows, else 1: see `buffers`)
-SMEM_LIMIT = 227 * 1024
-COMPUTE_REGISTERS = 232
 
 
 def supports(geo: Geometry, dtype) -> bool:
@@ -139,9 +137,7 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
         q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
         lse_smem.at[wg][...] = m + jnp.log2(l)
         plgpu.commit_smem()
-        for h in range(groups):
-            plgpu.copy_smem_to_gmem(q_smem.at[wg, pl.ds(h * n_tok, n_tok)],
-                                    o_ref.at[b, pl.ds(tw, n_tok), g * groups + h])
+        parts.store_head_major(q_smem.at[wg], o_ref, b, tw, g, groups, n_tok)
         plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, g, 2 * cta + wg])
         plgpu.wait_smem_to_gmem(0)
 
@@ -206,9 +202,8 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
         raise ValueError(f"the Mosaic GPU forward does not cover {geo} with {dtype}")
     n_tz, n_v = buffers(geo)
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
-    # A from r / scale (block_diagonal_r multiplies r by its second argument times log2(e)); the row factor c,
-    # rows head-major as in a tile: [B, T / n_tok, 64]
-    a = toeplitz.block_diagonal_r(r, jnp.full(tau.shape, 1.0 / (geo.scale * LOG2E)), n_tok, kv_heads)
+    # A from r / scale; the row factor c, rows head-major as in a tile: [B, T / n_tok, 64]
+    a = toeplitz.block_diagonal_r(r, 1.0 / geo.scale, n_tok, kv_heads)
     c = jnp.tile((tau * (geo.scale * LOG2E)).reshape(batch, seq_q // n_tok, 1, n_tok), (1, 1, geo.groups, 1))
     c = c.reshape(batch, seq_q // n_tok, ROWS)
     tz = toeplitz.offset_table(rel_proj, q_offset=geo.q_offset, n_tok=n_tok, block_k=bk, dtype=dtype)

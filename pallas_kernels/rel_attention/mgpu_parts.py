@@ -14,6 +14,8 @@ from pallas_kernels.moe import mgpu
 from pallas_kernels.rel_attention import toeplitz
 
 ROWS = toeplitz.TILE_ROWS
+SMEM_LIMIT = 227 * 1024  # shared memory of one CTA on Hopper
+COMPUTE_REGISTERS = 232  # per thread of a compute warpgroup, with mgpu.MEMORY_REGISTERS for the TMA one: 64K
 
 
 def iota(axis: int, columns: int, interpret: bool):
@@ -64,6 +66,13 @@ def copy_head_major(gmem, smem, b, t, g, groups, n_tok, barrier):
     a [groups * n_tok, D] SMEM tile with the rows head-major (one copy per head, each arriving on `barrier`)."""
     for h in range(groups):
         plgpu.copy_gmem_to_smem(gmem.at[b, pl.ds(t, n_tok), g * groups + h], smem.at[pl.ds(h * n_tok, n_tok)], barrier)
+
+
+def store_head_major(smem, gmem, b, t, g, groups, n_tok):
+    """copy_head_major's way back: a head-major [groups * n_tok, D] SMEM tile into a [B, T, Hq, D] array (TMA;
+    the caller waits with plgpu.wait_smem_to_gmem)."""
+    for h in range(groups):
+        plgpu.copy_smem_to_gmem(smem.at[pl.ds(h * n_tok, n_tok)], gmem.at[b, pl.ds(t, n_tok), g * groups + h])
 
 
 def per_tile(x, n_tok: int, kv_heads: int):

@@ -22,24 +22,14 @@ from pallas_kernels.rel_attention import (
     tiles,
     tuning,
 )
-from pallas_kernels.rel_attention.test_mgpu_forward import needs_gpu_or_interpreter
+from pallas_kernels.rel_attention.test_mgpu_forward import D_REL, HEAD_DIM, _inputs, needs_gpu_or_interpreter
 from pallas_kernels.rel_attention.tiles import LOG2E, Geometry
-
-HEAD_DIM = 64  # Mosaic finds no layouts at 32
-D_REL = 16
 
 
 def _residuals(seq_q, heads, kv_heads, extent, window, q_offset, dtype, seed):
     """Padded residual operands (backward.residual_args) after the Triton forward, the geometries of the Triton dQ
     and of the Mosaic dQ, and the unpadded inputs, tau and cotangent."""
-    seq_k = q_offset + seq_q
-    rng = np.random.default_rng(seed)
-    normal = lambda scale, *shape: jnp.asarray(scale * rng.standard_normal(shape), dtype)
-    inputs = (normal(2.0, 1, seq_q, heads, HEAD_DIM), normal(2.0, 1, seq_k, kv_heads, HEAD_DIM),
-              normal(1.0, 1, seq_k, kv_heads, HEAD_DIM), normal(0.5, 1, seq_q, heads, D_REL),
-              normal(1.0, D_REL, extent))
-    tau = jnp.asarray(1.0 + 0.3 * rng.random((1, seq_q)), jnp.float32)
-    cotangent = normal(1.0, 1, seq_q, heads, HEAD_DIM)
+    inputs, tau, cotangent = _inputs(seq_q, q_offset + seq_q, heads, kv_heads, extent, seed, dtype)
     groups = heads // kv_heads
     tuned = tuning.blocks(groups, HEAD_DIM, window)
     geos, args = kernel.prepare(*inputs, q_offset=q_offset, window=window, tau=tau, segment_ids=None, scale=None,

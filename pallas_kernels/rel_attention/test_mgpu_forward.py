@@ -33,9 +33,10 @@ HEAD_DIM = 64
 D_REL = 16
 
 
-def _inputs(seq_q, seq_k, heads, kv_heads, extent, seed):
+def _inputs(seq_q, seq_k, heads, kv_heads, extent, seed, dtype=jnp.bfloat16):
+    """(q, k, v, r, P), tau and an output cotangent, random."""
     rng = np.random.default_rng(seed)
-    normal = lambda scale, *shape: jnp.asarray(scale * rng.standard_normal(shape), jnp.bfloat16)
+    normal = lambda scale, *shape: jnp.asarray(scale * rng.standard_normal(shape), dtype)
     operands = (normal(2.0, 1, seq_q, heads, HEAD_DIM), normal(2.0, 1, seq_k, kv_heads, HEAD_DIM),
                 normal(1.0, 1, seq_k, kv_heads, HEAD_DIM), normal(0.5, 1, seq_q, heads, D_REL),
                 normal(1.0, D_REL, extent))
@@ -119,7 +120,7 @@ def test_toeplitz_operands_give_the_dense_bias(groups, q_offset):
     seq_k = -(-(q_offset + seq_q) // block_k) * block_k
     dense = relative_bias(r, p, q_offset + jnp.arange(seq_q)[None], jnp.arange(seq_k)[None])[0]  # [H, T, S]
     dense = dense * tau[0][None, :, None] * LOG2E
-    a = toeplitz.block_diagonal_r(r, tau, n_tok, kv_heads)[0]  # [Hkv, T / n_tok, 64, n_tok * d_rel]
+    a = toeplitz.block_diagonal_r(r, tau * LOG2E, n_tok, kv_heads)[0]  # [Hkv, T / n_tok, 64, n_tok * d_rel]
     table = toeplitz.offset_table(p, q_offset=q_offset, n_tok=n_tok, block_k=block_k, dtype=jnp.float32)
     first = toeplitz.first_offset(q_offset, n_tok)
     for tile in range(seq_q // n_tok):

@@ -31,7 +31,7 @@ class Blocks:
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
-    mosaic: bool = False  # a forward tile of the Mosaic GPU kernel (mgpu_forward.py; block_q = its CTA's tokens)
+    mosaic: bool = False  # a tile of a Mosaic GPU kernel (mgpu_forward.py, mgpu_dkdv.py; block_q in tokens)
 
 
 @dataclasses.dataclass(frozen=True)

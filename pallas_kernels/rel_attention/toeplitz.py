@@ -6,14 +6,13 @@ first key at k0, the base-2 bias of the tile is
 
     bias = A @ Tz,   A[(h, t), (t', c)] = r'[t, h, c] * [t == t'],   Tz[(t', c), j] = P[c, (p0 + t') - (k0 + j)]
 
-(zero where the distance falls outside [0, E)), with r' = r * tau * log2(e). A is block-diagonal in the tokens and
-is laid out per query tile like q; Tz depends only on the offset p0 - k0, so a table of every Tz the kernel can
-meet is built once ([offsets, n_tok * d_rel, block_k], a few MB) and the kernel loads the slice of its offset.
+(zero where the distance falls outside [0, E)), with r' = r * tau * log2(e) (or another per-token factor: see
+`block_diagonal_r`). A is block-diagonal in the tokens and is laid out per query tile like q; Tz depends only
+on the offset p0 - k0, so a table of every Tz the kernel can meet is built once ([offsets, n_tok * d_rel,
+block_k], a few MB) and the kernel loads the slice of its offset.
 """
 
 import jax.numpy as jnp
-
-from pallas_kernels.rel_attention.tiles import LOG2E
 
 TILE_ROWS = 64  # rows of one warpgroup's tile (the wgmma M)
 
@@ -48,12 +47,13 @@ def offset_table(rel_proj, *, q_offset: int, n_tok: int, block_k: int, dtype):
     return table.reshape(n_off, n_tok * d_rel, block_k).astype(dtype)
 
 
-def block_diagonal_r(r, tau, n_tok: int, kv_heads: int):
-    """A per query tile: r [B, T, Hq, d_rel] (T a multiple of n_tok), tau [B, T] -> [B, Hkv, T / n_tok, 64,
-    n_tok * d_rel] in r.dtype, the rows of each tile head-major as the kernel's q tile."""
+def block_diagonal_r(r, factor, n_tok: int, kv_heads: int):
+    """A per query tile: r [B, T, Hq, d_rel] (T a multiple of n_tok) times `factor` (per token [B, T], or a
+    scalar) -> [B, Hkv, T / n_tok, 64, n_tok * d_rel] in r.dtype, the rows of each tile head-major as the
+    kernel's q tile."""
     batch, seq, heads, d_rel = r.shape
     groups = heads // kv_heads
-    scaled = r.astype(jnp.float32) * (tau * LOG2E)[:, :, None, None]
+    scaled = r.astype(jnp.float32) * jnp.reshape(factor, jnp.shape(factor) + (1, 1))
     scaled = scaled.reshape(batch, seq // n_tok, n_tok, kv_heads, groups, d_rel)
     eye = jnp.eye(n_tok, dtype=jnp.float32)
     # [B, T/n, t, Hkv, G, c] x [t, s] -> [B, Hkv, T/n, G, t, s, c]
