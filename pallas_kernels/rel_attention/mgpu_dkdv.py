@@ -191,14 +191,8 @@ def _kernel(geo: Geometry, n_off: int, dtype, interpret: bool, q_ref, k_ref, v_r
                     plgpu.copy_gmem_to_smem(tz_ref.at[jnp.clip(off, 0, n_off - 1)], tz_smem.at[bias_slot, w],
                                             bias_bar.at[bias_slot])
 
-        # Drain: observe the releases of the last tiles too, so that every barrier phase is waited for.
-        @pl.loop(jnp.maximum(end - n_slots, lo), end)
-        def _drain_tiles(i):
-            plgpu.barrier_wait(tile_free.at[lax.rem(i - lo, n_slots)])
-
-        @pl.loop(jnp.maximum(near - n_bias, lo), near)
-        def _drain_bias(i):
-            plgpu.barrier_wait(bias_free.at[lax.rem(i - lo, n_bias)])
+        parts.drain(tile_free, lo, end, n_slots)
+        parts.drain(bias_free, lo, near, n_bias)
 
 
 def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):

@@ -143,9 +143,7 @@ def _kernel(geo: Geometry, split: Geometry, n_tok: int, n_cta: int, dtype, inter
                 tile = gmem.at[b, keys, g] if i < 2 else gmem.at[b, g, :, keys]
                 plgpu.copy_gmem_to_smem(tile, smem_.at[slot], loaded.at[slot])
 
-        @pl.loop(jnp.maximum(n_plain - n_slots, 0), n_plain)
-        def _drain(kb):  # observe the last releases too, so that every barrier phase is waited for
-            plgpu.barrier_wait(free.at[lax.rem(kb, n_slots)])
+        parts.drain(free, 0, n_plain, n_slots)
 
 
 def row_vectors(geo: Geometry, lse, delta, tau):

@@ -176,19 +176,9 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
 
             plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(kb * bk, bk), g], v_smem.at[v_slot], v_bar.at[v_slot])
 
-        # Drain: observe the releases of the last tiles too, so that every barrier phase is waited for.
-        @pl.loop(jnp.maximum(end - K_SLOTS, lo), end)
-        def _drain_k(kb):
-            plgpu.barrier_wait(k_free.at[lax.rem(kb - lo, K_SLOTS)])
-
-        @pl.loop(jnp.maximum(end - n_v, lo), end)
-        def _drain_v(kb):
-            plgpu.barrier_wait(v_free.at[lax.rem(kb - lo, n_v)])
-
-        @pl.loop(jnp.maximum(end - n_tz, near), end)
-        def _drain_tz(kb):
-            for w in range(2):
-                plgpu.barrier_wait(tz_free.at[lax.rem(kb - near, n_tz) * 2 + w])
+        parts.drain(k_free, lo, end, K_SLOTS)
+        parts.drain(v_free, lo, end, n_v)
+        parts.drain(tz_free, near, end, n_tz, per_slot=2)
 
 
 def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):

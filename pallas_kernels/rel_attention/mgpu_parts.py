@@ -68,6 +68,17 @@ def copy_head_major(gmem, smem, b, t, g, groups, n_tok, barrier):
         plgpu.copy_gmem_to_smem(gmem.at[b, pl.ds(t, n_tok), g * groups + h], smem.at[pl.ds(h * n_tok, n_tok)], barrier)
 
 
+def drain(free, first, end, slots: int, per_slot: int = 1):
+    """At a memory warpgroup's end: wait for the releases of the last `slots` tiles of [first, end) (tile i uses
+    slot (i - first) % slots, which has `per_slot` release barriers), so that every barrier phase is observed
+    before the kernel exits."""
+    @pl.loop(jnp.maximum(end - slots, first), end)
+    def _(i):
+        slot = lax.rem(i - first, slots)
+        for w in range(per_slot):
+            plgpu.barrier_wait(free.at[slot if per_slot == 1 else slot * per_slot + w])
+
+
 def store_head_major(smem, gmem, b, t, g, groups, n_tok):
     """copy_head_major's way back: a head-major [groups * n_tok, D] SMEM tile into a [B, T, Hq, D] array (TMA;
     the caller waits with plgpu.wait_smem_to_gmem)."""
