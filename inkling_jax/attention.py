@@ -43,23 +43,22 @@ class Attention(nnx.Module):
         Returns (output [B, T, hidden], updated cache fields or None).
         """
         batch, seq, _ = u.shape
-        q = self.wq(u).reshape(batch, seq, self.num_heads, self.head_dim)
-        r = self.wr(u).reshape(batch, seq, self.num_heads, self.d_rel)
+        q, k, v, r = self._project(u)
+        r = r.reshape(batch, seq, self.num_heads, self.d_rel)
         tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
         if cache is not None and segment_ids is not None:
             raise ValueError("packed segments and a decode cache cannot be combined")
         if cache is not None and seq == 1 and kernels.fused_decode_prologue():
             q, _, _, new_k, new_v, k_conv, v_conv = kernels.decode_prologue(
-                q[:, 0].reshape(batch, -1), self.wk(u)[:, 0], self.wv(u)[:, 0], self.k_sconv.weight[...],
-                self.v_sconv.weight[...], self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv,
-                cache.v_conv, cache.k, cache.v, self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0],
-                eps=self.q_norm.eps)
+                q[:, 0], k[:, 0], v[:, 0], self.k_sconv.weight[...], self.v_sconv.weight[...],
+                self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv, cache.v_conv, cache.k, cache.v,
+                self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0], eps=self.q_norm.eps)
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q[:, None], r, positions, n_new, tau)
             return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
 
-        k, k_conv = self.k_sconv(self.wk(u), None if cache is None else cache.k_conv, segment_ids, n_new)
-        v, v_conv = self.v_sconv(self.wv(u), None if cache is None else cache.v_conv, segment_ids, n_new)
-        q = self.q_norm(q)
+        k, k_conv = self.k_sconv(k, None if cache is None else cache.k_conv, segment_ids, n_new)
+        v, v_conv = self.v_sconv(v, None if cache is None else cache.v_conv, segment_ids, n_new)
+        q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
 
@@ -72,6 +71,24 @@ class Attention(nnx.Module):
                                                        tau)
             updated = dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
         return self.wo(out.reshape(batch, seq, -1)), updated
+
+    def fuse_projections(self) -> None:
+        """For inference: replace wq, wk, wv, wr by one kernel `wqkvr [hidden, q | k | v | r widths]`, so a call
+        multiplies u once (a decode step's small projections are latency-bound as four gemms). The four are
+        deleted, so the weights are not held twice. Checkpoints, LoRA, training and the tensor-parallel rules
+        name the four; the fused columns mix heads, so the fused kernel must not be split over `tensor`."""
+        if hasattr(self, "wqkvr"):
+            return
+        parts = (self.wq, self.wk, self.wv, self.wr)
+        self.wqkvr = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=1))
+        del self.wq, self.wk, self.wv, self.wr
+
+    def _project(self, u):
+        """(q, k, v, r) of u [B, T, hidden], flat per token: one matmul when fused, else the four maps."""
+        if not hasattr(self, "wqkvr"):
+            return self.wq(u), self.wk(u), self.wv(u), self.wr(u)
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return jnp.split(u @ self.wqkvr[...], [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)
 
     def _cache_index(self, cache, page_table, ring_rows, positions, n_new):
         """[B, T] row of each token in the cache flattened to [rows, Hkv, D], or -1 where nothing is written:

@@ -136,6 +136,12 @@ class InklingModel(nnx.Module):
         hidden, _ = self.hidden_states(input_ids)
         return self.mtp(hidden, input_ids, self.embed_tokens, self.logits)
 
+    def fuse_projections(self) -> None:
+        """Inference only: every attention (trunk and MTP blocks) multiplies by one q|k|v|r kernel from now on
+        (`Attention.fuse_projections`; in place, the four kernels are gone). Listed first: fusing edits the graph."""
+        for attention in [node for _, node in nnx.iter_graph(self) if isinstance(node, Attention)]:
+            attention.fuse_projections()
+
     def init_cache(self, batch: int, max_len: int, **kwargs) -> Cache:
         return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)
 

@@ -57,6 +57,7 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("wk", "kernel"), ("embed", "kv_heads")),
     (("wv", "kernel"), ("embed", "kv_heads")),
     (("wo", "kernel"), ("q_heads", "embed")),
+    (("wqkvr",), ("embed", None)),  # the fused q|k|v|r kernel of inference: its columns mix heads
     (("k_sconv", "weight"), ("kv_heads", None)),
     (("v_sconv", "weight"), ("kv_heads", None)),
     (("router",), ("embed", None)),

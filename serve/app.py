@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    a("--no-fuse-projections", action="store_true",
+      help="keep the four attention input projections as separate matmuls (by default they are fused into one)")
     a("--num-snapshots", type=int, help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=int, default=256, help="waiting sequences beyond which requests get 429")
     a("--max-prompt-tokens", type=int, help="longest accepted prompt (default: max-model-len - 1)")
@@ -86,7 +88,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
-        prefix_caching=not args.no_prefix_caching,
+        prefix_caching=not args.no_prefix_caching, fuse_projections=not args.no_fuse_projections,
         num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps)
 
 
@@ -110,7 +112,7 @@ def build_service(args: argparse.Namespace) -> Service:
     config = engine_config(args)
     placement = Placement.from_spec(args.mesh)
     log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, placement.devices)
-    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # shards it
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
     try:
         chat = ChatFormat(tokenizer, media)

@@ -54,6 +54,7 @@ class ModelRunner:
         self.placement = placement or Placement()
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
+        self._fuse_projections(model)
         self.model = self.placement.shard_model(model)
         self.params, merge = flat_params(self.model)
         self.multimodal = model.vision is not None or model.audio is not None
@@ -73,6 +74,17 @@ class ModelRunner:
                  self._page_bytes() * self.num_pages / 2**20, config.max_num_seqs,
                  cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots,
                  self.placement.devices)
+
+    def _fuse_projections(self, model: InklingModel) -> None:
+        """One q|k|v|r matmul per attention (in place, before the model is placed): a decode step's small
+        projections are latency-bound as four gemms. Not over a `tensor` mesh axis, which splits the four by
+        heads; the fused kernel's columns mix them, so it would be replicated there."""
+        mesh = self.placement.mesh
+        fuse = self.config.fuse_projections and (mesh is None or mesh.shape["tensor"] == 1)
+        if fuse:
+            model.fuse_projections()
+        log.info("attention projections: %s", "fused q|k|v|r, one matmul" if fuse else
+                 "four matmuls (fuse_projections off, or a tensor-parallel mesh)")
 
     def reset(self) -> None:
         """Fresh device state (also after a failed step, whose donated buffers may be gone)."""

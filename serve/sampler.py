@@ -47,14 +47,17 @@ def choose(logits, adjusted, params: SamplingBatch, num_top: int, full: bool) ->
     stops the host from queueing the next decode step ahead. `full` (static) adds the top-k / top-p filters
     and the top-`num_top` logprobs, which cost a sort and a top-k over [R, V]; without it those are off (the
     caller sends rows that need them to a `full` program)."""
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    # logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V] log-softmax
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
     adjusted = adjusted.astype(jnp.float32)
     greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
     tokens = jnp.where(params.temperature == 0, greedy, _draw(adjusted, params, full))
-    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     rows = logits.shape[0]
     if full:
-        top_logprobs, top_ids = jax.lax.top_k(raw, num_top)
+        top_logits, top_ids = jax.lax.top_k(logits, num_top)
+        top_logprobs = top_logits - lse[:, None]
     else:
         top_logprobs, top_ids = jnp.zeros((rows, num_top), jnp.float32), jnp.zeros((rows, num_top), jnp.int32)
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)

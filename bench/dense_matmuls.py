@@ -1,0 +1,83 @@
+"""The decode step's dense (XLA) matmuls at the `bench` preset's widths, alone: [rows, in] @ [in, out] in bf16
+for every weight a layer multiplies outside the MoE kernels, with XLA's own choice of gemm kernel and with
+cuBLAS only (`xla_gpu_enable_triton_gemm` off), against the read bandwidth measured in the same run. A decode
+step is bound by reading these weights, so bytes/s of the weight is the figure of merit.
+
+Each case multiplies enough copies of its weight (> 4x the 50 MB L2) in one jitted program that every product
+reads its weight from HBM, as the decode step does, with no host dispatch between them.
+
+    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--out DIR]
+"""
+
+import argparse
+import os
+import jax
+import jax.numpy as jnp
+
+from bench.ceilings import median_seconds, read_bandwidth
+from inkling_jax import preset
+
+VARIANTS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+COPY_BYTES = 256 << 20
+
+
+def weights(text) -> list[tuple[str, int, int, int]]:
+    """(name, in, out, times per decode step) of the dense matmuls of the preset's layers."""
+    local = sum(text.is_local(i) for i in range(text.num_layers))
+    full = text.num_layers - local
+    dense = len(text.dense_layer_ids)
+    h, q = text.hidden_size, text.num_heads * text.head_dim
+    kv_local, kv_full = text.swa_num_kv_heads * text.swa_head_dim, text.num_kv_heads * text.head_dim
+    r = text.num_heads * text.d_rel
+    rows = [("wq", h, q, text.num_layers), ("wk, wv (sliding)", h, kv_local, 2 * local),
+            ("wk, wv (full)", h, kv_full, 2 * full), ("wr", h, r, text.num_layers), ("wo", q, h, text.num_layers),
+            ("dense gate, up", h, text.dense_intermediate_size, 2 * dense),
+            ("dense down", text.dense_intermediate_size, h, dense),
+            ("q|k|v|r fused (sliding)", h, q + 2 * kv_local + r, 0)]
+    return [w for w in rows if w[3] or "fused" in w[0]]
+
+
+def seconds_per_product(options, xs, ws):
+    """One program of len(ws) products xs[i] @ ws[i] (distinct inputs, so XLA merges none of them)."""
+    fn = jax.jit(lambda a, b: [a[i] @ w for i, w in enumerate(b)], compiler_options=options)
+    return median_seconds(fn, xs, ws, trials=5, calls=3) / len(ws)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="also write dense_matmuls.md here")
+    args = parser.parse_args()
+    text = preset("bench").text
+    read = read_bandwidth(data="normal")
+    lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; read bandwidth {read / 1e9:.0f} GB/s",
+             "", "| weight | in x out | per step | rows | " + " | ".join(f"{v} us (of read)" for v in VARIANTS) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(VARIANTS)]
+    step = {(rows, v): 0.0 for rows in args.rows for v in VARIANTS}
+    key = jax.random.key(0)
+    for name, n_in, n_out, count in weights(text):
+        nbytes = 2 * n_in * n_out
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16)
+              for i in range(max(2, -(-COPY_BYTES // nbytes)))]
+        for rows in args.rows:
+            xs = jax.random.normal(key, (len(ws), rows, n_in), jnp.bfloat16)
+            cells = []
+            for variant, options in VARIANTS.items():
+                seconds = seconds_per_product(options, xs, ws)
+                step[rows, variant] += count * seconds
+                cells.append(f"{seconds * 1e6:.1f} ({nbytes / seconds / read:.2f})")
+            lines.append(f"| {name} | {n_in} x {n_out} | {count} | {rows} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+        del ws
+    lines.append("")
+    for rows in args.rows:
+        lines.append(f"rows {rows}: one decode step's dense matmuls " + ", ".join(
+            f"{v} {step[rows, v] * 1e3:.3f} ms" for v in VARIANTS))
+    print("\n".join(lines))
+    if args.out:
+        with open(os.path.join(args.out, "dense_matmuls.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
