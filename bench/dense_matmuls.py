@@ -33,7 +33,7 @@ def weights(text) -> list[tuple[str, int, int, int]]:
             ("wk, wv (full)", h, kv_full, 2 * full), ("wr", h, r, text.num_layers), ("wo", q, h, text.num_layers),
             ("dense gate, up", h, text.dense_intermediate_size, 2 * dense),
             ("dense down", text.dense_intermediate_size, h, dense),
-            ("q|k|v|r fused (sliding)", h, q + 2 * kv_local + r, 0)]
+            ("q, k, v, r fused (sliding)", h, q + 2 * kv_local + r, 0)]
     return [w for w in rows if w[3] or "fused" in w[0]]
 
 

@@ -14,6 +14,7 @@ Run: PYTHONPATH=. python bench/rel_attention_tiles.py [--smoke] [--forward-only]
 """
 
 import argparse
+import functools
 import os
 import time
 
@@ -27,6 +28,11 @@ from bench.rel_attention_setup import (LAYERS, RESULTS, START, TIMING, Layer, gu
 from pallas_kernels.rel_attention import backward, forward, mgpu_dkdv, mgpu_dq, mgpu_forward, tiles, tuning
 
 KERNELS = ("forward", "dkdv", "dq")
+# Other tiles (rows, keys, warps, stages) of the Triton dQ's bias part in the split dQ (full layer): multiples of
+# the Mosaic dQ's 16 tokens and 64 keys, so that the two parts still meet at a tile boundary. On the H200
+# (2026-11-30) they took 3.09 and 6.35 ms against the tuned 128/64/8/2's 3.16 ms; 128/128/8/2 needs 276 KB of
+# shared memory (227 KB available).
+DQ_BIAS_CANDIDATES = ((128, 64, 8, 3), (128, 64, 4, 2))
 # FLOPs of each kernel in units of the layer's forward FLOPs (the backward kernels recompute q k^T): dK/dV runs
 # four matmuls of the forward's size, dQ three.
 FLOP_FACTOR = {"forward": 1.0, "dkdv": 2.0, "dq": 1.5}
@@ -136,9 +142,11 @@ def mosaic_dq(name, layer):
     """The split dQ (mgpu_dq.dq_split: the Mosaic GPU dQ of the key tiles without bias, then the Triton dQ of the
     tiles with bias, dr and dP, adding it) and the tuned Triton dQ, each alone on the same residuals, as dq
     candidates "mosaic split" and "triton (tuned)"; errors against the Triton one. Its two parts alone go to
-    RESULTS['sweep'][name]['dq parts'], their TFLOP/s over their own share of the (query, key) pairs."""
+    RESULTS['sweep'][name]['dq parts'], their TFLOP/s over their own share of the (query, key) pairs, and so do
+    the Triton bias part's other candidate tiles (DQ_BIAS_CANDIDATES)."""
     tuned = tuning.blocks(layer.groups, layer.dim, layer.window)
-    geos, args, ct = prepared(layer, (tuned[0], tuned[2], tuning.mosaic_forward(layer.groups)))
+    others = tuple(tuning.as_blocks(c, layer.groups) for c in DQ_BIAS_CANDIDATES)
+    geos, args, ct = prepared(layer, (tuned[0], tuned[2], tuning.mosaic_forward(layer.groups)) + others)
     geo_triton, geo_mosaic = geos[1], geos[2]
     if not mgpu_dq.supports(geo_mosaic, args[0].dtype):
         log(f"[{name}] dq mosaic: not covered ({geo_mosaic.blocks}, window {layer.window}): the Triton dQ alone")
@@ -153,13 +161,16 @@ def mosaic_dq(name, layer):
     residuals = backward.residual_args(*args, out, lse, ct)
     plain = jax.jit(lambda *a: mgpu_dq.dq_plain(geo_mosaic, *a, split=geo_triton))
     found = RESULTS.setdefault("sweep", {}).setdefault(name, {})
+    bias_parts = [("triton bias part", geo_triton)] + [
+        (f"triton bias part {shape}", geo) for shape, geo in zip(DQ_BIAS_CANDIDATES, geos[3:])]
     want = None
     for label, fn, operands, share in (
             ("triton (tuned)", lambda *a: backward.dq(geo_triton, *a), residuals, 1.0),
             ("mosaic split", lambda *a: mgpu_dq.dq_split(geo_triton, geo_mosaic, *a), residuals, 1.0),
             ("mosaic plain part", plain, residuals, plain_share),
-            ("triton bias part", lambda *a: backward.dq(geo_triton, *a[:-1], dq_plain=a[-1]),
-             (*residuals, plain(*residuals)), 1 - plain_share)):
+            *((label, functools.partial(_bias_part, geo),
+               (*residuals, mgpu_dq.dq_plain(geo_mosaic, *residuals, split=geo)), 1 - plain_share)
+              for label, geo in bias_parts)):
         fn = jax.jit(fn)
         outputs = fn(*operands)
         want = want or outputs
@@ -170,6 +181,12 @@ def mosaic_dq(name, layer):
         found.setdefault("dq" if share == 1.0 else "dq parts", {})[label] = entry
         log(f"[{name}] dq {label}: {entry}")
         save("rel_attention_tiles.json")
+
+
+def _bias_part(geo_triton, *operands):
+    """The Triton dQ of geo_triton's tiles with bias, adding the Mosaic dQ of the other tiles (the last operand,
+    split at geo_triton's tiles)."""
+    return backward.dq(geo_triton, *operands[:-1], dq_plain=operands[-1])
 
 
 def _fits(name, kernel, shape, groups):

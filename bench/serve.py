@@ -173,6 +173,7 @@ def main():
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
+    p.add_argument("--no-fuse-projections", action="store_true", help="four attention input matmuls, not one")
     p.add_argument("--trace", help="write profiler traces (perfetto JSON) into this directory: a load at "
                    "--trace-concurrency, the decode program at each level and the largest prefill program")
     p.add_argument("--trace-concurrency", type=int, default=1)
@@ -202,7 +203,8 @@ def main():
     engine_config = EngineConfig(max_num_seqs=max(levels), max_model_len=length,
                                  max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels) + 16),
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
-                                 max_queued=max(levels) + 1, decode_steps=args.decode_steps)
+                                 max_queued=max(levels) + 1, decode_steps=args.decode_steps,
+                                 fuse_projections=not args.no_fuse_projections)
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id)
     engine.start()
     results["compile_s"] = engine.warm_up_seconds
