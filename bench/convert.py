@@ -5,8 +5,8 @@ block by block, never whole), evicts it from the page cache, reads it raw (the r
 back with the converter's number of readers, nothing else), evicts it again and converts it with
 `python -m inkling_jax.convert` in a child process (its peak RSS is the child's ru_maxrss), then exports it
 back with `--to hf`. The raw read is done twice, buffered and with O_DIRECT (which the converter uses where the
-file system takes it); the faster is the roofline (100%). Prints one table (and writes it, with the numbers as JSON, to --out); deletes everything it
-wrote unless --keep.
+file system takes it); the faster is the roofline (100%). Prints one table (and writes it, with the numbers as
+JSON, to --out); deletes everything it wrote unless --keep.
 
     python bench/convert.py [--layers auto|2..6] [--dir /tmp] [--readers 2] [--workers N] [--out DIR] [--keep]
 
