@@ -19,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inkling_jax.cache import cache_bytes
 from inkling_jax.generate import flat_params
 from inkling_jax.model import InklingModel
-from serve import cache_rows
+from serve import cache_rows, memory_plan
 from serve.config import EngineConfig
 from serve.placement import Placement
 from serve.sampler import Sampled, SamplingBatch
@@ -54,11 +53,13 @@ class ModelRunner:
         self.placement = placement or Placement()
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
-        self._fuse_projections(model)
+        fused = config.fuse_projections and self.placement.fuse_projections(model)
+        log.info("attention projections: %s", "fused q|k|v|r, one matmul" if fused else
+                 "four matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.shard_model(model)
         self.params, merge = flat_params(self.model)
         self.multimodal = model.vision is not None or model.audio is not None
-        self.num_pages = config.num_pages or self._pages_for_memory(model)
+        self.num_pages = config.num_pages or memory_plan.pages_for_memory(self.text, config, model.dtype)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
@@ -71,20 +72,9 @@ class ModelRunner:
         self._save = self._restore = self._init_penalties = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
                  "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
-                 self._page_bytes() * self.num_pages / 2**20, config.max_num_seqs,
-                 cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots,
+                 memory_plan.page_bytes(self.text, config, model.dtype) * self.num_pages / 2**20,
+                 config.max_num_seqs, cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots,
                  self.placement.devices)
-
-    def _fuse_projections(self, model: InklingModel) -> None:
-        """One q|k|v|r matmul per attention (in place, before the model is placed): a decode step's small
-        projections are latency-bound as four gemms. Not over a `tensor` mesh axis, which splits the four by
-        heads; the fused kernel's columns mix them, so it would be replicated there."""
-        mesh = self.placement.mesh
-        fuse = self.config.fuse_projections and (mesh is None or mesh.shape["tensor"] == 1)
-        if fuse:
-            model.fuse_projections()
-        log.info("attention projections: %s", "fused q|k|v|r, one matmul" if fuse else
-                 "four matmuls (fuse_projections off, or a tensor-parallel mesh)")
 
     def reset(self) -> None:
         """Fresh device state (also after a failed step, whose donated buffers may be gone)."""
@@ -106,34 +96,6 @@ class ModelRunner:
         if self.cache_shardings is None:
             return cache
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings)
-
-    # ------------------------------------------------------------------------------------------------------
-    # Memory
-
-    def _page_bytes(self) -> int:
-        full = self.text.num_layers - len(self.text.local_layer_ids)
-        shape = self.text.attention(False)
-        return 2 * full * self.config.page_size * shape.num_kv_heads * shape.head_dim * self.model.dtype.itemsize
-
-    def _pages_for_memory(self, model: InklingModel) -> int:
-        """Pages that fit in `memory_fraction` of the free device memory after the per-slot state, the
-        snapshots, the sampler state and the steps' logits; without memory statistics (CPU) enough pages for
-        every slot at full length."""
-        cfg = self.config
-        stats = jax.devices()[0].memory_stats() or {}
-        if "bytes_limit" not in stats:
-            return cfg.max_num_seqs * cfg.pages_per_row
-        free = (stats["bytes_limit"] - stats["bytes_in_use"]) * cfg.memory_fraction
-        fixed = cache_bytes(self.text, cfg.num_rows, cfg.max_model_len, model.dtype, page_size=cfg.page_size,
-                            num_pages=1) - self._page_bytes()
-        per_row = fixed // cfg.num_rows
-        fixed += cfg.snapshots * per_row + cfg.num_rows * self.vocab * 5
-        fixed += 4 * cfg.rows[-1] * self.vocab * 4  # one logits row per step row, its softmax and draws, fp32
-        fixed += 2 * max(r * t for r, t in cfg.buckets) * self.text.hidden_size * 4 * 4  # the widest activations
-        pages = int((free - fixed) // self._page_bytes())
-        log.info("device memory: %.1f GiB free x %.2f; %.1f GiB for slots, snapshots and step buffers; "
-                 "%d pages", free / cfg.memory_fraction / 2**30, cfg.memory_fraction, fixed / 2**30, pages)
-        return pages
 
     # ------------------------------------------------------------------------------------------------------
     # Compilation

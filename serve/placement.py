@@ -43,6 +43,16 @@ class Placement:
     def devices(self) -> str:
         return str(jax.devices()[0]) if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
 
+    def fuse_projections(self, model) -> bool:
+        """Fuse each attention's q, k, v and r maps into one matmul (`InklingModel.fuse_projections`, in place)
+        where the layout allows, before `shard_model`: a decode step's small projections are latency-bound as four
+        gemms. Not over a `tensor` axis, which splits the four by heads (the fused columns mix them). Returns
+        whether it fused."""
+        if self.mesh is not None and self.mesh.shape["tensor"] > 1:
+            return False
+        model.fuse_projections()
+        return True
+
     def shard_model(self, model):
         return model if self.mesh is None else shard_model(model, self.mesh)
 
