@@ -1,11 +1,13 @@
-"""The serving engine's host-side parts without a model: pages and the prefix cache, the scheduler, text
-streaming with stop strings, the chat format, the request schema, and the on-device sampler."""
+"""The serving engine's host-side parts without a model: pages and the prefix cache, the KV pool's size, the
+scheduler, text streaming with stop strings, the chat format, the request schema, and the on-device sampler."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from inkling_jax import preset
+from serve import memory_plan
 from serve.block_manager import BlockManager
 from serve.chat import ChatError, ChatFormat, ChatOutput, format_effort
 from serve.config import EngineConfig
@@ -87,6 +89,38 @@ def test_snapshot_pool_evicts_least_recently_used():
     assert blocks.snapshot_slot(b) == first  # the only snapshot moved to b
     assert blocks.match_prefix(Sequence(a.token_ids, SamplingParams())) == ([], None)
     assert blocks.match_prefix(Sequence(b.token_ids, SamplingParams()))[1] == first
+
+
+class FakeDevice:
+    """A device whose memory statistics say `free` bytes are free."""
+
+    def __init__(self, free):
+        self.free = free
+
+    def memory_stats(self):
+        return {"bytes_limit": self.free + 1000, "bytes_in_use": 1000}
+
+
+def test_kv_pool_size_follows_free_device_memory(monkeypatch):
+    text = preset("tiny").text
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8, chunk_buckets=(1, 16), row_buckets=(5,),
+                          memory_fraction=0.5)
+    full_layers = text.num_layers - len(text.local_layer_ids)
+    page = memory_plan.page_bytes(text, config, jnp.float32)
+    assert page == 2 * full_layers * 8 * text.num_kv_heads * text.head_dim * 4  # K and V of 8 tokens, fp32
+    # No memory statistics (CPU): every slot at full length.
+    assert memory_plan.pages_for_memory(text, config, jnp.float32) == 4 * config.pages_per_row
+
+    def pages(free):
+        monkeypatch.setattr(jax, "devices", lambda: [FakeDevice(free)])
+        return memory_plan.pages_for_memory(text, config, jnp.float32)
+
+    base = pages(1 << 30)
+    # Only memory_fraction of the free memory is used, after a fixed share for slots, snapshots and step buffers.
+    assert 0 < base < 0.5 * (1 << 30) / page
+    # Each further page's worth of usable memory is exactly one more page.
+    assert pages((1 << 30) + 7 * 2 * page) == base + 7
+    assert pages(4096) < config.pages_per_row  # too little memory: the runner refuses to start on this
 
 
 # ------------------------------------------------------------------------------------------------------------
