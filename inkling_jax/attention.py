@@ -1,7 +1,8 @@
 """Inkling attention: ShortConv on K and V, per-head q/k RMSNorm, the query-conditioned relative bias, the
-sliding window on local layers and log-scaling on full layers. The score computation itself is behind
-`kernels.attention`, so a Pallas kernel replaces it without touching this file; so is a decode step's prologue
-(the ShortConvs, norms and cache write), which the Pallas backend fuses into one kernel."""
+sliding window on local layers and log-scaling on full layers. The score computation itself is behind `kernels`
+(self-attention, prefill chunks over a cache, decode steps), so a Pallas kernel replaces it without touching this
+file; so is a decode step's prologue (the ShortConvs, norms and cache write), which the Pallas backend fuses into
+one kernel."""
 
 import jax.numpy as jnp
 from flax import nnx
@@ -115,28 +116,27 @@ class Attention(nnx.Module):
 
     def _cached_attention(self, cache, page_table, ring_rows, q, k, v, r, positions, n_new, tau):
         """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
-        seq = positions.shape[1]
-        real = jnp.arange(seq)[None, :] < n_new[:, None]
+        batch, seq = positions.shape
         flat = self._cache_index(cache, page_table, ring_rows, positions, n_new)
         new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
         if seq == 1:  # a decode step: attend straight over the cache
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)
             return out, new_k, new_v
-        if self.local:  # the ring as it was before this chunk, then the chunk itself
-            last = positions[:, :1] - 1  # the newest cached position, -1 for an empty row
-            slot_pos = last - jnp.mod(last - jnp.arange(cache.k.shape[1])[None, :], cache.k.shape[1])
-            ring_k, ring_v = (cache.k, cache.v) if ring_rows is None else (cache.k[ring_rows], cache.v[ring_rows])
-            keys, values = jnp.concatenate([ring_k, k], axis=1), jnp.concatenate([ring_v, v], axis=1)
-            k_pos = jnp.concatenate([slot_pos, positions], axis=1)
-            k_valid = jnp.concatenate([slot_pos >= 0, real], axis=1)
-        else:  # every page of the row, with the chunk already written
-            batch, span = page_table.shape[0], page_table.shape[1] * cache.k.shape[1]
-            keys = new_k[page_table].reshape(batch, span, *k.shape[2:])
-            values = new_v[page_table].reshape(batch, span, *v.shape[2:])
-            k_pos = jnp.broadcast_to(jnp.arange(span)[None, :], (batch, span))
-            k_valid = k_pos < (positions[:, :1] + n_new[:, None])
-        out = kernels.attention(q, keys, values, r, self.rel_proj[...], positions, k_pos, window=self.window,
-                                tau=tau, k_valid=k_valid)
+        cached = positions[:, 0]
+        if self.local:  # one page per row: the ring as it was before this chunk, oldest first, then the chunk
+            window = cache.k.shape[1]
+            rows = jnp.arange(batch) if ring_rows is None else ring_rows
+            slots = jnp.mod(cached[:, None] - window + jnp.arange(window)[None, :], window)
+            k_pages = jnp.concatenate([cache.k[rows[:, None], slots], k], axis=1)
+            v_pages = jnp.concatenate([cache.v[rows[:, None], slots], v], axis=1)
+            table = jnp.arange(batch, dtype=jnp.int32)[:, None]
+            q_start, key_start = jnp.full_like(cached, window), window - jnp.minimum(cached, window)
+            key_end = window + n_new
+        else:  # the paged cache, with the chunk already written
+            k_pages, v_pages, table = new_k, new_v, page_table
+            q_start, key_start, key_end = cached, jnp.zeros_like(cached), cached + n_new
+        out = kernels.chunk_attention(q, k_pages, v_pages, table, r, self.rel_proj[...], q_start=q_start,
+                                      key_start=key_start, key_end=key_end, window=self.window, tau=tau)
         return out, new_k, new_v
 
 

@@ -88,11 +88,18 @@ def _shortconv_bwd(residuals, cotangents):
 _shortconv_kernel.defvjp(_shortconv_fwd, _shortconv_bwd)
 
 
-def attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, k_valid=None):
-    """Relative-bias attention over explicit positions (see `pallas_kernels/rel_attention/reference.py`): the
-    general case (a prefill chunk continuing a cache), always the jnp path."""
-    return attention_reference.rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, window=window, tau=tau,
-                                             k_valid=k_valid)
+def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, key_start, key_end, window=None,
+                    tau=None):
+    """Prefill chunks continuing a cache, keys read through a page table (contract and layouts in
+    `pallas_kernels/rel_attention/chunk.py`)."""
+    if _pallas():
+        from pallas_kernels.rel_attention import rel_chunk_attention
+
+        fn = rel_chunk_attention
+    else:
+        fn = attention_reference.chunk_attention
+    return fn(q, k_pages, v_pages, page_table, r, rel_proj, q_start=q_start, key_start=key_start, key_end=key_end,
+              window=window, tau=tau)
 
 
 def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, segment_ids=None):

@@ -1,5 +1,6 @@
-"""The model with its Pallas kernels switched on (interpret mode on CPU) equals the jnp path: prefill, decode
-steps (the fused decode prologue and decode attention kernels), a decode step with an idle row, gradients."""
+"""The model with its Pallas kernels switched on (interpret mode on CPU) equals the jnp path: prefill in ragged
+chunks over the cache, decode steps (the fused decode prologue and decode attention kernels), a decode step with
+an idle row, gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +27,16 @@ def _run(model, ids, backend):
         steps = StepFunctions(model)
         full = np.asarray(steps.forward(ids))
         cache = model.init_cache(ids.shape[0], 48)
-        # Prefill past the window (16) and the extent (24); the decode steps then cross the ring's wrap at 32.
-        logits, cache = steps.extend(ids[:, :28], cache)
-        outs = [np.asarray(logits)]
+        # Prefill past the window (16) and the extent (24) in two ragged chunks (13 | 15 and 9 | 19 tokens: the
+        # second chunk attends to cached keys, right-padded on row 0); the decode steps then cross the ring's wrap
+        # at 32.
+        first = np.array([13, 9])
+        logits, cache = steps.extend(ids[:, :13], cache, n_new=first)
+        chunk = np.zeros((2, 19), np.int32)
+        for row, n in enumerate(first):
+            chunk[row, :28 - n] = ids[row, n:28]
+        rest, cache = steps.extend(chunk, cache, n_new=28 - first)
+        outs = [np.stack([np.concatenate([logits[row, :n], rest[row, :28 - n]]) for row, n in enumerate(first)])]
         for t in range(28, ids.shape[1]):
             logits, cache = steps.extend(ids[:, t:t + 1], cache)
             outs.append(np.asarray(logits))

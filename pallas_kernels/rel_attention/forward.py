@@ -26,17 +26,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, r_ref, p_ref, tau_ref, qseg_ref, kseg_r
 
     def step(with_bias, mask):
         def body(kb, carry):
-            m, l, acc = carry
             k0 = kb * bk
             k = k_ref[pl.ds(k0, bk), g, :]
             bias = tiles.sheared_bias(rows, tiles.load_band(geo, p_ref, rows.p0, k0), shear) if with_bias else None
             s = tiles.tile_logits(geo, rows, k, k0, kseg_ref, bias=bias, mask=mask)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - m_new[:, None])
-            v = v_ref[pl.ds(k0, bk), g, :]
-            acc = acc * alpha[:, None] + tiles.dot(p.astype(v.dtype), v)
-            return m_new, l * alpha + p.sum(axis=1), acc
+            return tiles.online_softmax_step(carry, s, v_ref[pl.ds(k0, bk), g, :])
         return body
 
     lo, near, diag, end = tiles.key_block_ranges(geo, rows.p0)

@@ -76,3 +76,16 @@ def rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, 
     probs = probs.reshape(batch, kv_heads, groups, seq, k.shape[1])
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, seq, heads, dim).astype(dtype)
+
+
+def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, key_start, key_end, window=None,
+                    tau=None, scale=None):
+    """chunk.rel_chunk_attention's contract, densely: the table's keys gathered into [B, span, Hkv, D], then
+    rel_attention over key indices (query t of row b at q_start[b] + t; keys outside [key_start, key_end) absent)."""
+    batch, seq = q.shape[:2]
+    keys, values = (x[page_table].reshape(batch, -1, *x.shape[2:]) for x in (k_pages, v_pages))
+    q_pos = q_start[:, None] + jnp.arange(seq)[None, :]
+    k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1])[None, :], (batch, keys.shape[1]))
+    k_valid = (k_pos >= key_start[:, None]) & (k_pos < key_end[:, None])
+    return rel_attention(q, keys, values, r, rel_proj, q_pos, k_pos, window=window, tau=tau, k_valid=k_valid,
+                         scale=scale)

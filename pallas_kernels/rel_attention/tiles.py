@@ -140,13 +140,26 @@ class Rows(NamedTuple):
     p0: jax.Array  # position of the first token
 
 
-def load_rows(geo: Geometry, t0, g, q_ref, r_ref, tau_ref, qseg_ref) -> Rows:
+def load_rows(geo: Geometry, t0, g, q_ref, r_ref, tau_ref, qseg_ref, q_offset=None) -> Rows:
+    """q_offset: the key index of query token 0, geo.q_offset unless given (traced, per batch row: chunk.py);
+    without qseg_ref (no packed segments) `seg` is None."""
+    q_offset = geo.q_offset if q_offset is None else q_offset
     tok, head = row_index(geo, t0, g)
     r = r_ref[tok, head, :]
     tau = tau_ref[tok].astype(jnp.float32)
     rt2 = (r.astype(jnp.float32) * (tau * LOG2E)[:, None]).astype(r.dtype)
-    return Rows(q_ref[tok, head, :], r, rt2, tau, tau * (geo.scale * LOG2E), tok + geo.q_offset,
-                qseg_ref[tok], geo.q_offset + t0)
+    return Rows(q_ref[tok, head, :], r, rt2, tau, tau * (geo.scale * LOG2E), tok + q_offset,
+                None if qseg_ref is None else qseg_ref[tok], q_offset + t0)
+
+
+def online_softmax_step(carry, s, v):
+    """One key tile of the forward's online softmax: carry (m, l, acc) of base-2 logits s [rows, keys] against
+    values v [keys, D]."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - m_new[:, None])
+    return m_new, l * alpha + p.sum(axis=1), acc * alpha[:, None] + dot(p.astype(v.dtype), v)
 
 
 def load_band(geo: Geometry, p_ref, p0, k0):
