@@ -3,7 +3,9 @@ on one GPU, at Inkling's attention shapes (64 query heads, head_dim 128, d_rel 1
 1024, log-scaling; sliding layer: 16 KV heads, window 512), against the dense jnp reference that the engine ran
 before (`reference.chunk_attention`: [B, H, T, S] logits) and the bf16 matmul rate measured in the same run.
 
-    PYTHONPATH=. python bench/chunk_attention.py [--out DIR]
+    PYTHONPATH=. python bench/chunk_attention.py [--out DIR] [--sweep]
+
+--sweep times other tiles (rows, keys, warps, stages) of the kernel at the first two cases instead.
 
 Cases are (rows, chunk tokens, tokens already cached): the serve bench's prefill (32 prompts of 128 tokens), then
 chunks of 256 tokens continuing caches of 4k, 32k and 128k tokens (16-token pages, shuffled). TFLOP/s count
@@ -21,11 +23,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.ceilings import matmul_flops, median_seconds  # noqa: E402
-from pallas_kernels.rel_attention import chunk_attention, rel_chunk_attention  # noqa: E402
+from pallas_kernels.rel_attention import chunk_attention, rel_chunk_attention, tuning  # noqa: E402
 
 HEADS, DIM, D_REL, PAGE = 64, 128, 16, 16
 LAYERS = {"full": dict(kv_heads=8, extent=1024, window=None), "sliding": dict(kv_heads=16, extent=512, window=512)}
 CASES = [(32, 128, 0), (8, 256, 4096), (1, 256, 32768), (4, 256, 131072)]
+SWEEP = [(128, 64, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 2), (64, 128, 4, 2), (256, 64, 8, 2),
+         (128, 32, 4, 3), (64, 32, 4, 3)]
 
 
 def inputs(layer, rows, seq, cached, seed=0):
@@ -60,11 +64,35 @@ def visible_pairs(layer, rows, seq, cached):
     return rows * int(np.minimum(seen, window).sum() if window else seen.sum())
 
 
+def sweep(peak):
+    lines = [f"{'layer':8} {'rows x chunk after cached':>26} {'rows/keys/warps/stages':>22} {'ms':>8} {'of mm':>6}"]
+    for layer in LAYERS:
+        groups = HEADS // LAYERS[layer]["kv_heads"]
+        for rows, seq, cached in CASES[:2]:
+            operands, kwargs = inputs(layer, rows, seq, cached)
+            for shape in SWEEP:
+                blocks = tuning.as_blocks(shape, groups)
+                seconds = median_seconds(jax.jit(lambda *x, kw=kwargs, b=blocks: rel_chunk_attention(
+                    *x, blocks=b, **kw)), *operands, trials=5, calls=5)
+                flops = 4 * DIM * HEADS * visible_pairs(layer, rows, seq, cached) / seconds
+                lines.append(f"{layer:8} {f'{rows} x {seq} after {cached}':>26} {'/'.join(map(str, shape)):>22} "
+                             f"{seconds * 1e3:8.3f} {flops / peak:6.2f}")
+                print(lines[-1], flush=True)
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="directory for chunk_attention.txt")
+    parser.add_argument("--sweep", action="store_true", help="time other tiles instead")
     args = parser.parse_args()
     peak = matmul_flops(data="ones")
+    if args.sweep:
+        lines = sweep(peak)
+        if args.out:
+            with open(os.path.join(args.out, "chunk_attention_sweep.txt"), "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+        return
     lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; bf16 matmul {peak / 1e12:.0f} TFLOP/s",
              f"{'layer':8} {'rows x chunk after cached':>26} {'kernel ms':>10} {'TFLOP/s':>8} {'of mm':>6} "
              f"{'dense jnp ms':>13} {'jnp / kernel':>12} {'err':>8}"]

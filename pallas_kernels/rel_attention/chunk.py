@@ -14,7 +14,6 @@ limit and the window; keys are gathered row by row from their pages (Pallas Trit
 span is made. The tiles, relative bias and online softmax are forward.py's (tiles.py).
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -24,7 +23,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._common import interpret_default
 from pallas_kernels.decode_attention.kernel import load_valid_rows
 from pallas_kernels.rel_attention import tiles, tuning
-from pallas_kernels.rel_attention.tiles import Geometry
+from pallas_kernels.rel_attention.tiles import Blocks, Geometry
 
 
 def _chunk_kernel(q_start_ref, key_start_ref, key_end_ref, table_ref, k_ref, v_ref, p_ref, q_ref, r_ref, tau_ref,
@@ -65,7 +64,7 @@ def _chunk_kernel(q_start_ref, key_start_ref, key_end_ref, table_ref, k_ref, v_r
 
 def rel_chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, key_start, key_end,
                         window: int | None = None, tau=None, scale: float | None = None,
-                        interpret: bool | None = None, block_q: int | None = None, block_k: int | None = None):
+                        interpret: bool | None = None, blocks: Blocks | None = None):
     """Attention of prefill chunks over a cache, with Inkling's relative bias; returns [B, T, Hq, D] in q.dtype.
 
     Args:
@@ -77,7 +76,7 @@ def rel_chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start
       window: sliding window length counting the query itself, or None for full attention.
       tau: optional [B, T] fp32 log-scaling that multiplies the whole logit.
       scale: defaults to 1 / head_dim.
-      block_q, block_k: override the tile (block_q counts tokens); defaults: the forward's tuned tiles.
+      blocks: the tile (block_q counts tokens) and launch parameters; default `tuning.chunk`.
     """
     batch, seq_q, heads, dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
@@ -87,8 +86,7 @@ def rel_chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start
         raise ValueError(f"bad shapes q {q.shape} pages {k_pages.shape} {v_pages.shape} table {page_table.shape} "
                          f"r {r.shape} P {rel_proj.shape}")
     groups = heads // kv_heads
-    tuned = tuning.blocks(groups, dim, window)[0]
-    blocks = dataclasses.replace(tuned, block_q=block_q or min(tuned.block_q, seq_q), block_k=block_k or tuned.block_k)
+    blocks = blocks or tuning.chunk(groups, seq_q)
     seq_q_pad = tiles.ceil_div(seq_q, blocks.block_q) * blocks.block_q
     span = page_table.shape[1] * page_size
     geo = Geometry(groups=groups, head_dim=dim, d_rel=d_rel, extent=extent, window=window, q_offset=0,

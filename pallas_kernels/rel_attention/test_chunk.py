@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.rel_attention import chunk_attention, rel_chunk_attention
+from pallas_kernels.rel_attention.tiles import Blocks
 
-HEAD_DIM, D_REL, BLOCK_Q, BLOCK_K = 32, 16, 4, 16
+HEAD_DIM, D_REL = 32, 16
+TILE = Blocks(block_q=4, block_k=16)
 
 
 def _operands(rng, batch, seq, heads, extent, dtype):
@@ -23,7 +25,7 @@ def _operands(rng, batch, seq, heads, extent, dtype):
 
 def _kernel(q, k_pages, v_pages, table, r, p, bounds, window, tau):
     kwargs = dict(q_start=bounds[0], key_start=bounds[1], key_end=bounds[2], window=window, tau=tau)
-    return jax.jit(lambda *xs: rel_chunk_attention(*xs, block_q=BLOCK_Q, block_k=BLOCK_K, **kwargs))(
+    return jax.jit(lambda *xs: rel_chunk_attention(*xs, blocks=TILE, **kwargs))(
         q, k_pages, v_pages, table, r, p)
 
 

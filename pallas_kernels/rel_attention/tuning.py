@@ -46,3 +46,20 @@ MOSAIC_FORWARD_KEYS = 64
 def mosaic_forward(groups: int) -> Blocks:
     """The Mosaic GPU forward's tile: two warpgroups of 64 rows (64 / groups tokens each) per CTA."""
     return Blocks(block_q=2 * tokens_per_tile(groups), block_k=MOSAIC_FORWARD_KEYS, mosaic=True)
+
+
+# The prefill-chunk kernel (chunk.py), both layer kinds: (rows, keys, warps, stages). Measured on one H200
+# (2026-11-30 04:57, `bench/chunk_attention.py --sweep`; ms full / sliding layer): 32 rows x 128 new tokens
+# 0.180 / 0.168 (the full forward's 128/64/8/3: 0.214 / 0.221; best 128/32/4/3 0.163 and 64/32/4/3 0.152);
+# 8 rows x 256 tokens after 4096 cached 1.252 / 0.328 (128/64/8/3: 1.646 / 0.428; 128/128/8/2 1.355 / 0.753).
+# Its keys are gathered row by row through the page table, which favours smaller programs than the forward's.
+CHUNK = (64, 64, 4, 2)
+
+
+def chunk(groups: int, seq_q: int) -> Blocks:
+    """The tile of the prefill-chunk kernel, with no more tokens than the chunk's length rounded up to a power
+    of two (Triton's tiles are powers of two, with at least 16 rows)."""
+    tile = as_blocks(CHUNK, groups)
+    tokens = max(1 << max(seq_q - 1, 0).bit_length(), -(-16 // groups))
+    return Blocks(block_q=min(tile.block_q, tokens), block_k=tile.block_k, num_warps=tile.num_warps,
+                  num_stages=tile.num_stages)
