@@ -6,7 +6,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = [("Whole model (bench preset)", "model.md"), ("Kernel targets in one table", "kernels.md"),
             ("MoE grouped matmul", "moe.md"),
             ("Dense matmuls of the decode step", "dense_matmuls.md"),
-            ("Relative flash attention", "rel_attention.md"), ("Decode attention", "decode_attention.md"),
+            ("Relative flash attention", "rel_attention.md"),
+            ("Prefill chunks over the KV cache", "chunk_attention.md"), ("Decode attention", "decode_attention.md"),
             ("ShortConv and the fused decode prologue", "shortconv.md"), ("Checkpoint conversion", "convert.md"),
             ("Training", "train.md"), ("Serving", "serve.md")]
 

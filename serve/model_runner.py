@@ -113,20 +113,20 @@ class ModelRunner:
                         "prefill": (self.cache_shardings, replicated, replicated)}
         decode = jit(self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
                      donate_argnums=(1, 2))
-        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames="gather",
+        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
                       donate_argnums=(1, 2))
         lowered = {}
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
-            if chunk > 1:
-                lowered[rows, chunk, True] = prefill.lower(self.params, self.cache, self.penalties, inputs,
-                                                           gather=gather)
-                continue
-            for full in (False, True):  # a decode program per sampler kind (see `sampler.choose`)
-                lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
-                                                          self._step_index[0], self._no_tokens[rows], gather=gather,
-                                                          full=full)
+            for full in (False, True):  # a program per sampler kind (see `sampler.choose`)
+                if chunk > 1:
+                    lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
+                                                               gather=gather, full=full)
+                else:
+                    lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
+                                                              self._step_index[0], self._no_tokens[rows],
+                                                              gather=gather, full=full)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
         lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
@@ -237,7 +237,7 @@ class ModelRunner:
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
-        full = chunk > 1 or any(c.seq.params.needs_full_sampler for c in group)
+        full = any(c.seq.params.needs_full_sampler for c in group)
         program = self._steps[rows, chunk, full]
         if chunk > 1:
             self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)

@@ -98,7 +98,9 @@ class StepPrograms:
         self.num_top = num_top
         self.constrain = constrain
 
-    def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool):
+    def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool,
+                full: bool):
+        """A prefill chunk per row; `full` as in `decode`."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         sub = self._rows_in(cache, inp, gather)
@@ -107,7 +109,7 @@ class StepPrograms:
             tokens = model.embed_tokens(inp.ids)
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=jnp.maximum(inp.n_new - 1, 0))
-        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, penalties.counts, True)
+        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, penalties.counts, full)
         cache = self._rows_out(cache, inp, sub, gather)
         return cache, penalties.replace(counts=counts), jax.tree.map(lambda x: x[None], out)
 
