@@ -65,6 +65,7 @@ def visible_pairs(layer, rows, seq, cached):
 
 
 def sweep(peak):
+    """Other tiles at the first two cases."""
     lines = [f"{'layer':8} {'rows x chunk after cached':>26} {'rows/keys/warps/stages':>22} {'ms':>8} {'of mm':>6}"]
     for layer in LAYERS:
         groups = HEADS // LAYERS[layer]["kv_heads"]
@@ -81,20 +82,9 @@ def sweep(peak):
     return lines
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="directory for chunk_attention.txt")
-    parser.add_argument("--sweep", action="store_true", help="time other tiles instead")
-    args = parser.parse_args()
-    peak = matmul_flops(data="ones")
-    if args.sweep:
-        lines = sweep(peak)
-        if args.out:
-            with open(os.path.join(args.out, "chunk_attention_sweep.txt"), "w") as fh:
-                fh.write("\n".join(lines) + "\n")
-        return
-    lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; bf16 matmul {peak / 1e12:.0f} TFLOP/s",
-             f"{'layer':8} {'rows x chunk after cached':>26} {'kernel ms':>10} {'TFLOP/s':>8} {'of mm':>6} "
+def table(peak):
+    """The cases against the dense reference."""
+    lines = [f"{'layer':8} {'rows x chunk after cached':>26} {'kernel ms':>10} {'TFLOP/s':>8} {'of mm':>6} "
              f"{'dense jnp ms':>13} {'jnp / kernel':>12} {'err':>8}"]
     for layer in LAYERS:
         for rows, seq, cached in CASES:
@@ -120,9 +110,21 @@ def main():
                          f"{flops / 1e12:8.1f} {flops / peak:6.2f} {dense_ms} {ratio} {err}")
             print(lines[-1], flush=True)
             del operands
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="directory for chunk_attention.txt (chunk_attention_sweep.txt with --sweep)")
+    parser.add_argument("--sweep", action="store_true", help="time other tiles instead")
+    args = parser.parse_args()
+    peak = matmul_flops(data="ones")
+    lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; bf16 matmul {peak / 1e12:.0f} TFLOP/s"]
+    lines += sweep(peak) if args.sweep else table(peak)
     print("\n".join(lines))
     if args.out:
-        with open(os.path.join(args.out, "chunk_attention.txt"), "w") as fh:
+        with open(os.path.join(args.out, "chunk_attention_sweep.txt" if args.sweep else "chunk_attention.txt"),
+                  "w") as fh:
             fh.write("\n".join(lines) + "\n")
 
 
