@@ -119,11 +119,10 @@ class Attention(nnx.Module):
         """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
         batch, seq = positions.shape
         cached = positions[:, 0]
-        if self.local and seq > 1:  # the ring as it was before this chunk, oldest first
+        if self.local and seq > 1:  # one page per row: [the ring as it was before this chunk, oldest first | chunk]
             window = cache.k.shape[1]
             rows = jnp.arange(batch) if ring_rows is None else ring_rows
             slots = jnp.mod(cached[:, None] - window + jnp.arange(window)[None, :], window)
-            # one page per row: [old ring | chunk]
             k_pages = jnp.concatenate([cache.k[rows[:, None], slots], k], axis=1)
             v_pages = jnp.concatenate([cache.v[rows[:, None], slots], v], axis=1)
             # The writes below take the chunk from the pages, so they cannot run before the ring is read; without
@@ -131,16 +130,15 @@ class Attention(nnx.Module):
             # sliding layer of a 32-prompt prefill). The barrier keeps XLA from folding the slice back into k, v.
             k_pages, v_pages = lax.optimization_barrier((k_pages, v_pages))
             k, v = k_pages[:, window:], v_pages[:, window:]
+            table = jnp.arange(batch, dtype=jnp.int32)[:, None]
+            q_start, key_start = jnp.full_like(cached, window), window - jnp.minimum(cached, window)
+            key_end = window + n_new
         flat = self._cache_index(cache, page_table, ring_rows, positions, n_new)
         new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
         if seq == 1:  # a decode step: attend straight over the cache
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)
             return out, new_k, new_v
-        if self.local:
-            table = jnp.arange(batch, dtype=jnp.int32)[:, None]
-            q_start, key_start = jnp.full_like(cached, window), window - jnp.minimum(cached, window)
-            key_end = window + n_new
-        else:  # the paged cache, with the chunk already written
+        if not self.local:  # the paged cache, with the chunk already written
             k_pages, v_pages, table = new_k, new_v, page_table
             q_start, key_start, key_end = cached, jnp.zeros_like(cached), cached + n_new
         out = kernels.chunk_attention(q, k_pages, v_pages, table, r, self.rel_proj[...], q_start=q_start,

@@ -23,23 +23,21 @@ def _operands(rng, batch, seq, heads, extent, dtype):
     return q, r, normal(1.0, D_REL, extent), tau
 
 
-def _kernel(q, k_pages, v_pages, table, r, p, bounds, window, tau):
-    kwargs = dict(q_start=bounds[0], key_start=bounds[1], key_end=bounds[2], window=window, tau=tau)
-    return jax.jit(lambda *xs: rel_chunk_attention(*xs, blocks=TILE, **kwargs))(
-        q, k_pages, v_pages, table, r, p)
+def _kernel(operands, kwargs):
+    return jax.jit(lambda *xs: rel_chunk_attention(*xs, blocks=TILE, **kwargs))(*operands)
 
 
 def _compare(q, k_pages, v_pages, table, r, p, bounds, window, tau, dtype):
-    """The kernel's output, checked against the reference's."""
-    got = _kernel(q, k_pages, v_pages, table, r, p, bounds, window, tau)
+    """The kernel's output, checked against the reference's; also returns the keyword arguments used."""
     kwargs = dict(q_start=bounds[0], key_start=bounds[1], key_end=bounds[2], window=window, tau=tau)
+    got = _kernel((q, k_pages, v_pages, table, r, p), kwargs)
     with jax.default_matmul_precision("highest"):  # GPUs would default to TF32 for the fp32 reference
         want = chunk_attention(*[x.astype(jnp.float32) if x.dtype == dtype else x
                                  for x in (q, k_pages, v_pages, table, r, p)], **kwargs)
     assert got.dtype == dtype and got.shape == q.shape
     tol = 2e-4 if dtype == jnp.float32 else 3e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol * float(jnp.abs(want).max()))
-    return got
+    return got, kwargs
 
 
 @pytest.mark.parametrize("dtype, kv_heads, extent", [(jnp.float32, 2, 24), (jnp.bfloat16, 1, 100)])
@@ -52,14 +50,14 @@ def test_full_layer_chunk_over_shuffled_pages(dtype, kv_heads, extent):
     pages = jnp.asarray(rng.standard_normal((2, batch * pages_per_row + 3, page_size, kv_heads, HEAD_DIM)), dtype)
     q, r, p, tau = _operands(rng, batch, seq, heads, extent, dtype)
     bounds = [jnp.asarray(x, jnp.int32) for x in (cached, np.zeros(batch), cached + new)]
-    got = _compare(q, pages[0], pages[1], jnp.asarray(table, jnp.int32), r, p, bounds, None, tau, dtype)
+    got, kwargs = _compare(q, pages[0], pages[1], jnp.asarray(table, jnp.int32), r, p, bounds, None, tau, dtype)
     assert float(jnp.abs(got[3]).max()) == 0.0  # the idle row sees no key
     # Entries past a row's keys are ignored: pointing them at a page of NaN changes nothing (the dense
     # reference, which multiplies them by zero probabilities, would turn NaN).
     poisoned = np.where(np.arange(pages_per_row)[None] * page_size >= (cached + new)[:, None], batch * pages_per_row,
                         table)
     nan_pages = pages.at[:, batch * pages_per_row].set(jnp.nan)
-    again = _kernel(q, nan_pages[0], nan_pages[1], jnp.asarray(poisoned, jnp.int32), r, p, bounds, None, tau)
+    again = _kernel((q, nan_pages[0], nan_pages[1], jnp.asarray(poisoned, jnp.int32), r, p), kwargs)
     np.testing.assert_array_equal(np.asarray(again, np.float32), np.asarray(got, np.float32))
 
 

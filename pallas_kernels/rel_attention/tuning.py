@@ -15,6 +15,8 @@ heads (group 8), E 1024; sliding: 16 KV heads (group 4), window = E = 512. Times
     128/128/8/3 needs 260 KB of shared memory (227 KB available); dQ 128/32/4/3 10.7.
 """
 
+import dataclasses
+
 from pallas_kernels.rel_attention.tiles import Blocks
 from pallas_kernels.rel_attention.toeplitz import tokens_per_tile
 
@@ -61,5 +63,4 @@ def chunk(groups: int, seq_q: int) -> Blocks:
     of two (Triton's tiles are powers of two, with at least 16 rows)."""
     tile = as_blocks(CHUNK, groups)
     tokens = max(1 << max(seq_q - 1, 0).bit_length(), -(-16 // groups))
-    return Blocks(block_q=min(tile.block_q, tokens), block_k=tile.block_k, num_warps=tile.num_warps,
-                  num_stages=tile.num_stages)
+    return dataclasses.replace(tile, block_q=min(tile.block_q, tokens))
