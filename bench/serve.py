@@ -37,6 +37,7 @@ from flax import nnx  # noqa: E402
 from inkling_jax import InklingModel, preset  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
+from serve.placement import Placement  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 from serve.steps import pack  # noqa: E402
@@ -177,8 +178,11 @@ def main():
     p.add_argument("--trace", help="write profiler traces (perfetto JSON) into this directory: a load at "
                    "--trace-concurrency, the decode program at each level and the largest prefill program")
     p.add_argument("--trace-concurrency", type=int, default=1)
+    p.add_argument("--mesh", help="serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); default: one "
+                   "device. Bytes/s are then compared with the ceilings times the device count")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
+    placement = Placement.from_spec(args.mesh)
     levels = sorted(int(c) for c in args.concurrency.split(","))
     results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "args": vars(args)}
     if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
@@ -187,6 +191,8 @@ def main():
         print(peer.stderr[-2000:] if peer.returncode else "", end="")
         results.update(json.loads(peer.stdout.strip().splitlines()[-1]) if peer.returncode == 0 else {})
     results["device"] = str(jax.devices()[0])
+    results["placement"] = placement.devices
+    devices = 1 if placement.mesh is None else placement.mesh.size
     results["copy_bytes_s"] = copy_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
     results["read_bytes_s"] = read_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
     results["matmul_flop_s"] = matmul_flops(8192 if jax.default_backend() == "gpu" else 512, data="ones")
@@ -205,7 +211,7 @@ def main():
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
                                  max_queued=max(levels) + 1, decode_steps=args.decode_steps,
                                  fuse_projections=not args.no_fuse_projections)
-    engine = Engine(model, engine_config, eos_token_id=config.eos_token_id)
+    engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
     results["compile_s"] = engine.warm_up_seconds
     vocab = config.text.unpadded_vocab_size
@@ -232,7 +238,8 @@ def main():
     # the longest context of a batch-1 request: an upper bound on the K/V its steps read
     step_bytes = decode_step_bytes(model, 1, args.prompt_tokens + args.output_tokens)
     batch1 = next((r for r in results["levels"] if r["concurrency"] == 1), None)
-    print(f"{results['device']}, jax {jax.__version__}, preset {args.preset}, prompt {args.prompt_tokens}, "
+    print(f"{results['device']}" + (f" ({placement.devices})" if devices > 1 else "") + f", jax {jax.__version__}, "
+          f"preset {args.preset}, prompt {args.prompt_tokens}, "
           f"output {args.output_tokens}, decode steps {args.decode_steps}; build {results['build_s']:.1f}s, "
           f"compile {results['compile_s']:.1f}s ({len(engine_config.buckets)} buckets: {engine_config.buckets})")
     print(f"copy (y = 2x, read + write) {results['copy_bytes_s'] / 1e9:.0f} GB/s; read (sum x) "
@@ -250,12 +257,12 @@ def main():
         print(f"decode program alone, {n} rows: {ms:.2f} ms per token (step of {args.decode_steps} tokens)")
     if batch1:
         achieved = step_bytes / (batch1["tpot_p50_ms"] / 1e3)
-        results["decode_batch1"] = {"bytes": step_bytes, "bytes_s": achieved,
-                                    "of_copy": achieved / results["copy_bytes_s"],
-                                    "of_read": achieved / results["read_bytes_s"]}
+        of_copy, of_read = (achieved / (devices * results[k]) for k in ("copy_bytes_s", "read_bytes_s"))
+        results["decode_batch1"] = {"bytes": step_bytes, "bytes_s": achieved, "of_copy": of_copy,
+                                    "of_read": of_read}
         print(f"batch-1 decode step: {step_bytes / 1e9:.2f} GB read in {batch1['tpot_p50_ms']:.2f} ms = "
-              f"{achieved / 1e9:.0f} GB/s = {achieved / results['copy_bytes_s']:.2f} of the copy bandwidth, "
-              f"{achieved / results['read_bytes_s']:.2f} of the read bandwidth")
+              f"{achieved / 1e9:.0f} GB/s = {of_copy:.2f} of the copy bandwidth, {of_read:.2f} of the read "
+              f"bandwidth" + (f" (x {devices} devices)" if devices > 1 else ""))
     ours32 = next((r["tok_s"] for r in results["levels"] if r["concurrency"] == 32 and not r["separate"]), None)
     if "peer_tok_s" in results and ours32:
         print(f"32 concurrent: {ours32:.1f} tok/s vs transformers {results['transformers']} generate "

@@ -28,12 +28,13 @@ class Attention(nnx.Module):
         self.wv = Linear(hidden, kv_width, dtype=dtype, rngs=rngs)
         self.wr = Linear(hidden, s.num_heads * cfg.d_rel, dtype=dtype, rngs=rngs)
         self.wo = Linear(s.num_heads * s.head_dim, hidden, dtype=dtype, rngs=rngs)
-        self.k_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs)
-        self.v_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs)
+        self.k_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True)
+        self.v_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True)
         self.q_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
         # One bank of bias-vs-distance profiles per layer, shared by all heads: P [d_rel, E].
         self.rel_proj = nnx.Param(normal(rngs, (cfg.d_rel, s.extent), dtype))
+        self.mesh = None  # set by `sharding.shard_model`: the kernels then run per device on its own heads
 
     def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
                  page_table=None, ring_rows=None):
@@ -54,7 +55,8 @@ class Attention(nnx.Module):
             q, _, _, new_k, new_v, k_conv, v_conv = kernels.decode_prologue(
                 q[:, 0], k[:, 0], v[:, 0], self.k_sconv.weight[...], self.v_sconv.weight[...],
                 self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv, cache.v_conv, cache.k, cache.v,
-                self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0], eps=self.q_norm.eps)
+                self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0], eps=self.q_norm.eps,
+                mesh=self.mesh)
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q[:, None], r, positions, n_new, tau)
             return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
 
@@ -66,7 +68,7 @@ class Attention(nnx.Module):
 
         if cache is None:
             out = kernels.self_attention(q, k, v, r, self.rel_proj[...], positions, window=self.window, tau=tau,
-                                         segment_ids=segment_ids)
+                                         segment_ids=segment_ids, mesh=self.mesh)
             updated = None
         else:
             out, new_k, new_v = self._cached_attention(cache, page_table, ring_rows, q, k, v, r, positions, n_new,
@@ -112,7 +114,7 @@ class Attention(nnx.Module):
         lengths = jnp.maximum(positions[:, 0] + n_new, 1)  # idle rows (n_new 0) compute noise, write nothing
         out = kernels.decode_attention(q[:, 0], k_cache, v_cache, r[:, 0], self.rel_proj[...], lengths,
                                        page_table=None if self.local else page_table, ring_rows=ring_rows,
-                                       window=self.window, tau=None if tau is None else tau[:, 0])
+                                       window=self.window, tau=None if tau is None else tau[:, 0], mesh=self.mesh)
         return out[:, None]
 
     def _cached_attention(self, cache, page_table, ring_rows, q, k, v, r, positions, n_new, tau):
@@ -142,7 +144,8 @@ class Attention(nnx.Module):
             k_pages, v_pages, table = new_k, new_v, page_table
             q_start, key_start, key_end = cached, jnp.zeros_like(cached), cached + n_new
         out = kernels.chunk_attention(q, k_pages, v_pages, table, r, self.rel_proj[...], q_start=q_start,
-                                      key_start=key_start, key_end=key_end, window=self.window, tau=tau)
+                                      key_start=key_start, key_end=key_end, window=self.window, tau=tau,
+                                      mesh=self.mesh)
         return out, new_k, new_v
 
 

@@ -7,13 +7,18 @@ The model calls the functions below and never a kernel directly. `set_backend` p
 The MoE has its own choice because it has three: "dense" (einsum over every expert, tiny models only),
 "ragged" (`jax.lax.ragged_dot` on tokens sorted by expert; "auto" off GPU) and "pallas" ("auto" on GPU).
 The choice is read while tracing, so set it before the first call of a jitted function.
+
+Every function takes the `mesh` of a sharded model (None: one device) and then runs once per device on its own
+heads and rows (`kernel_sharding`).
 """
 
 import contextlib
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from inkling_jax.kernel_sharding import split
 from pallas_kernels.rel_attention import reference as attention_reference
 from pallas_kernels.shortconv import reference as shortconv_reference
 
@@ -55,12 +60,17 @@ def moe_backend() -> str:
     return choice
 
 
-def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None):
-    if _pallas():
-        if state is None:
-            state = jax.numpy.zeros((x.shape[0], w.shape[-1] - 1, x.shape[-1]), x.dtype)
-        return _shortconv_kernel(x, w, state, segment_ids, lengths)
-    return shortconv_reference.shortconv_prefill(x, w, state, segment_ids=segment_ids, lengths=lengths)
+def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None, mesh=None, split_channels=False):
+    """x [B, T, C], w [C, width], state [B, width - 1, C]; `split_channels`: the channels are heads x head_dim
+    (K and V), split over `tensor` like the heads."""
+    if state is None:
+        state = jax.numpy.zeros((x.shape[0], w.shape[-1] - 1, x.shape[-1]), x.dtype)
+    fn = _shortconv_kernel if _pallas() else shortconv_reference.shortconv_prefill
+    how = split(mesh, (x.shape[-1],) if split_channels else (), batch=x.shape[0])
+    if how:
+        values, per_row = how.spec(2, 0), how.spec(None, 0)
+        fn = how.run(fn, (values, how.spec(0), values, per_row, per_row), (values, values))
+    return fn(x, w, state, segment_ids, lengths)
 
 
 @jax.custom_vjp
@@ -89,28 +99,43 @@ _shortconv_kernel.defvjp(_shortconv_fwd, _shortconv_bwd)
 
 
 def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, key_start, key_end, window=None,
-                    tau=None):
+                    tau=None, mesh=None):
     """Prefill chunks continuing a cache, keys read through a page table (contract and layouts in
     `pallas_kernels/rel_attention/chunk.py`)."""
     if _pallas():
-        from pallas_kernels.rel_attention import rel_chunk_attention
-
-        fn = rel_chunk_attention
+        from pallas_kernels.rel_attention import rel_chunk_attention as fn
     else:
         fn = attention_reference.chunk_attention
-    return fn(q, k_pages, v_pages, page_table, r, rel_proj, q_start=q_start, key_start=key_start, key_end=key_end,
-              window=window, tau=tau)
+
+    def call(q, k_pages, v_pages, r, page_table, rel_proj, q_start, key_start, key_end, tau):
+        return fn(q, k_pages, v_pages, page_table, r, rel_proj, q_start=q_start, key_start=key_start,
+                  key_end=key_end, window=window, tau=tau)
+
+    how = split(mesh, (q.shape[2], k_pages.shape[2]))
+    if how:
+        heads = how.spec(2)
+        call = how.run(call, (heads,) * 4 + (P(),) * 6, heads)
+    return call(q, k_pages, v_pages, r, page_table, rel_proj, q_start, key_start, key_end, tau)
 
 
-def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, segment_ids=None):
+def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, segment_ids=None, mesh=None):
     """T tokens attending among themselves; positions must step by one inside each segment (packed sequences
     restart at 0), which is what lets the flash kernel use index differences as distances."""
     if _pallas():
         from pallas_kernels.rel_attention import rel_flash_attention
 
-        return rel_flash_attention(q, k, v, r, rel_proj, window=window, tau=tau, segment_ids=segment_ids)
-    return attention_reference.rel_attention(q, k, v, r, rel_proj, positions, positions, window=window, tau=tau,
-                                             q_segment=segment_ids, k_segment=segment_ids)
+        def call(q, k, v, r, rel_proj, positions, tau, segment_ids):
+            return rel_flash_attention(q, k, v, r, rel_proj, window=window, tau=tau, segment_ids=segment_ids)
+    else:
+        def call(q, k, v, r, rel_proj, positions, tau, segment_ids):
+            return attention_reference.rel_attention(q, k, v, r, rel_proj, positions, positions, window=window,
+                                                     tau=tau, q_segment=segment_ids, k_segment=segment_ids)
+
+    how = split(mesh, (q.shape[2], k.shape[2]), batch=q.shape[0])
+    if how:
+        heads, rows = how.spec(2, 0), how.spec(None, 0)
+        call = how.run(call, (heads,) * 4 + (P(), rows, rows, rows), heads)
+    return call(q, k, v, r, rel_proj, positions, tau, segment_ids)
 
 
 def fused_decode_prologue() -> bool:
@@ -120,7 +145,7 @@ def fused_decode_prologue() -> bool:
 
 
 def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_state, k_cache, v_cache,
-                    write_idx, *, eps):
+                    write_idx, *, eps, mesh=None):
     """The fused prologue of a decode step (`pallas_kernels/attn_prologue`) for one token per row.
 
     q [B, Hq*D], k and v [B, Hkv*D] projections; k_state, v_state [B, W-1, Hkv*D] the rows' ShortConv states;
@@ -131,16 +156,23 @@ def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_
     """
     from pallas_kernels.attn_prologue import attn_prologue
 
-    flat = lambda cache: cache.reshape(-1, *cache.shape[-2:])  # noqa: E731
-    slots = jax.numpy.arange(q.shape[0], dtype=jax.numpy.int32)
-    q, k, v, k_state, v_state, new_k, new_v = attn_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w,
-                                                            k_state, v_state, slots, flat(k_cache),
-                                                            flat(v_cache), write_idx, eps=eps)
-    return q, k, v, new_k.reshape(k_cache.shape), new_v.reshape(v_cache.shape), k_state, v_state
+    def call(q, k, v, k_conv_w, v_conv_w, k_state, v_state, k_cache, v_cache, q_norm_w, k_norm_w, write_idx):
+        flat = lambda cache: cache.reshape(-1, *cache.shape[-2:])  # noqa: E731
+        slots = jax.numpy.arange(q.shape[0], dtype=jax.numpy.int32)
+        q, k, v, k_state, v_state, new_k, new_v = attn_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w,
+                                                                k_state, v_state, slots, flat(k_cache),
+                                                                flat(v_cache), write_idx, eps=eps)
+        return q, k, v, new_k.reshape(k_cache.shape), new_v.reshape(v_cache.shape), k_state, v_state
+
+    how = split(mesh, (q.shape[1] // k_cache.shape[-1], k_cache.shape[-2]))
+    if how:  # heads at dimension 1 of q, k, v (flat or not), 0 of the conv taps, 2 of the states and caches
+        heads, taps, states = how.spec(1), how.spec(0), how.spec(2)
+        call = how.run(call, (heads,) * 3 + (taps,) * 2 + (states,) * 4 + (P(),) * 3, (heads,) * 3 + (states,) * 4)
+    return call(q, k, v, k_conv_w, v_conv_w, k_state, v_state, k_cache, v_cache, q_norm_w, k_norm_w, write_idx)
 
 
 def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=None, ring_rows=None, window=None,
-                     tau=None):
+                     tau=None, mesh=None):
     """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
     given) or a window ring (sliding layers; row b's ring is `ring_rows[b]`, default b). `lengths` counts the
     new token."""
@@ -148,6 +180,17 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=No
 
     if page_table is None:
         fn = decode.ring_decode_attention if _pallas() else decode.ring_decode_reference
-        return fn(q, k_cache, v_cache, lengths, r, rel_proj, window=window, rows=ring_rows)
-    fn = decode.paged_decode_attention if _pallas() else decode.paged_decode_reference
-    return fn(q, k_cache, v_cache, page_table, lengths, r, rel_proj, tau=tau)
+
+        def call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau):
+            return fn(q, k_cache, v_cache, lengths, r, rel_proj, window=window, rows=ring_rows)
+    else:
+        fn = decode.paged_decode_attention if _pallas() else decode.paged_decode_reference
+
+        def call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau):
+            return fn(q, k_cache, v_cache, page_table, lengths, r, rel_proj, tau=tau)
+
+    how = split(mesh, (q.shape[1], k_cache.shape[2]))
+    if how:
+        heads, cache = how.spec(1), how.spec(2)
+        call = how.run(call, (heads, cache, cache, heads) + (P(),) * 5, heads)
+    return call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau)

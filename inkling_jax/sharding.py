@@ -140,15 +140,18 @@ def param_shardings(model: nnx.Module, mesh: Mesh, rules=None) -> dict[tuple, Na
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
-    """Place every parameter of `model` on `mesh` by the table (in place) and let its MoE layers run expert
-    parallel over the mesh's `expert` axis; returns the model."""
+    """Place every parameter of `model` on `mesh` by the table (in place) and tell the modules that call kernels
+    the mesh (MoE layers run expert parallel over `expert`; attention and ShortConv kernels run per device);
+    returns the model."""
+    from inkling_jax.attention import Attention
+    from inkling_jax.layers import ShortConv
     from inkling_jax.mlp import MoE
 
     shardings = param_shardings(model, mesh, rules)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Param):
             node.set_value(jax.device_put(node.get_value(), shardings[path]))
-        elif isinstance(node, MoE):
+        elif isinstance(node, (MoE, Attention, ShortConv)):
             node.mesh = mesh
     return model
 

@@ -1,0 +1,57 @@
+"""Running the attention and ShortConv kernels on a sharded model: one call per device through `shard_map`.
+
+A Pallas kernel is a custom call that XLA's SPMD partitioner cannot split. Given operands sharded by heads (the
+`tensor` axis) or by batch (`data` x `fsdp`), XLA would gather every operand onto every device and run the whole
+kernel there: every KV cache and every head, on every device, in every layer. So `kernels` wraps each call in
+`shard_map` with the layout the sharding rules give its operands; each device then runs the kernel on its own heads
+and rows, which needs no communication (attention and ShortConv are independent per head, channel and row).
+
+Heads split only when both the query and the KV head counts divide by `tensor`, so that each device holds whole
+GQA groups; otherwise they stay whole, and XLA gathers them first (the cache placement makes the same choice).
+"""
+
+import math
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from inkling_jax.sharding import RULES
+
+HEADS = "tensor"
+
+
+class Split:
+    """How one kernel call is split over `mesh`: `heads` ("tensor" or None) for head (or channel) dimensions,
+    `batch` (mesh axes or None) for batch dimensions."""
+
+    def __init__(self, mesh: Mesh, heads: str | None, batch: tuple[str, ...] | None):
+        self.mesh, self.heads, self.batch = mesh, heads, batch
+
+    def __bool__(self) -> bool:
+        return bool(self.heads or self.batch)
+
+    def spec(self, heads_dim: int | None = None, batch_dim: int | None = None) -> PartitionSpec:
+        """The spec of an operand whose heads sit at `heads_dim` and batch at `batch_dim` (None: not split)."""
+        parts = [None] * (1 + max(d for d in (heads_dim, batch_dim, -1) if d is not None))
+        if heads_dim is not None:
+            parts[heads_dim] = self.heads
+        if batch_dim is not None:
+            parts[batch_dim] = self.batch
+        return PartitionSpec(*parts)
+
+    def run(self, fn, in_specs, out_specs):
+        """`fn` once per device, its operands and results laid out as the specs say."""
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def split(mesh: Mesh | None, head_counts=(), batch: int | None = None) -> Split | None:
+    """The split of a call whose operands have `head_counts` heads (query, KV) and `batch` rows (None: rows stay
+    whole, as the cache-indexed calls of the server need). None when nothing splits."""
+    if mesh is None:
+        return None
+    tensor = mesh.shape[HEADS]
+    heads = HEADS if tensor > 1 and head_counts and all(n % tensor == 0 for n in head_counts) else None
+    axes = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
+    rows = axes if batch is not None and axes and batch % math.prod(mesh.shape[a] for a in axes) == 0 else None
+    out = Split(mesh, heads, rows)
+    return out if out else None
