@@ -1,43 +1,68 @@
-"""Expert parallelism: routed experts split over the mesh's `expert` axis with `shard_map`, tokens dispatched to
-the shard owning their expert and combined back by all-to-all.
+"""The MoE over a mesh: routed experts split over the `expert` axis (expert parallelism, all-to-all dispatch and
+combine) and every expert's width split over `tensor`, both with `shard_map`.
 
-Tokens come sharded over the batch axes (data x fsdp) and replicated across `expert`. Each expert shard takes
-its own 1/n slice of them, sorts its (token, slot) copies by expert and sends each copy only to the shard
-that owns the expert (`ragged_all_to_all` on GPU; on other backends, whose XLA lacks it, `ragged_all_to_all_padded`,
-the same contract over a fixed-size `all_to_all`). The receiver runs its experts on everything it received,
-sends the results back the same way, the home shard weights and sums the k copies of each token in fp32 (in
-slot order, no atomics), and an `all_gather` over `expert` returns the layer's output replicated again.
-Buffers are sized for the worst case (every copy to one shard), so there is no capacity and nothing is
-dropped. Shared experts run on the home shard's slice: in the same launch (`shared_in_launch`) or dense.
+Tokens come sharded over the batch axes (data x fsdp) and replicated across `expert` and `tensor`. Each expert
+shard takes its own 1/n slice of them, sorts its (token, slot) copies by expert and sends each copy only to the
+shard that owns the expert (`ragged_all_to_all` on GPU; on other backends, whose XLA lacks it,
+`ragged_all_to_all_padded`, the same contract over a fixed-size `all_to_all`). The receiver runs its experts on
+everything it received, sends the results back the same way, the home shard weights and sums the k copies of
+each token in fp32 (in slot order, no atomics), and an `all_gather` over `expert` returns the layer's output
+replicated again. Buffers are sized for the worst case (every copy to one shard), so there is no capacity and
+nothing is dropped. Shared experts run on the home shard's slice: in the same launch (`shared_in_launch`) or dense.
+
+Width (Megatron's MLP split): when `tensor` divides the routed and the shared experts' width, each tensor shard
+holds columns of w_gate / w_up and the matching rows of w_down, so its SwiGLU and down projection give a partial
+output, summed over `tensor` in fp32 (before the `all_gather`, on the smaller array). The grouped matmul reads only
+the shard's slice of every weight: a Pallas kernel is a custom call XLA cannot partition, so without this the
+sharded weights would be gathered on every device at every step. Without an `expert` axis (`experts_tp`) it is
+the same split around `mlp.local_experts` on each batch shard's tokens.
 """
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from inkling_jax.mlp import grouped_ffn, grouped_rows, local_experts, shared_dense, with_shared_rows
 from inkling_jax.sharding import RULES
 
 AXIS = "expert"
+WIDTH_AXIS = "tensor"  # RULES' axis for the routed ("expert_mlp") and shared ("mlp") experts' width
+
+
+def width_axis(mesh: Mesh, routed, shared) -> str | None:
+    """`tensor` when the mesh has one and it divides the routed and the shared width (split alike, so the
+    stacks `shared_in_launch` concatenates line up), else None: every shard holds whole experts."""
+    n = mesh.shape[WIDTH_AXIS]
+    return WIDTH_AXIS if n > 1 and routed[2].shape[1] % n == 0 and shared[2].shape[1] % n == 0 else None
+
+
+def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
+               shared_in_launch: bool = False):
+    """`mlp.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
+    width = width_axis(mesh, routed, shared)
+
+    def shard(x, ids, wts, shared_wts, routed, shared):
+        out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch)
+        return _sum_width(out, width)
+
+    return _shard_map(shard, mesh, x.shape[0], width)(x, expert_ids, weights, shared_weights, tuple(routed),
+                                                      tuple(shared))
 
 
 def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
                shared_in_launch: bool = False, transport=None):
-    """`mlp.experts` with the routed experts sharded over `expert`.
+    """`mlp.experts` with the routed experts sharded over `expert` (and their width over `tensor` when
+    `width_axis` says so).
 
     backend: the MoE backend whose `mlp.grouped_ffn` runs one shard's experts on the rows it received.
     transport: the ragged all-to-all (default: by backend, see module doc).
     """
-    from inkling_jax.mlp import grouped_ffn, grouped_rows, shared_dense, with_shared_rows
-
     num_experts, shards = routed[0].shape[0], mesh.shape[AXIS]
     if num_experts % shards:
         raise ValueError(f"{num_experts} experts do not split over an expert axis of {shards}")
     if transport is None:
         transport = jax.lax.ragged_all_to_all if jax.default_backend() == "gpu" else ragged_all_to_all_padded
-    batch_axes = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
-    tokens = P(batch_axes or None)
-    if x.shape[0] % max(1, _size(mesh, batch_axes)):
-        tokens = P(None)  # too few tokens to split: every shard of the group takes them all
+    width = width_axis(mesh, routed, shared)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
         num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape
@@ -79,13 +104,30 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
             out = out + y[capacity:].astype(jnp.float32).reshape(-1, per, out.shape[-1]).sum(0)
         else:
             out = out + shared_dense(x_mine, shared, shared_mine)
-        return jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
+        return jax.lax.all_gather(_sum_width(out, width), AXIS, tiled=True)[:num_tokens]
 
-    expert_w, replicated = P(AXIS), P()
-    return jax.shard_map(
-        shard, mesh=mesh, out_specs=tokens, check_vma=False,
-        in_specs=(tokens, tokens, tokens, tokens, (expert_w,) * 3, (replicated,) * 3),
-    )(x, expert_ids, weights, shared_weights, tuple(routed), tuple(shared))
+    return _shard_map(shard, mesh, x.shape[0], width)(x, expert_ids, weights, shared_weights, tuple(routed),
+                                                      tuple(shared))
+
+
+def _shard_map(shard, mesh: Mesh, num_tokens: int, width: str | None):
+    """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) over the
+    batch axes when they divide the token count, else whole on every shard; routed experts over `expert`;
+    the routed and the shared width over `width` (w_gate / w_up columns, w_down rows) unless None."""
+    batch_axes = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
+    tokens = P(batch_axes) if batch_axes and num_tokens % _size(mesh, batch_axes) == 0 else P(None)
+
+    def stack(experts):
+        return P(experts, None, width), P(experts, None, width), P(experts, width, None)
+
+    experts = AXIS if mesh.shape[AXIS] > 1 else None
+    return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
+                         in_specs=(tokens, tokens, tokens, tokens, stack(experts), stack(None)))
+
+
+def _sum_width(out, width: str | None):
+    """The partial outputs of a shard's width slice (fp32), summed over the width axis."""
+    return out if width is None else jax.lax.psum(out, width)
 
 
 class _Plan:

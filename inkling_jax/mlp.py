@@ -98,14 +98,26 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
 
     x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts; weights [N, k] and
     shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis is larger than 1,
-    by expert parallelism (all-to-all dispatch and combine).
+    by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides the experts'
+    width, every tensor shard runs its slice of the width and the partial outputs are summed (both in
+    `expert_parallel`).
     """
     backend = kernels.moe_backend()
-    if mesh is not None and mesh.shape["expert"] > 1:
-        from inkling_jax.expert_parallel import experts_ep
+    if mesh is not None:
+        from inkling_jax import expert_parallel as parallel
 
-        return experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
-                          shared_in_launch=shared_in_launch)
+        if mesh.shape[parallel.AXIS] > 1:
+            return parallel.experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
+                                       shared_in_launch=shared_in_launch)
+        if parallel.width_axis(mesh, routed, shared):
+            return parallel.experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
+                                       shared_in_launch=shared_in_launch)
+    return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch)
+
+
+def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False):
+    """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
+    slice of every expert's width, whose fp32 output is then a partial sum."""
     if backend == "dense":
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape

@@ -22,8 +22,10 @@ def page_bytes(text: TextConfig, config: EngineConfig, dtype) -> int:
     return 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize
 
 
-def pages_for_memory(text: TextConfig, config: EngineConfig, dtype) -> int:
-    """The pages to allocate (see the module docstring); logs the budget where it sized from memory."""
+def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
+    """The pages to allocate (see the module docstring); logs the budget where it sized from memory. kv_shards:
+    the devices a page's KV heads are split over (tensor parallelism), each holding that share of every page;
+    the rest is counted whole, as if every device held all of it."""
     cfg, vocab = config, text.unpadded_vocab_size
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
@@ -31,6 +33,7 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype) -> int:
     free = (stats["bytes_limit"] - stats["bytes_in_use"]) * cfg.memory_fraction
     page = page_bytes(text, cfg, dtype)
     fixed = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1) - page
+    page //= kv_shards
     per_row = fixed // cfg.num_rows
     fixed += cfg.snapshots * per_row + cfg.num_rows * vocab * 5  # snapshots; penalty counts and prompt masks
     fixed += 4 * cfg.rows[-1] * vocab * 4  # one logits row per step row, its softmax and draws, fp32

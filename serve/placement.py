@@ -59,14 +59,18 @@ class Placement:
     def replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
+    def kv_shards(self, text: TextConfig, local: bool = False) -> int:
+        """The devices one layer kind's KV heads (and its cache) are split over: `tensor` where it divides them."""
+        tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
+        return tensor if text.attention(local).num_kv_heads % tensor == 0 else 1
+
     def cache_shardings(self, text: TextConfig, cache: Cache):
         """A pytree like `cache` of shardings (None without a mesh)."""
         if self.mesh is None:
             return None
-        tensor = self.mesh.shape["tensor"]
         layers = []
         for i, layer in enumerate(cache.layers):
-            split = text.attention(text.is_local(i)).num_kv_heads % tensor == 0
+            split = self.kv_shards(text, text.is_local(i)) > 1
             fields = {}
             for name, axes in CACHE_AXES.items():
                 shape = getattr(layer, name).shape

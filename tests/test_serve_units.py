@@ -111,9 +111,9 @@ def test_kv_pool_size_follows_free_device_memory(monkeypatch):
     # No memory statistics (CPU): every slot at full length.
     assert memory_plan.pages_for_memory(text, config, jnp.float32) == 4 * config.pages_per_row
 
-    def pages(free):
+    def pages(free, kv_shards=1):
         monkeypatch.setattr(jax, "devices", lambda: [FakeDevice(free)])
-        return memory_plan.pages_for_memory(text, config, jnp.float32)
+        return memory_plan.pages_for_memory(text, config, jnp.float32, kv_shards)
 
     base = pages(1 << 30)
     # Only memory_fraction of the free memory is used, after a fixed share for slots, snapshots and step buffers.
@@ -121,6 +121,8 @@ def test_kv_pool_size_follows_free_device_memory(monkeypatch):
     # Each further page's worth of usable memory is exactly one more page.
     assert pages((1 << 30) + 7 * 2 * page) == base + 7
     assert pages(4096) < config.pages_per_row  # too little memory: the runner refuses to start on this
+    # KV heads split over two devices: each holds half of every page, so the same memory holds twice the pages.
+    assert pages((1 << 30) + 7 * 2 * page, kv_shards=2) - pages(1 << 30, kv_shards=2) == 14
 
 
 # ------------------------------------------------------------------------------------------------------------
