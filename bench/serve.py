@@ -180,6 +180,8 @@ def main():
     p.add_argument("--trace-concurrency", type=int, default=1)
     p.add_argument("--mesh", help="serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); default: one "
                    "device. Bytes/s are then compared with the ceilings times the device count")
+    p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
+                   help="share of the free device memory the KV pool may take")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     placement = Placement.from_spec(args.mesh)
@@ -210,7 +212,8 @@ def main():
                                  max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels) + 16),
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
                                  max_queued=max(levels) + 1, decode_steps=args.decode_steps,
-                                 fuse_projections=not args.no_fuse_projections)
+                                 fuse_projections=not args.no_fuse_projections,
+                                 memory_fraction=args.memory_fraction)
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
     results["compile_s"] = engine.warm_up_seconds

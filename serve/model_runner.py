@@ -85,11 +85,10 @@ class ModelRunner:
         self.cache_shardings = self.placement.cache_shardings(self.text, cache)
         self.snapshot_shardings = None if self.cache_shardings is None else cache_rows.row_state(
             self.text, self.cache_shardings)
-        self.cache = self.placement.put(self.model.init_cache(cfg.num_rows, cfg.max_model_len,
-                                                              page_size=cfg.page_size, num_pages=self.num_pages),
-                                        self.cache_shardings)
-        self.snapshots = self.placement.put(cache_rows.empty_snapshots(self.text, self.cache, cfg.snapshots),
-                                            self.snapshot_shardings)
+        self.cache = self.placement.create(lambda: self.model.init_cache(
+            cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size, num_pages=self.num_pages), self.cache_shardings)
+        self.snapshots = self.placement.create(lambda: cache_rows.empty_snapshots(self.text, cache, cfg.snapshots),
+                                               self.snapshot_shardings)
         self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
                                                          jnp.zeros((cfg.num_rows, self.vocab), bool)))
 

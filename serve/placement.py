@@ -85,6 +85,11 @@ class Placement:
             return jax.device_put(tree)
         return jax.device_put(tree, shardings if shardings is not None else self.replicated())
 
+    def create(self, fn, shardings=None):
+        """The arrays `fn()` builds, made by each device in its own shards (`shardings`: a matching pytree;
+        default replicated): a KV pool sized for every device's memory never exists whole on one of them."""
+        return self.jit(fn, out_shardings=shardings)()
+
     def jit(self, fn, out_shardings=None, **kwargs):
         """jax.jit with explicit output shardings on a mesh (replicated unless given)."""
         if self.mesh is not None:

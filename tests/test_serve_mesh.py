@@ -4,8 +4,10 @@ replicated, experts spread over `expert`. The attention and ShortConv run as the
 here), once per device (`inkling_jax.kernel_sharding`); the jnp path goes through the same `shard_map`s."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from inkling_jax import kernels, preset
 from inkling_jax.generate import StepFunctions
@@ -46,3 +48,17 @@ def test_sharded_engine_equals_one_device_model():
             logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
             assert out.token_ids == logits.argmax(-1).tolist()
             np.testing.assert_allclose(out.logprobs, logprobs[np.arange(NEW), out.token_ids], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+def test_placement_builds_arrays_in_their_shards():
+    """The KV pool is sized for each device's memory, so it must never exist whole on one device: `create`
+    builds every shard where it lives (each device's program outputs only its own share)."""
+    placement = Placement.from_spec("tensor=2")
+    sharding = NamedSharding(placement.mesh, PartitionSpec(None, None, "tensor", None))
+    build = lambda: jnp.arange(64 * 8 * 4 * 16, dtype=jnp.float32).reshape(64, 8, 4, 16)  # noqa: E731
+    pool = placement.create(build, sharding)
+    assert pool.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(pool), np.asarray(build()))
+    program = placement.jit(build, out_shardings=sharding).lower().compile()
+    assert program.memory_analysis().output_size_in_bytes == pool.nbytes // 2
