@@ -56,8 +56,7 @@ def _matmul_shapes(jaxpr, found):
 @needs_8_devices
 @pytest.mark.parametrize("backend", ["ragged", "pallas"])
 @pytest.mark.parametrize("spec,local_experts", [("tensor=2", 8), ("fsdp=4,tensor=2", 8), ("tensor=2,expert=4", 2)])
-@pytest.mark.parametrize("shared_in_launch", [False, True])
-@pytest.mark.parametrize("num_tokens", [14, 80])
+@pytest.mark.parametrize("shared_in_launch,num_tokens", [(False, 14), (True, 80)])
 def test_shards_see_only_their_slice_of_the_width(backend, spec, local_experts, shared_in_launch, num_tokens):
     """Traced only (forward and gradient): every expert weight, routed and shared, that a matmul or a Pallas
     kernel reads or writes is [experts, hidden 64, width 256 / 2] or its transpose; none has the full width,

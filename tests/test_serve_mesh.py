@@ -1,7 +1,8 @@
 """The engine sharded over 8 simulated CPU devices (tensor=2, expert=4) gives the greedy tokens and logprobs
 of the one-device model: K/V heads of the sliding layer split over `tensor`, the full layer's single KV head
-replicated, experts spread over `expert`. The attention and ShortConv run as the Pallas kernels (interpret mode
-here), once per device (`inkling_jax.kernel_sharding`); the jnp path goes through the same `shard_map`s."""
+replicated, experts spread over `expert`. The attention and ShortConv run once per device through the same
+`shard_map`s as the Pallas kernels on GPUs (`inkling_jax.kernel_sharding`; the kernels themselves are checked
+per device in tests/test_kernel_sharding.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ NEW = 9
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_engine_equals_one_device_model():
-    with kernels.use("pallas", moe="dense"):
+    with kernels.use("jnp", moe="dense"):
         engine = Engine(random_model(CONFIG, seed=1), EngineConfig(
             max_num_seqs=2, max_model_len=48, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
             row_buckets=(3,), prefix_caching=False, decode_steps=4), eos_token_id=CONFIG.eos_token_id,
