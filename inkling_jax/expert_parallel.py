@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from inkling_jax.mlp import grouped_ffn, grouped_rows, local_experts, shared_dense, with_shared_rows
-from inkling_jax.sharding import RULES
+from inkling_jax.sharding import RULES, spec_for
 
-AXIS = "expert"
-WIDTH_AXIS = "tensor"  # RULES' axis for the routed ("expert_mlp") and shared ("mlp") experts' width
+AXIS = RULES["experts"]
+WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the shared ones' ("mlp") alike
 
 
 def width_axis(mesh: Mesh, routed, shared) -> str | None:
@@ -114,8 +114,7 @@ def _shard_map(shard, mesh: Mesh, num_tokens: int, width: str | None):
     """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) over the
     batch axes when they divide the token count, else whole on every shard; routed experts over `expert`;
     the routed and the shared width over `width` (w_gate / w_up columns, w_down rows) unless None."""
-    batch_axes = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
-    tokens = P(batch_axes) if batch_axes and num_tokens % _size(mesh, batch_axes) == 0 else P(None)
+    tokens = spec_for(("batch",), (num_tokens,), mesh)
 
     def stack(experts):
         return P(experts, None, width), P(experts, None, width), P(experts, width, None)
@@ -178,10 +177,3 @@ def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_
     at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where peer s's slice goes here
     dst = jnp.where(pos < recv_sizes[:, None], at[:, None] + pos, output.shape[0])
     return output.at[dst.reshape(-1)].set(got.reshape((-1,) + operand.shape[1:]), mode="drop")
-
-
-def _size(mesh: Mesh, axes) -> int:
-    out = 1
-    for a in axes:
-        out *= mesh.shape[a]
-    return out

@@ -10,21 +10,19 @@ Heads split only when both the query and the KV head counts divide by `tensor`, 
 GQA groups; otherwise they stay whole, and XLA gathers them first (the cache placement makes the same choice).
 """
 
-import math
-
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from inkling_jax.sharding import RULES
+from inkling_jax.sharding import RULES, spec_for
 
-HEADS = "tensor"
+HEADS = RULES["kv_heads"]  # the axis of query and KV heads alike (RULES' "q_heads" and "kv_heads")
 
 
 class Split:
     """How one kernel call is split over `mesh`: `heads` ("tensor" or None) for head (or channel) dimensions,
     `batch` (mesh axes or None) for batch dimensions."""
 
-    def __init__(self, mesh: Mesh, heads: str | None, batch: tuple[str, ...] | None):
+    def __init__(self, mesh: Mesh, heads: str | None, batch: str | tuple[str, ...] | None):
         self.mesh, self.heads, self.batch = mesh, heads, batch
 
     def __bool__(self) -> bool:
@@ -44,14 +42,19 @@ class Split:
         return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
+def head_shards(mesh: Mesh | None, head_counts) -> int:
+    """The devices heads split over: `tensor` when it divides every count in `head_counts` (query, KV), so each
+    device holds whole GQA groups; else 1."""
+    tensor = 1 if mesh is None else mesh.shape[HEADS]
+    return tensor if all(n % tensor == 0 for n in head_counts) else 1
+
+
 def split(mesh: Mesh | None, head_counts=(), batch: int | None = None) -> Split | None:
     """The split of a call whose operands have `head_counts` heads (query, KV) and `batch` rows (None: rows stay
     whole, as the cache-indexed calls of the server need). None when nothing splits."""
     if mesh is None:
         return None
-    tensor = mesh.shape[HEADS]
-    heads = HEADS if tensor > 1 and head_counts and all(n % tensor == 0 for n in head_counts) else None
-    axes = tuple(a for a in RULES["batch"] if mesh.shape[a] > 1)
-    rows = axes if batch is not None and axes and batch % math.prod(mesh.shape[a] for a in axes) == 0 else None
+    heads = HEADS if head_counts and head_shards(mesh, head_counts) > 1 else None
+    rows = None if batch is None else spec_for(("batch",), (batch,), mesh)[0]  # as the batch's own sharding
     out = Split(mesh, heads, rows)
     return out if out else None

@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.cache import Cache
 from inkling_jax.config import TextConfig
+from inkling_jax.kernel_sharding import head_shards
 from inkling_jax.sharding import make_mesh, parse_mesh_spec, shard_model, spec_for
 
 # LayerCache field -> logical names of its dimensions (see `inkling_jax.cache`)
@@ -60,9 +61,10 @@ class Placement:
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
 
     def kv_shards(self, text: TextConfig, local: bool = False) -> int:
-        """The devices one layer kind's KV heads (and its cache) are split over: `tensor` where it divides them."""
-        tensor = 1 if self.mesh is None else self.mesh.shape["tensor"]
-        return tensor if text.attention(local).num_kv_heads % tensor == 0 else 1
+        """The devices one layer kind's KV heads (and its cache) are split over: where its attention kernels
+        split their heads (`kernel_sharding.head_shards`), so each device's cache holds its own heads."""
+        shape = text.attention(local)
+        return head_shards(self.mesh, (shape.num_heads, shape.num_kv_heads))
 
     def cache_shardings(self, text: TextConfig, cache: Cache):
         """A pytree like `cache` of shardings (None without a mesh)."""

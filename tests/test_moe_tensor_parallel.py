@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -45,11 +46,8 @@ def _matmul_shapes(jaxpr, found):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in ("ragged_dot", "ragged_dot_general", "pallas_call", "dot_general"):
             found |= {tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars) if len(v.aval.shape) == 3}
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _matmul_shapes(inner, found)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _matmul_shapes(sub, found)
     return found
 
 
