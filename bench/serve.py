@@ -43,6 +43,7 @@ from serve.sampling import SamplingParams  # noqa: E402
 from serve.steps import pack  # noqa: E402
 
 from bench.ceilings import copy_bandwidth, decode_step_bytes, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
+from bench.trace_summary import summarize  # noqa: E402
 from serve.text_stream import Delta  # noqa: E402
 
 PEER = r"""
@@ -234,9 +235,11 @@ def main():
     for n in levels if args.trace else ():
         with jax.profiler.trace(os.path.join(args.trace, f"program{n}"), create_perfetto_trace=True):
             decode_program_seconds(engine, n)
+        print(summarize(os.path.join(args.trace, f"program{n}")))
     if args.trace and prefill_rows:
         with jax.profiler.trace(os.path.join(args.trace, f"prefill{prefill_rows[-1]}"), create_perfetto_trace=True):
             prefill_program_seconds(engine, prefill_rows[-1], chunks[1])
+        print(summarize(os.path.join(args.trace, f"prefill{prefill_rows[-1]}")))
 
     # the longest context of a batch-1 request: an upper bound on the K/V its steps read
     step_bytes = decode_step_bytes(model, 1, args.prompt_tokens + args.output_tokens)

@@ -18,6 +18,7 @@ from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.layers import RMSNorm, ShortConv, normal
 from inkling_jax.mlp import DenseMLP, MoE
 from inkling_jax.mtp import MTPHead
+from inkling_jax.sharding import take_rows
 from inkling_jax.towers import AudioTower, VisionTower
 
 
@@ -85,6 +86,7 @@ class InklingModel(nnx.Module):
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
                                                                     rngs=rngs)
         self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
+        self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
 
     # ------------------------------------------------------------------------------------------------------
     # Public API
@@ -176,7 +178,7 @@ class InklingModel(nnx.Module):
 
     def embed_tokens(self, ids):
         """The normed token embedding (no media): shared by the trunk and the MTP head."""
-        return self.embed_norm(jnp.take(self.embed[...], ids, axis=0))
+        return self.embed_norm(take_rows(self.embed[...], ids, self.mesh))
 
     def embed_inputs(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None):
         x = self.embed_tokens(input_ids)

@@ -77,7 +77,11 @@ def test_sharded_loss_and_grads_equal_single_device(reference, spec):
     state, frozen = trainer.init(params)
     experts = state.params["layers.1.mlp.w_gate"]
     assert len(experts.sharding.device_set) == 8 and not experts.sharding.is_fully_replicated
-    loss, grads = trainer.loss_and_grads(state, frozen, trainer.place_batch(as_microbatches(batch, 2)))
+    placed = trainer.place_batch(as_microbatches(batch, 2))
+    # The model in the step splits its own work over the mesh (kernels, MoE, embedding: each a shard_map).
+    first = {k: v[0] for k, v in placed.items()}
+    assert "shard_map" in str(jax.make_jaxpr(trainer._loss_sum)(state.params, state.bias, frozen, first))
+    loss, grads = trainer.loss_and_grads(state, frozen, placed)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=2e-6)
     assert sorted(grads) == sorted(ref_grads)
     scale = max(float(np.abs(g).max()) for g in ref_grads.values())

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from inkling_jax import kernels
 from inkling_jax.config import InklingConfig
-from inkling_jax.sharding import activation_sharding, constrain
+from inkling_jax.sharding import activation_sharding, constrain, use_mesh
 from train import lora
 from train.loss import cross_entropy_sum, expert_loads, load_balance, next_token_targets
 from train.optim import OptimConfig, make_optimizer, schedule
@@ -115,7 +115,7 @@ class Trainer:
 
     def _loss_sum(self, params: Flat, bias: Flat, frozen: Flat, mb: dict):
         """(sum of token losses, expert loads [moe layers, experts]) of one microbatch."""
-        model = self.parts.merge(self._forward_params(params, bias, frozen))
+        model = use_mesh(self.parts.merge(self._forward_params(params, bias, frozen)), self.mesh)
         mb = {k: constrain(v, self.mesh, "tokens") for k, v in mb.items()}
         hidden, chosen = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"],
                                              positions=mb["positions"], remat=self.cfg.remat)
