@@ -2,6 +2,7 @@
 shape, with the bf16 matmul ceiling measured in the same run.
 
     PYTHONPATH=. python bench/train.py [--layers 3] [--batch 8] [--seq 1024] [--steps 4] [--out DIR]
+    PYTHONPATH=. python bench/train.py --mesh tensor=2 --no-peer     # ours over several GPUs
 
 Model: the first `--layers` layers of `preset("bench")` (Inkling's per-layer widths, 32 experts top-6 + 2
 shared; as many layers as fit one H200 with fp32 master weights and fp32 AdamW moments), random weights.
@@ -10,7 +11,8 @@ Step: next-token loss on `batch x seq` tokens, backward, global-norm clipping, A
   and the remat policy are tried in `--attempts` order until one compiles and fits;
 - peer: `InklingForCausalLM` in bf16 with `torch.optim.AdamW(fused=True)` (bf16 moments), plain causal rows.
 MFU = model FLOPs per token (`train.metrics.train_flops_per_token`: 6 x active matmul parameters + attention,
-no remat) x tokens/s / the bf16 ceiling: a jitted 8192^3 matmul on random data, timed in the ours process.
+no remat) x tokens/s / the bf16 ceiling: a jitted 8192^3 matmul on random data, timed in the ours process (one
+GPU's, times the devices of `--mesh`).
 Each side runs in its own process so neither sees the other's memory; the parent prints the table last.
 """
 
@@ -38,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="timed steps after the first (compiling) ones")
+    p.add_argument("--mesh", help="train over a device mesh (e.g. tensor=2, expert=2); default: one GPU")
+    p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling (it runs on one GPU)")
     p.add_argument("--attempts", default="pallas:dots,dense:dots,dense:full", help="moe:remat pairs, in order")
     p.add_argument("--ceiling-n", type=int, default=8192, help="size of the square bf16 matmul ceiling")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -84,7 +88,8 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
     from train.step import StepConfig, Trainer
 
     kernels.set_backend(moe=moe)
-    trainer = Trainer(config, make_mesh("data=1", devices=jax.devices()[:1]),
+    mesh = make_mesh(args.mesh) if args.mesh else make_mesh("data=1", devices=jax.devices()[:1])
+    trainer = Trainer(config, mesh,
                       StepConfig(compute_dtype="bfloat16", remat=remat, loss_chunk=512),
                       OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000))
     state, frozen = trainer.init(seeded_params(config, 0, trainer.param_shardings()))
@@ -104,7 +109,7 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     return {"moe": kernels.moe_backend(), "remat": remat, "step_s": statistics.median(times),
             "first_step_s": first_s, "losses": losses, "peak_bytes": stats.get("peak_bytes_in_use"),
-            "grad_norm": float(metrics["grad_norm"])}
+            "grad_norm": float(metrics["grad_norm"]), "devices": mesh.size}
 
 
 def part_jax(args) -> None:
@@ -216,10 +221,12 @@ def run_part(part: str, args, timeout: int, env: dict) -> dict:
 def table(args, ours: dict, peer: dict) -> str:
     tokens = args.batch * args.seq
     ceiling, flops_tok = ours.get("ceiling_flops"), ours.get("flops_per_token")
+    ceiling = ceiling * ours.get("devices", 1) if ceiling else ceiling
     rows = ["| side | setup | step ms | tokens/s | model TFLOP/s | MFU vs measured matmul | peak GiB | vs peer |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     if ceiling:
-        rows.append(f"| bf16 matmul {args.ceiling_n}^3 (XLA) | ceiling | | | {ceiling / 1e12:.0f} | 1.00 | | |")
+        rows.append(f"| bf16 matmul {args.ceiling_n}^3 (XLA) x {ours.get('devices', 1)} | ceiling | | | "
+                    f"{ceiling / 1e12:.0f} | 1.00 | | |")
     peer_tps = tokens / peer["step_s"] if "step_s" in peer else None
     for side, r, setup in (("inkling-jax", ours, f"moe={ours.get('moe')} remat={ours.get('remat')}"),
                            ("transformers", peer, f"attn={peer.get('attn')} experts={peer.get('experts')} "
@@ -244,12 +251,14 @@ def main():
         return part_torch(args)
     os.makedirs(args.out, exist_ok=True)
     ours = run_part("jax", args, args.jax_timeout, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"})
-    peer = run_part("torch", args, args.torch_timeout, {})
+    peer = {"side": "torch", "failures": ["not run (--no-peer)"]} if args.no_peer else \
+        run_part("torch", args, args.torch_timeout, {})
     with open(os.path.join(args.out, "train_bench.json"), "w") as fh:
         json.dump({"args": vars(args), "ours": ours, "peer": peer}, fh, indent=1)
     for r in (ours, peer):
         print(r.get("side"), "losses", [round(x, 3) for x in r.get("losses", [])], "failures", r.get("failures"))
-    print(f"first {args.layers} layers of preset('{args.preset}'), batch {args.batch} x seq {args.seq}; "
+    print(f"first {args.layers} layers of preset('{args.preset}'), batch {args.batch} x seq {args.seq}"
+          f"{', mesh ' + args.mesh if args.mesh else ''}; "
           f"{ours.get('device')} jax {ours.get('jax')} torch {peer.get('torch')} "
           f"transformers {peer.get('transformers')}")
     print(table(args, ours, peer))

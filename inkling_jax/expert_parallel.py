@@ -3,8 +3,11 @@ combine) and every expert's width split over `tensor`, both with `shard_map`.
 
 Tokens come sharded over the batch axes (data x fsdp) and replicated across `expert` and `tensor`. Each expert
 shard takes its own 1/n slice of them, sorts its (token, slot) copies by expert and sends each copy only to the
-shard that owns the expert (`ragged_all_to_all` on GPU; on other backends, whose XLA lacks it,
-`ragged_all_to_all_padded`, the same contract over a fixed-size `all_to_all`). The receiver runs its experts on
+shard that owns the expert. By default the copies travel by `ragged_all_to_all_padded`: the contract of
+`jax.lax.ragged_all_to_all` over a fixed-size `all_to_all`. XLA:CPU lacks the ragged op, and on two H200s driven
+by one process XLA's ragged op (its one-shot kernel) made the layer 1.03-6.0x slower than the padded form from 8
+to 4096 tokens (18.9 against 4.8 ms at 1024; `bench/moe_ep.py`); pass `transport=jax.lax.ragged_all_to_all` to
+use it. The receiver runs its experts on
 everything it received, sends the results back the same way, the home shard weights and sums the k copies of
 each token in fp32 (in slot order, no atomics), and an `all_gather` over `expert` returns the layer's output
 replicated again. Buffers are sized for the worst case (every copy to one shard), so there is no capacity and
@@ -55,13 +58,12 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
     `width_axis` says so).
 
     backend: the MoE backend whose `mlp.grouped_ffn` runs one shard's experts on the rows it received.
-    transport: the ragged all-to-all (default: by backend, see module doc).
+    transport: the ragged all-to-all (default: `ragged_all_to_all_padded`, see module doc).
     """
     num_experts, shards = routed[0].shape[0], mesh.shape[AXIS]
     if num_experts % shards:
         raise ValueError(f"{num_experts} experts do not split over an expert axis of {shards}")
-    if transport is None:
-        transport = jax.lax.ragged_all_to_all if jax.default_backend() == "gpu" else ragged_all_to_all_padded
+    transport = ragged_all_to_all_padded if transport is None else transport
     width = width_axis(mesh, routed, shared)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
@@ -167,7 +169,8 @@ class _Plan:
 def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                              axis_name):
     """`jax.lax.ragged_all_to_all` (one slice per peer) through a dense `all_to_all`: every slice travels in a
-    slot of operand's full length, so nothing can overflow. n times the traffic; for backends without it."""
+    slot of operand's full length, so nothing can overflow. n times the bytes, yet faster on one host's GPUs
+    (see module doc), and the only form XLA:CPU runs."""
     rows = operand.shape[0]
     pos = jnp.arange(rows, dtype=jnp.int32)
     gather = jnp.minimum(input_offsets[:, None] + pos, rows - 1)
