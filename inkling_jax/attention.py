@@ -11,6 +11,7 @@ from jax import lax
 from inkling_jax import kernels
 from inkling_jax.cache import LayerCache
 from inkling_jax.config import TextConfig, log_scaling_tau
+from inkling_jax.kernel_sharding import pin_heads
 from inkling_jax.layers import Linear, RMSNorm, ShortConv, normal
 
 
@@ -136,6 +137,7 @@ class Attention(nnx.Module):
             q_start, key_start = jnp.full_like(cached, window), window - jnp.minimum(cached, window)
             key_end = window + n_new
         flat = self._cache_index(cache, page_table, ring_rows, positions, n_new)
+        k, v = (pin_heads(self.mesh, (self.num_heads, self.num_kv_heads), a, 2) for a in (k, v))
         new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
         if seq == 1:  # a decode step: attend straight over the cache
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)

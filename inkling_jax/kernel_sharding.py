@@ -11,7 +11,7 @@ GQA groups; otherwise they stay whole, and XLA gathers them first (the cache pla
 """
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.sharding import RULES, spec_for
 
@@ -58,3 +58,15 @@ def split(mesh: Mesh | None, head_counts=(), batch: int | None = None) -> Split 
     rows = None if batch is None else spec_for(("batch",), (batch,), mesh)[0]  # as the batch's own sharding
     out = Split(mesh, heads, rows)
     return out if out else None
+
+
+def pin_heads(mesh: Mesh | None, head_counts, x, heads_dim: int):
+    """x laid out as the kernels and the cache split heads: its dimension `heads_dim` over `tensor` where
+    `head_shards` splits them, every other dimension whole. Left free, XLA may split the new K/V by head_dim (as
+    their projection's columns are) and then the whole cache pool they are written into, gathering the pool at
+    every step (seen on CPU with a single KV head on a tensor=2 mesh)."""
+    if mesh is None:
+        return x
+    parts = [None] * x.ndim
+    parts[heads_dim] = HEADS if head_shards(mesh, head_counts) > 1 else None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec(*parts)))

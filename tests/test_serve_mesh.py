@@ -40,6 +40,12 @@ def test_sharded_engine_equals_one_device_model():
     assert len(cache.layers[0].k.sharding.device_set) == 8 and not cache.layers[0].k.sharding.is_fully_replicated
     assert cache.layers[1].k.sharding.is_fully_replicated  # one KV head: not split over tensor=2
     assert not engine.runner.model.layers[1].mlp.w_gate[...].sharding.is_fully_replicated
+    # No step program gathers a KV pool: the replicated one (its new K/V pinned whole, `pin_heads`) or the split.
+    pages, page_size = cache.layers[1].k.shape[:2]
+    pool_shapes = (f"[{pages * page_size},", f"[{pages},{page_size},")
+    for key, program in engine.runner._steps.items():
+        gathers = [line for line in program.as_text().splitlines() if "all-gather" in line and "=" in line]
+        assert not [g for g in gathers if any(s in g.split("=")[1].split("all-gather")[0] for s in pool_shapes)], key
     # The one-device model over each prompt and its output: greedy picks and logprobs at every new position.
     with kernels.use("jnp", moe="dense"):
         steps = StepFunctions(random_model(CONFIG, seed=1))
