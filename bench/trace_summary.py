@@ -4,7 +4,8 @@ directory, summed by name per device, largest first.
     python bench/trace_summary.py TRACE_DIR [--top 25]
 
 Only the GPU's stream lanes count (the trace's "XLA Ops" / "XLA Modules" lanes repeat the same time per op and
-per program); on CPU traces nothing matches and the summary says so.
+per program); on CPU traces nothing matches and the summary says so. "busy" is the share of the span from the first
+to the last kernel in which some kernel ran: the rest is the device waiting (on the host, or between calls).
 """
 
 import argparse
@@ -15,11 +16,9 @@ import json
 import os
 
 
-def kernel_times(trace_dir: str) -> tuple[dict[str, collections.Counter], collections.Counter]:
-    """({device process name: Counter(kernel name -> total microseconds)}, Counter(kernel name -> launches)) over
-    every perfetto file in trace_dir."""
-    totals: dict[str, collections.Counter] = {}
-    launches: collections.Counter = collections.Counter()
+def kernel_events(trace_dir: str) -> dict[str, list[tuple[float, float, str]]]:
+    """{device process name: [(start us, duration us, kernel name)]} over every perfetto file in trace_dir."""
+    out: dict[str, list[tuple[float, float, str]]] = {}
     for path in glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True):
         with gzip.open(path, "rt") as f:
             events = json.load(f)["traceEvents"]
@@ -32,21 +31,33 @@ def kernel_times(trace_dir: str) -> tuple[dict[str, collections.Counter], collec
         for e in events:
             if e.get("ph") != "X" or "GPU" not in process.get(e["pid"], ""):
                 continue
-            if not thread.get((e["pid"], e["tid"]), "").startswith("Stream"):
-                continue
-            totals.setdefault(process[e["pid"]], collections.Counter())[e["name"]] += float(e.get("dur", 0))
-            launches[e["name"]] += 1
-    return totals, launches
+            if thread.get((e["pid"], e["tid"]), "").startswith("Stream"):
+                out.setdefault(process[e["pid"]], []).append((float(e["ts"]), float(e.get("dur", 0)), e["name"]))
+    return out
+
+
+def busy_us(events: list[tuple[float, float, str]]) -> float:
+    """Time at least one kernel ran (kernels on several streams overlap)."""
+    busy, end = 0.0, float("-inf")
+    for start, dur, _ in sorted(events):
+        busy += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    return busy
 
 
 def summarize(trace_dir: str, top: int = 25) -> str:
-    """A text table per device: total kernel time, then the `top` kernels by time."""
+    """A text table per device: kernel time, busy share of the traced span, then the `top` kernels by time."""
     lines = []
-    totals, launches = kernel_times(trace_dir)
-    for device, counts in sorted(totals.items()):
-        total = sum(counts.values())
-        lines.append(f"{trace_dir} {device}: {total / 1e3:.3f} ms of kernels, {len(counts)} distinct")
-        for name, us in counts.most_common(top):
+    for device, events in sorted(kernel_events(trace_dir).items()):
+        times, launches = collections.Counter(), collections.Counter()
+        for _, dur, name in events:
+            times[name] += dur
+            launches[name] += 1
+        total = sum(times.values())
+        span = max(t + d for t, d, _ in events) - min(t for t, _, _ in events)
+        lines.append(f"{trace_dir} {device}: {total / 1e3:.3f} ms of kernels, {len(times)} distinct; busy "
+                     f"{busy_us(events) / span:.2f} of the {span / 1e3:.3f} ms from first to last kernel")
+        for name, us in times.most_common(top):
             lines.append(f"  {us / 1e3:9.3f} ms {100 * us / total:5.1f}% x{launches[name]:<5} {name[:140]}")
     return "\n".join(lines) or f"{trace_dir}: no GPU kernels in the trace"
 
