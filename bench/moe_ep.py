@@ -45,7 +45,8 @@ def measure(tokens: list[int], preset_name: str) -> dict:
         for name, transport in transports.items():
             layer = jax.jit(lambda x, r, s, transport=transport: expert_parallel.experts_ep(
                 x, r, s, ids, weights, shared_weights, mesh, kernels.moe_backend(), transport=transport))
-            out[f"{name} {n}"] = 1e3 * median_seconds(layer, x, routed, shared, trials=10)
+            # 10 back-to-back calls a trial: one call's dispatch and wait would hide a small layer's device time.
+            out[f"{name} {n}"] = 1e3 * median_seconds(layer, x, routed, shared, trials=5, calls=10)
     return out
 
 

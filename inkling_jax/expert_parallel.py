@@ -5,9 +5,9 @@ Tokens come sharded over the batch axes (data x fsdp) and replicated across `exp
 shard takes its own 1/n slice of them, sorts its (token, slot) copies by expert and sends each copy only to the
 shard that owns the expert. By default the copies travel by `ragged_all_to_all_padded`: the contract of
 `jax.lax.ragged_all_to_all` over a fixed-size `all_to_all`. XLA:CPU lacks the ragged op, and on two H200s driven
-by one process XLA's ragged op (its one-shot kernel) made the layer 1.03-6.0x slower than the padded form from 8
-to 4096 tokens (18.9 against 4.8 ms at 1024; `bench/moe_ep.py`); pass `transport=jax.lax.ragged_all_to_all` to
-use it. The receiver runs its experts on
+by one process XLA's ragged op (its one-shot kernel) made the layer 1.7-6.0x slower than the padded form from
+256 to 4096 tokens (18.9 against 4.8 ms at 1024; `bench/moe_ep.py`); pass `transport=jax.lax.ragged_all_to_all`
+to use it. The receiver runs its experts on
 everything it received, sends the results back the same way, the home shard weights and sums the k copies of
 each token in fp32 (in slot order, no atomics), and an `all_gather` over `expert` returns the layer's output
 replicated again. Buffers are sized for the worst case (every copy to one shard), so there is no capacity and
