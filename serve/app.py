@@ -29,7 +29,7 @@ from serve.chat import ChatError, ChatFormat
 from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.media import MediaEncoder
-from serve.placement import Placement
+from serve.placement import MeshError, Placement
 from serve.tokenizer import load_tokenizer
 
 log = logging.getLogger("serve")
@@ -61,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: one "
       "token at a time)")
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
-      "`tensor`, routed experts over `expert`; uses that many devices; default: one device)")
+      "`tensor`, routed experts over `expert`; uses that many devices; default: one device). Checked against "
+      "the model's config before the weights load")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--no-fuse-projections", action="store_true",
       help="keep the four attention input projections as separate matmuls (by default they are fused into one)")
@@ -94,11 +95,13 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_service(args: argparse.Namespace) -> Service:
     """Load (or build) the model and tokenizer, start the engine (warm-up included) and describe it."""
-    from inkling_jax import kernels, load_pretrained, preset
+    from inkling_jax import kernels, load_config, load_pretrained, preset
     from serve.random_weights import random_model
 
     kernels.set_backend(moe=args.moe_backend)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    placement = Placement.from_spec(args.mesh)
+    placement.check((load_config(args.model) if args.model else preset("tiny")).text)  # before the weights load
     if args.model:
         model = load_pretrained(args.model, dtype=dtype)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
@@ -110,7 +113,6 @@ def build_service(args: argparse.Namespace) -> Service:
                        "tokenizer: a demo of the server, its output is noise")
     tokenizer = load_tokenizer(args.model)
     config = engine_config(args)
-    placement = Placement.from_spec(args.mesh)
     log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, placement.devices)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
@@ -171,7 +173,10 @@ def main(argv=None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-    service = build_service(args)
+    try:
+        service = build_service(args)
+    except MeshError as e:
+        raise SystemExit(f"--mesh {args.mesh}: {e}") from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     log.info("serving %r at http://%s:%d/v1", service.model_name, args.host, args.port)

@@ -51,6 +51,7 @@ class ModelRunner:
     def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None):
         self.config = config
         self.placement = placement or Placement()
+        self.placement.check(model.config.text)
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuse_projections(model)
