@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
+class MeshError(ValueError):
+    """A mesh spec that names no mesh, needs more devices than there are, or cannot split the model."""
+
+
 # logical dimension name -> mesh axis (or axes) it is split over; None: replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("data", "fsdp"),
@@ -79,7 +83,7 @@ def parse_mesh_spec(spec: str | None) -> dict[str, int]:
     for part in filter(None, (spec or "").replace(" ", "").split(",")):
         name, _, value = part.partition("=")
         if name not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"bad mesh axis {part!r}: use name=size with names from {MESH_AXES}")
+            raise MeshError(f"bad mesh axis {part!r}: use name=size with names from {MESH_AXES}")
         sizes[name] = int(value)
     return sizes
 
@@ -94,7 +98,7 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices: Iterable | None
         if len(devices) % total == 0 and (spec is None or "data" not in str(spec)):
             sizes["data"] *= len(devices) // total  # fill the rest with data parallelism
         else:
-            raise ValueError(f"mesh {sizes} needs {total} devices, {len(devices)} available")
+            raise MeshError(f"mesh {sizes} needs {total} devices, {len(devices)} available")
     grid = np.array(devices).reshape([sizes[a] for a in MESH_AXES])
     return Mesh(grid, MESH_AXES)
 
@@ -162,6 +166,25 @@ def use_mesh(model: nnx.Module, mesh: Mesh | None) -> nnx.Module:
         if isinstance(node, (MoE, Attention, ShortConv, InklingModel)):
             node.mesh = mesh
     return model
+
+
+def check_mesh(mesh: Mesh, text) -> None:
+    """Raise MeshError where `mesh` cannot split the model of TextConfig `text` (routed experts over `expert`);
+    log what a `tensor` axis leaves whole (heads and KV caches that do not divide, the expert width)."""
+    from inkling_jax.kernel_sharding import head_shards
+
+    expert, tensor = mesh.shape["expert"], mesh.shape["tensor"]
+    if text.num_experts % expert:
+        raise MeshError(f"the model's {text.num_experts} routed experts do not split over expert={expert}")
+    for local in sorted({text.is_local(i) for i in range(text.num_layers)}):
+        shape = text.attention(local)
+        if head_shards(mesh, (shape.num_heads, shape.num_kv_heads)) < tensor:
+            log.warning("tensor=%d does not divide the %s-attention layers' %d query / %d KV heads: their attention "
+                        "and KV cache stay whole on every device", tensor, "sliding" if local else "full",
+                        shape.num_heads, shape.num_kv_heads)
+    if tensor > 1 and text.moe_intermediate_size % tensor:
+        log.warning("tensor=%d does not divide the expert width %d: every device runs whole experts", tensor,
+                    text.moe_intermediate_size)
 
 
 def take_rows(table, ids, mesh: Mesh | None):

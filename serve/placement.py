@@ -10,7 +10,6 @@ accept it again.
 
 from __future__ import annotations
 
-import logging
 import math
 
 import jax
@@ -19,18 +18,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from inkling_jax.cache import Cache
 from inkling_jax.config import TextConfig
 from inkling_jax.kernel_sharding import head_shards
-from inkling_jax.sharding import make_mesh, parse_mesh_spec, shard_model, spec_for
-
-log = logging.getLogger(__name__)
+from inkling_jax.sharding import MeshError, check_mesh, make_mesh, parse_mesh_spec, shard_model, spec_for
 
 # LayerCache field -> logical names of its dimensions (see `inkling_jax.cache`)
 CACHE_AXES = {"k": (None, None, "kv_heads", None), "v": (None, None, "kv_heads", None),
               "k_conv": (None, None, "kv_heads"), "v_conv": (None, None, "kv_heads"),
               "attn_conv": (None, None, None), "mlp_conv": (None, None, None)}
-
-
-class MeshError(ValueError):
-    """A mesh that cannot serve the model (said before any weight is loaded)."""
 
 
 class Placement:
@@ -43,33 +36,17 @@ class Placement:
         """"tensor=2,expert=4": a mesh over that many devices (the first ones); None or "": one device."""
         if not spec:
             return cls()
-        try:
-            count = math.prod(parse_mesh_spec(spec).values())
-        except ValueError as e:
-            raise MeshError(str(e)) from None
+        count = math.prod(parse_mesh_spec(spec).values())
         if count > jax.device_count():
             raise MeshError(f"mesh {spec!r} needs {count} devices; {jax.device_count()} available")
         return cls(make_mesh(spec, jax.devices()[:count]))
 
     def check(self, text: TextConfig) -> None:
-        """Raise MeshError where the mesh cannot split the model; log what it serves unsplit (and so holds whole on
-        every device of that axis)."""
-        if self.mesh is None or text == self._checked:
-            return
-        expert, tensor = self.mesh.shape["expert"], self.mesh.shape["tensor"]
-        if text.num_experts % expert:
-            raise MeshError(f"the model's {text.num_experts} routed experts do not split over expert={expert}")
-        for local, kind in {(text.is_local(i), "sliding" if text.is_local(i) else "full")
-                            for i in range(text.num_layers)}:
-            shape = text.attention(local)
-            if head_shards(self.mesh, (shape.num_heads, shape.num_kv_heads)) < tensor:
-                log.warning("tensor=%d does not divide the %s-attention layers' %d query / %d KV heads: their "
-                            "attention and KV cache stay whole on every device", tensor, kind, shape.num_heads,
-                            shape.num_kv_heads)
-        if tensor > 1 and text.moe_intermediate_size % tensor:
-            log.warning("tensor=%d does not divide the expert width %d: every device runs whole experts", tensor,
-                        text.moe_intermediate_size)
-        self._checked = text
+        """`sharding.check_mesh` (MeshError where the mesh cannot split the model; warnings for what stays whole),
+        once per config."""
+        if self.mesh is not None and text != self._checked:
+            check_mesh(self.mesh, text)
+            self._checked = text
 
     @property
     def devices(self) -> str:

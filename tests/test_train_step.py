@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from inkling_jax import preset
-from inkling_jax.sharding import make_mesh
+from inkling_jax.sharding import MeshError, make_mesh
 from train.run import first_layers
 from train.state import ModelParts, seeded_params
 from train.step import StepConfig, Trainer
@@ -88,3 +88,9 @@ def test_sharded_loss_and_grads_equal_single_device(reference, spec):
     for name, g in grads.items():
         np.testing.assert_allclose(np.asarray(g), ref_grads[name], rtol=1e-4, atol=1e-5 * scale, err_msg=name)
     assert any(float(np.abs(g).max()) > 0 for n, g in ref_grads.items() if "mlp.w_down" in n)
+
+
+@pytest.mark.skipif(jax.device_count() < 3, reason="needs 3 (simulated) devices")
+def test_a_mesh_that_cannot_split_the_experts_is_refused_before_any_weight():
+    with pytest.raises(MeshError, match="8 routed experts do not split over expert=3"):
+        Trainer(CONFIG, make_mesh("expert=3", jax.devices()[:3]))

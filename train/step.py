@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from inkling_jax import kernels
 from inkling_jax.config import InklingConfig
-from inkling_jax.sharding import activation_sharding, constrain, use_mesh
+from inkling_jax.sharding import activation_sharding, check_mesh, constrain, use_mesh
 from train import lora
 from train.loss import cross_entropy_sum, expert_loads, load_balance, next_token_targets
 from train.optim import OptimConfig, make_optimizer, schedule
@@ -48,6 +48,7 @@ class Trainer:
 
     def __init__(self, config: InklingConfig, mesh: Mesh, step_config: StepConfig = StepConfig(),
                  optim_config: OptimConfig = OptimConfig(), compiler_options: dict | None = None):
+        check_mesh(mesh, config.text)
         self.config, self.mesh, self.cfg, self.optim_config = config, mesh, step_config, optim_config
         self.tx, self.schedule = make_optimizer(optim_config), schedule(optim_config)
         self.compiler_options = dict(compiler_options or {})
