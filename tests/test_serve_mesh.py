@@ -1,8 +1,8 @@
 """The engine sharded over 8 simulated CPU devices (tensor=2, expert=4) gives the greedy tokens and logprobs
-of the one-device model: K/V heads of the sliding layer split over `tensor`, the full layer's single KV head
-replicated, experts spread over `expert`. The attention and ShortConv run once per device through the same
-`shard_map`s as the Pallas kernels on GPUs (`inkling_jax.kernel_sharding`; the kernels themselves are checked
-per device in tests/test_kernel_sharding.py)."""
+of the one-device model, a prefix-cache hit included: K/V heads of the sliding layer split over `tensor`, the
+full layer's single KV head replicated, experts spread over `expert`. The attention and ShortConv run once per
+device through the same `shard_map`s as the Pallas kernels on GPUs (`inkling_jax.kernel_sharding`; the kernels
+themselves are checked per device in tests/test_kernel_sharding.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +29,18 @@ def test_sharded_engine_equals_one_device_model():
     with kernels.use("jnp", moe="dense"):
         engine = Engine(random_model(CONFIG, seed=1), EngineConfig(
             max_num_seqs=2, max_model_len=48, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
-            row_buckets=(3,), prefix_caching=False, decode_steps=4), eos_token_id=CONFIG.eos_token_id,
+            row_buckets=(3,), decode_steps=4), eos_token_id=CONFIG.eos_token_id,
             placement=Placement.from_spec("tensor=2,expert=4"))
         engine.start()
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     try:
-        got = generate(engine, PROMPTS, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0))
+        got = generate(engine, PROMPTS, params)
+        # The second prompt's first 16 tokens again: a prefix-cache hit restores sharded pages and states.
+        reused = PROMPTS[1][:16] + [5, 6, 7]
+        got += generate(engine, [reused], params)
     finally:
         engine.shutdown(drain_seconds=0)
+    assert engine.metrics._hits >= 8
     cache = engine.runner.cache
     assert len(cache.layers[0].k.sharding.device_set) == 8 and not cache.layers[0].k.sharding.is_fully_replicated
     assert cache.layers[1].k.sharding.is_fully_replicated  # one KV head: not split over tensor=2
@@ -49,7 +54,7 @@ def test_sharded_engine_equals_one_device_model():
     # The one-device model over each prompt and its output: greedy picks and logprobs at every new position.
     with kernels.use("jnp", moe="dense"):
         steps = StepFunctions(random_model(CONFIG, seed=1))
-        for prompt, out in zip(PROMPTS, got):
+        for prompt, out in zip(PROMPTS + [reused], got):
             assert len(out.token_ids) == NEW
             logits = np.asarray(steps.forward(np.array([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
             logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
