@@ -4,11 +4,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from inkling_jax import InklingModel, preset
 from inkling_jax.generate import StepFunctions
-from jax.sharding import NamedSharding
-
 from inkling_jax.sharding import (batch_sharding, logical_axes, make_mesh, parse_mesh_spec, shard_model, spec_for,
                                    take_rows)
 
