@@ -101,18 +101,20 @@ def build_service(args: argparse.Namespace) -> Service:
     kernels.set_backend(moe=args.moe_backend)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     placement = Placement.from_spec(args.mesh)
-    placement.check((load_config(args.model) if args.model else preset("tiny")).text)  # before the weights load
+    model_config = load_config(args.model) if args.model else preset("tiny")
+    # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
+    placement.check(model_config.text)
+    tokenizer = load_tokenizer(args.model)
+    config = engine_config(args)
     if args.model:
-        model = load_pretrained(args.model, dtype=dtype)
+        model = load_pretrained(args.model, dtype=dtype, config=model_config)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         description = f"checkpoint {args.model}"
     else:
-        model = random_model(preset("tiny"), dtype, args.seed)
+        model = random_model(model_config, dtype, args.seed)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
-    tokenizer = load_tokenizer(args.model)
-    config = engine_config(args)
     log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, placement.devices)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
