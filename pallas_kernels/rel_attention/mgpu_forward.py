@@ -7,10 +7,12 @@ c * (q @ K^T + A @ Tz), the two products in one wgmma accumulator, with A built 
 factor c = tau * scale * log2(e) applied to the tile in registers (no pass over q in the wrapper); the online
 softmax runs in base 2. The compute warpgroups take turns on the tensor cores (a shared barrier
 orders one's matmuls against the other's softmax). Key blocks past the diagonal, and outside the window on
-sliding layers, are never loaded; only diagonal tiles (every tile on sliding layers) are masked.
+sliding layers, are never loaded; only diagonal tiles (every tile on sliding layers) are masked. On sliding layers
+whose window lies within the relative extent the CTA body is mgpu_window.py's: its warpgroups' tokens lie a key
+block apart, so that they share one Tz stream.
 Not covered (kernel.py keeps the Triton forward for them): packed segments, fp32, groups that do not divide 64,
 head_dim not a multiple of 64 (Mosaic finds no layouts at 32), and layers whose tiles exceed shared memory even
-with single Tz and V buffers (`buffers`; the sliding layer at d_rel 16, 16 tokens per warpgroup, needs them).
+with single Tz and V buffers (`buffers`).
 """
 
 import functools
@@ -23,10 +25,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
 from pallas_kernels.rel_attention import mgpu_parts as parts
-from pallas_kernels.rel_attention import tiles, toeplitz
-from pallas_kernels.rel_attention.tiles import LOG2E, NEG, Geometry
+from pallas_kernels.rel_attention import mgpu_window, tiles, toeplitz
+from pallas_kernels.rel_attention.tiles import LOG2E, Geometry
 
-ROWS, SMEM_LIMIT, COMPUTE_REGISTERS = parts.ROWS, parts.SMEM_LIMIT, parts.COMPUTE_REGISTERS
+ROWS, SMEM_LIMIT = parts.ROWS, parts.SMEM_LIMIT
 K_SLOTS = 2  # K pipeline depth (V's is 2 where shared memory allows, else 1: see `buffers`)
 
 
@@ -39,19 +41,20 @@ def supports(geo: Geometry, dtype) -> bool:
 
 def _smem_bytes(geo: Geometry, tz_slots: int, v_slots: int) -> int:
     bk, dim, bias_k = geo.blocks.block_k, geo.head_dim, toeplitz.tokens_per_tile(geo.groups) * geo.d_rel
-    elements = 2 * ROWS * (dim + bias_k) + (K_SLOTS + v_slots) * bk * dim + tz_slots * 2 * bias_k * bk
-    return 2 * elements + 4 * ROWS * 4 + 3 * 1024  # bf16 tiles, the lse and c rows, alignment and barriers
+    tz_per_slot = 1 if mgpu_window.applies(geo) else 2  # shared by the warpgroups, or one each
+    elements = 2 * ROWS * (dim + bias_k) + (K_SLOTS + v_slots) * bk * dim + tz_slots * tz_per_slot * bias_k * bk
+    return 2 * elements + 3 * 1024  # bf16 tiles; the lse and c rows, 1 KB-aligned each; barriers
 
 
 def faster_than_triton(geo: Geometry) -> bool:
-    """Double-buffered Tz and V (full layers: 2.52 against 3.41 ms on the H200, 2026-11-29); single-buffered
-    (the sliding layer) measured slower than the Triton forward (0.92 against 0.87 ms)."""
+    """Double-buffered Tz and V. On the H200: full layers 2.52 against the Triton forward's 3.41 ms (2026-11-29);
+    the sliding layer 0.76-0.80 against 0.86 ms once its warpgroups shared Tz (mgpu_window.py, 2026-11-30; single-
+    buffered before that, 0.92 against 0.87 ms)."""
     return buffers(geo) == (2, 2)
 
 
 def buffers(geo: Geometry) -> tuple[int, int] | None:
-    """(Tz buffers per compute warpgroup, V buffers): double where shared memory allows (full layers); the
-    sliding layer (16 tokens per warpgroup: Tz 256 x 64) fits with one of each. None: no fit."""
+    """(Tz buffers, V buffers): double where shared memory allows. None: no fit."""
     return next((b for b in ((2, 2), (1, 2), (1, 1)) if _smem_bytes(geo, *b) <= SMEM_LIMIT), None)
 
 
@@ -71,62 +74,28 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
 
     @pl.when(wg < 2)
     def _compute():
-        if not interpret:
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
         tw = t0 + wg * n_tok
-        parts.copy_head_major(q_ref, q_smem.at[wg], b, tw, g, groups, n_tok, q_bar.at[wg])
-        plgpu.copy_gmem_to_smem(a_ref.at[b, g, 2 * cta + wg], a_smem.at[wg], a_bar.at[wg])
-        plgpu.copy_gmem_to_smem(c_ref.at[b, 2 * cta + wg], c_smem.at[wg], a_bar.at[wg])
-        plgpu.barrier_wait(q_bar.at[wg])
-        plgpu.barrier_wait(a_bar.at[wg])
-        c = parts.row_vector(c_smem.at[wg], interpret)
+        c = parts.load_query_tile((q_ref, a_ref, c_ref), (q_smem.at[wg], a_smem.at[wg], c_smem.at[wg]),
+                                  (q_bar.at[wg], a_bar.at[wg]), b, g, tw, groups, n_tok, interpret)
 
-        def loop(start, stop, bias, mask, carry):
+        def loop(start, stop, bias, masked, carry):
             def step(kb, carry):
-                acc, m, l = carry
                 slot, v_slot = lax.rem(kb - lo, K_SLOTS), lax.rem(kb - lo, n_v)
                 tz_slot = lax.rem(kb - near, n_tz) * 2 + wg
-                plgpu.barrier_wait(k_bar.at[slot])
+                offset = geo.q_offset + tw - kb * bk
+                mask = functools.partial(parts.window_mask, geo, offset, interpret) if masked else None
+                ready, consumed = [k_bar.at[slot]], [k_free.at[slot]]
                 if bias:
-                    plgpu.barrier_wait(tz_bar.at[tz_slot])
-
-                def logits(s_ref):
-                    plgpu.wgmma(s_ref, q_smem.at[wg], k_smem.at[slot])
-                    if bias:
-                        plgpu.wgmma(s_ref, a_smem.at[wg], tz_smem.at[lax.div(tz_slot, 2), wg])
-                    take_turn()
-                    return s_ref[...]
-
-                s = pl.run_scoped(logits, plgpu.ACC((ROWS, bk), jnp.float32))
-                s = s * lax.broadcast_in_dim(c, s.shape, [0])
-                plgpu.barrier_arrive(k_free.at[slot])
-                if bias:
-                    plgpu.barrier_arrive(tz_free.at[tz_slot])
-                if mask:
-                    token = lax.rem(parts.iota(0, bk, interpret), n_tok)  # rows are head-major
-                    dist = geo.q_offset + tw - kb * bk + token - parts.iota(1, bk, interpret)
-                    visible = dist >= 0 if geo.window is None else (dist >= 0) & (dist < geo.window)
-                    s = jnp.where(visible, s, NEG)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(turn)  # softmax done
-                plgpu.barrier_wait(v_bar.at[v_slot])
-                plgpu.barrier_wait(turn)  # the other warpgroup has issued its matmuls
-
-                acc = parts.accumulate(acc, p16, v_smem.at[v_slot], p_smem[0].at[wg] if interpret else None)
-                plgpu.barrier_arrive(v_free.at[v_slot])
-                return acc, m_new, l
+                    ready.append(tz_bar.at[tz_slot])
+                    consumed.append(tz_free.at[tz_slot])
+                return parts.attend(carry, q_smem.at[wg], k_smem.at[slot], v_smem.at[v_slot], c, ready, consumed,
+                              v_bar.at[v_slot], v_free.at[v_slot], turn, mask, dtype,
+                              bias=(a_smem.at[wg], tz_smem.at[lax.div(tz_slot, 2), wg]) if bias else None,
+                              stage=p_smem[0].at[wg] if interpret else None)
 
             return lax.fori_loop(start, stop, step, carry)
 
-        carry = (mgpu.as_wgmma_tile(jnp.zeros((ROWS, geo.head_dim), jnp.float32), interpret),
-                 mgpu.as_wgmma_rows(jnp.full((ROWS,), NEG, jnp.float32), interpret),
-                 mgpu.as_wgmma_rows(jnp.zeros((ROWS,), jnp.float32), interpret))
+        carry = parts.initial_carry(geo, interpret)
         pl.when(wg == 1)(take_turn)
         masked = geo.window is not None
         carry = loop(lo, near, False, masked, carry)
@@ -134,12 +103,7 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
         acc, m, l = loop(diag, end, True, True, carry)
         pl.when(wg == 0)(take_turn)
 
-        q_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l, acc.shape, [0])).astype(dtype)
-        lse_smem.at[wg][...] = m + jnp.log2(l)
-        plgpu.commit_smem()
-        parts.store_head_major(q_smem.at[wg], o_ref, b, tw, g, groups, n_tok)
-        plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, g, 2 * cta + wg])
-        plgpu.wait_smem_to_gmem(0)
+        parts.store(acc, m, l, q_smem.at[wg], lse_smem.at[wg], o_ref, lse_ref, b, tw, g, groups, n_tok)
 
     @pl.when(wg == 2)
     def _memory():
@@ -191,6 +155,14 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
     if not supports(geo, dtype):
         raise ValueError(f"the Mosaic GPU forward does not cover {geo} with {dtype}")
     n_tz, n_v = buffers(geo)
+    paired = mgpu_window.applies(geo)
+    if paired and seq_q % (2 * bk):  # a CTA's two warpgroups take tokens block_k apart in chunks of 2 * block_k
+        pad = 2 * bk - seq_q % (2 * bk)
+        q, r, tau = (jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+                     for x, fill in ((q, 0), (r, 0), (tau, 1)))
+        out, lse = forward(geo, q, k, v, r, p, tau, None, None)
+        return out[:, :seq_q], lse[:, :seq_q]
+    tz_per_slot = 1 if paired else 2
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
     # A from r / scale; the row factor c, rows head-major as in a tile: [B, T / n_tok, 64]. (Building A in the
     # kernel instead, as each warpgroup's r rows times a 0/1 spreading matrix on the tensor cores, saves the 134 MB
@@ -204,18 +176,20 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
             plgpu.SMEM((2, ROWS, bias_k), dtype, transforms=mgpu.tile_transforms(bias_k, dtype)),
             plgpu.SMEM((K_SLOTS, dim, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)),
             plgpu.SMEM((n_v, bk, dim), dtype, transforms=mgpu.tile_transforms(dim, dtype)),
-            plgpu.SMEM((n_tz, 2, bias_k, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)),
+            plgpu.SMEM((n_tz, tz_per_slot, bias_k, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)),
             plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32)]
     if geo.interpret:  # probabilities staged for the interpreter's wgmma (see mgpu_parts.accumulate)
         smem.append(plgpu.SMEM((2, ROWS, bk), dtype, transforms=mgpu.tile_transforms(bk, dtype)))
     barriers = [plgpu.Barrier(num_arrivals=geo.groups, num_barriers=2),
                 plgpu.Barrier(num_arrivals=2, num_barriers=2),
                 plgpu.Barrier(num_barriers=K_SLOTS), plgpu.Barrier(num_barriers=n_v),
-                plgpu.Barrier(num_barriers=2 * n_tz),
+                plgpu.Barrier(num_barriers=tz_per_slot * n_tz),
                 plgpu.Barrier(num_arrivals=2, num_barriers=K_SLOTS),
                 plgpu.Barrier(num_arrivals=2, num_barriers=n_v),
-                plgpu.Barrier(num_barriers=2 * n_tz), plgpu.Barrier(num_arrivals=2)]
-    body = functools.partial(_kernel, geo, n_tok, tz.shape[0], seq_q // (2 * n_tok), dtype, geo.interpret)
+                plgpu.Barrier(num_arrivals=3 - tz_per_slot, num_barriers=tz_per_slot * n_tz),
+                plgpu.Barrier(num_arrivals=2)]
+    body = functools.partial(mgpu_window.kernel if paired else _kernel, geo, n_tok, tz.shape[0],
+                             seq_q // (2 * n_tok), dtype, geo.interpret)
 
     def entry(*refs):
         pl.run_scoped(lambda *scoped: body(*refs, scoped[:len(smem)], scoped[len(smem):]), *smem, *barriers,
@@ -227,7 +201,9 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
                   jax.ShapeDtypeStruct((batch, kv_heads, seq_q // n_tok, ROWS), jnp.float32)],
         grid=(seq_q // (2 * n_tok), kv_heads, batch), grid_names=("q", "g", "b"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Row maxima and sums stay within a warp in the WGMMA layout: no SMEM scratch for cross-warp reductions
+        # (the default reserves 2 KB, which the sliding layer's double-buffered tiles need).
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=mgpu.interpret_params(geo.interpret),
     )(q, k.transpose(0, 2, 3, 1), v, a, tz, c)  # K^T tiles [D, block_k]: wgmma's B operand as stored
     # lse rows are (kv head, query tile, head in group, token) -> [B, T, Hq], the Triton forward's layout

@@ -47,7 +47,9 @@ def _inputs(seq_q, seq_k, heads, kv_heads, extent, seed, dtype=jnp.bfloat16):
 @needs_gpu_or_interpreter
 @pytest.mark.parametrize("seq_q, heads, kv_heads, extent, window, q_offset", [
     (150, 8, 1, 70, None, 0),  # full layer, group 8: 10 CTAs of 16 tokens, 3 key blocks, tiles beyond E
-    (131, 8, 2, 40, 40, 37),  # sliding layer after a cache, group 4: 32 tokens per CTA
+    (131, 8, 2, 40, 40, 37),  # sliding layer after a cache, group 4: 32 tokens per CTA, padded to 2 x 128
+    (200, 8, 2, 96, 70, 0),  # window inside the extent, from the sequence's start (block -1 steps)
+    (150, 8, 1, 64, 64, 5),  # sliding layer at group 8: 8 tokens per warpgroup
 ])
 def test_forward_matches_reference_and_triton_lse(seq_q, heads, kv_heads, extent, window, q_offset):
     seq_k = q_offset + seq_q
@@ -73,8 +75,9 @@ def test_forward_matches_reference_and_triton_lse(seq_q, heads, kv_heads, extent
 
 
 @needs_gpu_or_interpreter
-def test_grad_through_mosaic_forward_and_triton_backward():
-    seq_q, heads, kv_heads, extent = 140, 8, 1, 60
+@pytest.mark.parametrize("kv_heads, window", [(1, None), (2, 60)])  # full layer; sliding (mgpu_window.py)
+def test_grad_through_mosaic_forward_and_triton_backward(kv_heads, window):
+    seq_q, heads, extent = 140, 8, 60
     (q, k, v, r, p), tau, cotangent = _inputs(seq_q, seq_q, heads, kv_heads, extent, seed=5)
     pos = jnp.arange(seq_q)[None]
 
@@ -83,11 +86,12 @@ def test_grad_through_mosaic_forward_and_triton_backward():
         return out, vjp(cotangent.astype(out.dtype))
 
     ours = jax.jit(lambda *xs: value_and_grads(
-        lambda *ys: kernel.rel_flash_attention(*ys, tau=tau, forward_impl="mosaic"), *xs))
+        lambda *ys: kernel.rel_flash_attention(*ys, window=window, tau=tau, forward_impl="mosaic"), *xs))
     out, grads = ours(q, k, v, r, p)
     with jax.default_matmul_precision("highest"):
         want_out, want_grads = jax.jit(lambda *xs: value_and_grads(
-            lambda *ys: rel_attention(*ys, pos, pos, tau=tau), *xs))(*[x.astype(jnp.float32) for x in (q, k, v, r, p)])
+            lambda *ys: rel_attention(*ys, pos, pos, window=window, tau=tau), *xs))(
+                *[x.astype(jnp.float32) for x in (q, k, v, r, p)])
     np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=3e-2, rtol=0)
     # The Triton backward recomputes the logits with its bias band rounded to bf16, while this forward's lse is
     # closer to the exact one (here max error 0.021 vs the Triton forward's 0.044, base-2 units): the mixed pair

@@ -38,10 +38,9 @@ def blocks(groups: int, head_dim: int, window: int | None) -> tuple[Blocks, Bloc
 
 
 # Keys per tile of the Mosaic GPU forward (mgpu_forward.py): 64 is what shared memory allows with double-buffered
-# K, V and Tz on full layers (128 keys would need ~320 KB of the 227 KB); sliding layers (Tz of 16 tokens x d_rel
-# 16) fit only with single Tz and V buffers. Measured on one H200 (2026-11-29, bench/rel_attention_tiles.py
-# --forward-only): full layer 2.52 ms against the Triton forward's 3.41 ms; sliding layer 0.92 against 0.87 ms, so
-# that layer keeps the Triton forward (mgpu_forward.faster_than_triton).
+# K, V and Tz (128 keys would need ~320 KB of the 227 KB). Measured on one H200 (bench/rel_attention_tiles.py
+# --forward-only, bench/kernels.py): full layer 2.52 ms against the Triton forward's 3.41 ms (2026-11-29); sliding
+# layer, with its warpgroups sharing one Tz stream (mgpu_window.py), 0.76-0.80 against 0.86 ms (2026-11-30).
 MOSAIC_FORWARD_KEYS = 64
 
 
