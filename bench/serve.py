@@ -62,7 +62,7 @@ ids = torch.randint(0, 200000, (batch, prompt), device="cuda")
 with torch.no_grad():
     model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
     rates = []
-    for _ in range(3):  # one timed run has ranged 170-273 tok/s across our runs: report the median of three
+    for _ in range(3):  # the first full-length run is still cold (171 against 446-456 tok/s): report the median
         torch.cuda.synchronize(); start = time.perf_counter()
         model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         torch.cuda.synchronize(); rates.append(batch * new / (time.perf_counter() - start))
