@@ -89,9 +89,9 @@ def _kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret:
                     ready.append(tz_bar.at[tz_slot])
                     consumed.append(tz_free.at[tz_slot])
                 return parts.attend(carry, q_smem.at[wg], k_smem.at[slot], v_smem.at[v_slot], c, ready, consumed,
-                              v_bar.at[v_slot], v_free.at[v_slot], turn, mask, dtype,
-                              bias=(a_smem.at[wg], tz_smem.at[lax.div(tz_slot, 2), wg]) if bias else None,
-                              stage=p_smem[0].at[wg] if interpret else None)
+                                    v_bar.at[v_slot], v_free.at[v_slot], turn, mask, dtype,
+                                    bias=(a_smem.at[wg], tz_smem.at[lax.div(tz_slot, 2), wg]) if bias else None,
+                                    stage=p_smem[0].at[wg] if interpret else None)
 
             return lax.fori_loop(start, stop, step, carry)
 

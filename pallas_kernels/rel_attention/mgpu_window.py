@@ -1,14 +1,14 @@
 """The Mosaic GPU forward's CTA body for sliding-window layers: two warpgroups a key block apart share every Tz.
 
-A sliding layer with a GQA group of 4 has 16 tokens per warpgroup tile, so its Tz (toeplitz.py) is [256, block_k]:
-twice the K tile, and with one Tz per warpgroup per key tile the CTA streams more bias operand than K and V
-together, and shared memory holds only one buffer of each (mgpu_forward.buffers). Here the second warpgroup's
-tokens start block_k after the first's (CTA i of each 2 * block_k tokens takes tokens 16 i and 16 i + block_k).
-Then at every step the first warpgroup meets key block kb and the second key block kb + 1 at the same distance,
-so both multiply by the same Tz: one Tz stream for the CTA (half the bytes), double-buffered, and K and V
-double-buffered too. K/V stream entry s is key block base + s; the first warpgroup reads entry i at step i and the
-second entry i + 1, so each entry's release waits for both. The two ends, read by one warpgroup only, are
-observed (waited and released) by the other so that every barrier phase is seen by both.
+A sliding layer with a GQA group of 4 has 16 tokens per warpgroup tile, so its Tz (toeplitz.py) is [256, block_k],
+twice the K tile. With one Tz per warpgroup per key tile (mgpu_forward._kernel) the CTA streams more bias operand
+than K and V together, and shared memory holds only one Tz buffer per warpgroup. Here the second warpgroup's
+tokens start block_k after the first's (CTA i of each 2 * block_k tokens takes tokens n_tok * i and
+n_tok * i + block_k). At every step the first warpgroup meets key block kb and the second key block kb + 1, at the
+same distance, so both multiply by the same Tz: one Tz stream for the CTA (half the bytes), double-buffered, as
+are K and V. K/V stream entry s is key block base + s; the first warpgroup reads entry i at step i and the second
+entry i + 1, so each entry's release waits for both. The two ends, read by one warpgroup only, are observed
+(waited and released) by the other, so that both see every barrier phase.
 
 Only for windows no longer than the relative extent (every visible key carries bias: there is no bias-free
 tile). Every tile is masked; a step whose key block lies before the sequence (block -1 at its start, loaded as
