@@ -86,32 +86,7 @@ def _draw(x, params: SamplingBatch, filtered: bool):
 
 
 def top_k_top_p(x, top_k, top_p):
-    """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p.
-
-    The kept entries of a row are those at or above one cutoff, found without sorting the row: bisections over
-    the values' order-preserving int32 keys, each step one masked count (and sum) over [R, V]. The k-th largest
-    value first (for the top-k softmax's normaliser), then the smallest value that has fewer than top_k entries
-    above it and less than top_p of that probability mass above it. Same result as `top_k_top_p_sorted` except
-    where values tie at the cutoff: all of the tied ones are kept."""
-    vocab = x.shape[-1]
-    key = _order_key(x)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    low, high = key.min(-1, keepdims=True), key.max(-1, keepdims=True)
-    kth = _bisect(lambda t: jnp.sum(key >= t, -1, keepdims=True) >= k, low, high + 1)  # largest t still true
-    e = jnp.exp(x - x.max(-1, keepdims=True))
-    mass = top_p[:, None] * jnp.sum(jnp.where(key >= kth, e, 0.0), -1, keepdims=True)
-
-    def short_head(t):  # less than top_p of the top-k mass lies above t (and so, barring rounding, fewer than k)
-        above = key > t
-        return (jnp.sum(above, -1, keepdims=True) < k) & (jnp.sum(jnp.where(above, e, 0.0), -1, keepdims=True) < mass)
-
-    # short_head changes only at a key of the row: the entries above its last false t are those from its first true
-    last_long = _bisect(lambda t: ~short_head(t), low - 1, high)
-    return jnp.where(key > last_long, x, -jnp.inf)
-
-
-def top_k_top_p_sorted(x, top_k, top_p):
-    """`top_k_top_p` by its definition, through a sort of every row: the reference of the tests and the bench."""
+    """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p."""
     vocab = x.shape[-1]
     ranked = -jnp.sort(-x, axis=-1)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
@@ -121,23 +96,3 @@ def top_k_top_p_sorted(x, top_k, top_p):
     kept = jnp.sum(in_k & (before < top_p[:, None]), axis=-1, keepdims=True)
     cutoff = jnp.take_along_axis(ranked, jnp.maximum(kept - 1, 0), axis=-1)
     return jnp.where(x >= cutoff, x, -jnp.inf)
-
-
-def _order_key(x):
-    """int32 keys in the order of the float32 values x (negative floats: magnitude bits flipped)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
-def _bisect(holds, low, high):
-    """For a predicate true up to some point and false after it (per row; holds(low) true, holds(high) false,
-    [R, 1] int32 bounds): the last t where it holds. 32 halvings cover any int32 range; unrolled, so that the
-    GPU program never waits on the host for a loop condition."""
-    def step(_, bounds):
-        low, high = bounds
-        mid = (low >> 1) + (high >> 1) + (low & high & 1)  # floor((low + high) / 2) without overflow
-        done = low >= high - 1
-        true = holds(mid)
-        return jnp.where(done | ~true, low, mid), jnp.where(done | true, high, mid)
-
-    return jax.lax.fori_loop(0, 32, step, (low, high), unroll=True)[0]
