@@ -12,7 +12,7 @@ from serve.block_manager import BlockManager
 from serve.chat import ChatError, ChatFormat, ChatOutput, format_effort
 from serve.config import EngineConfig
 from serve.protocol import ChatRequest, CompletionRequest
-from serve.sampler import SamplingBatch, sample
+from serve.sampler import SamplingBatch, sample, top_k_top_p
 from serve.sampling import InvalidParams, SamplingParams
 from serve.scheduler import Scheduler
 from serve.sequence import Sequence, Status
@@ -342,6 +342,42 @@ def test_sampler_filters_seeds_and_logprobs():
     top2 = np.argsort(-np.asarray(logits), -1)[:, :2]
     chosen = np.asarray(draw(logits, top_k=2, seed=jnp.arange(256)).tokens)
     assert all(chosen[i] in top2[i] for i in range(256))
+
+
+def _kept_by_definition(x, top_k, top_p):
+    """The kept entries of top-k then top-p in float64, and each row's distance from a float32 rounding call:
+    the smallest gap between top_p and the mass before any of its top-k entries."""
+    kept, margin = np.zeros(x.shape, bool), np.zeros(len(x))
+    for i, row in enumerate(np.asarray(x, np.float64)):
+        k = min(top_k[i], row.size) if top_k[i] > 0 else row.size
+        ranked = np.sort(row)[::-1][:k]
+        probs = np.exp(ranked - ranked[0]) / np.exp(ranked - ranked[0]).sum()
+        before = np.cumsum(probs) - probs
+        kept[i] = row >= ranked[max(int(np.sum(before < top_p[i])), 1) - 1]
+        margin[i] = np.abs(before - top_p[i]).min()
+    return kept, margin
+
+
+def test_top_k_top_p_keeps_what_the_definition_keeps():
+    rows, checked = 48, 0
+    for vocab, scale, shift in ((7, 1.0, 0.0), (300, 4.0, -50.0), (1000, 0.3, 20.0)):
+        x = RNG.normal(0, scale, (rows, vocab)).astype(np.float32) + shift
+        top_k = RNG.integers(-1, vocab + 3, rows).astype(np.int32)
+        top_p = RNG.choice([1e-6, 0.2, 0.5, 0.9, 1.0], rows).astype(np.float32)
+        want, margin = _kept_by_definition(x, top_k, top_p)
+        filtered = np.asarray(jax.jit(top_k_top_p)(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+        kept = np.isfinite(filtered)
+        clear = margin > 1e-4  # rows whose cut float32 sums cannot move
+        np.testing.assert_array_equal(kept[clear], want[clear])
+        checked += int(clear.sum())
+        np.testing.assert_array_equal(filtered[kept], x[kept])  # kept values are the row's own, the rest -inf
+        assert kept[top_p == 1e-6].sum(-1).tolist() == [1] * int((top_p == 1e-6).sum())
+        assert kept[(top_p == 1.0) & (top_k <= 0)].all()
+    assert checked > 100
+    # ties at the cut are all kept
+    tied = jnp.asarray([[1.0, 1.0, 1.0, 0.0, -2.0]])
+    assert np.isfinite(np.asarray(top_k_top_p(tied, jnp.asarray([2]), jnp.asarray([1.0])))).tolist() == [
+        [True, True, True, False, False]]
 
 
 def test_sampler_draws_follow_the_softmax():
