@@ -41,9 +41,14 @@ def supports(geo: Geometry, dtype) -> bool:
 
 def _smem_bytes(geo: Geometry, tz_slots: int, v_slots: int) -> int:
     bk, dim, bias_k = geo.blocks.block_k, geo.head_dim, toeplitz.tokens_per_tile(geo.groups) * geo.d_rel
-    tz_per_slot = 1 if mgpu_window.applies(geo) else 2  # shared by the warpgroups, or one each
-    elements = 2 * ROWS * (dim + bias_k) + (K_SLOTS + v_slots) * bk * dim + tz_slots * tz_per_slot * bias_k * bk
+    elements = (2 * ROWS * (dim + bias_k) + (K_SLOTS + v_slots) * bk * dim
+                + tz_slots * _tz_per_slot(geo) * bias_k * bk)
     return 2 * elements + 3 * 1024  # bf16 tiles; the lse and c rows, 1 KB-aligned each; barriers
+
+
+def _tz_per_slot(geo: Geometry) -> int:
+    """Tz tiles per buffer: one shared by the two warpgroups (mgpu_window.py), or one each."""
+    return 1 if mgpu_window.applies(geo) else 2
 
 
 def faster_than_triton(geo: Geometry) -> bool:
@@ -162,7 +167,7 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
                      for x, fill in ((q, 0), (r, 0), (tau, 1)))
         out, lse = forward(geo, q, k, v, r, p, tau, None, None)
         return out[:, :seq_q], lse[:, :seq_q]
-    tz_per_slot = 1 if paired else 2
+    tz_per_slot = _tz_per_slot(geo)
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
     # A from r / scale; the row factor c, rows head-major as in a tile: [B, T / n_tok, 64]. (Building A in the
     # kernel instead, as each warpgroup's r rows times a 0/1 spreading matrix on the tensor cores, saves the 134 MB
@@ -186,7 +191,7 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
                 plgpu.Barrier(num_barriers=tz_per_slot * n_tz),
                 plgpu.Barrier(num_arrivals=2, num_barriers=K_SLOTS),
                 plgpu.Barrier(num_arrivals=2, num_barriers=n_v),
-                plgpu.Barrier(num_arrivals=3 - tz_per_slot, num_barriers=tz_per_slot * n_tz),
+                plgpu.Barrier(num_arrivals=2 if paired else 1, num_barriers=tz_per_slot * n_tz),
                 plgpu.Barrier(num_arrivals=2)]
     body = functools.partial(mgpu_window.kernel if paired else _kernel, geo, n_tok, tz.shape[0],
                              seq_q // (2 * n_tok), dtype, geo.interpret)

@@ -15,6 +15,7 @@ tile). Every tile is masked; a step whose key block lies before the sequence (bl
 block 0) or beyond the keys is masked entirely, which the online softmax absorbs.
 """
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
 from pallas_kernels.rel_attention import mgpu_parts as parts
-from pallas_kernels.rel_attention import toeplitz
+from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import Geometry
 
 
@@ -37,12 +38,8 @@ def key_stream(geo: Geometry, p0, n_tok: int):
     """(base, steps): the first warpgroup (tokens at positions p0 ...) meets key block base + i at step i, the
     second (p0 + block_k ...) block base + 1 + i, for i in [0, steps); each warpgroup's own blocks are among them."""
     bk = geo.blocks.block_k
-
-    def blocks(p):  # [lo, end) of n_tok tokens from position p
-        lo = jnp.maximum(p - geo.window + 1, 0) // bk
-        return lo, jnp.minimum(p + n_tok - 1, geo.seq_k - 1) // bk + 1
-
-    (lo0, end0), (lo1, end1) = blocks(p0), blocks(p0 + bk)
+    one_warpgroup = dataclasses.replace(geo, blocks=dataclasses.replace(geo.blocks, block_q=n_tok))
+    (lo0, _, _, end0), (lo1, _, _, end1) = (tiles.key_block_ranges(one_warpgroup, p) for p in (p0, p0 + bk))
     base = jnp.minimum(lo0, lo1 - 1)
     return base, jnp.maximum(end0 - base, end1 - 1 - base)
 
@@ -91,9 +88,10 @@ def kernel(geo: Geometry, n_tok: int, n_off: int, n_cta: int, dtype, interpret: 
                                 bias=(a_smem.at[wg], tz_smem.at[tz_slot, 0]),
                                 stage=p_smem[0].at[wg] if interpret else None)
 
-        pl.when(wg == 1)(lambda: parts.take_turn(turn))
+        take_turn = functools.partial(parts.take_turn, turn)  # one's matmuls against the other's softmax
+        pl.when(wg == 1)(take_turn)
         acc, m, l = lax.fori_loop(0, steps, step, parts.initial_carry(geo, interpret))
-        pl.when(wg == 0)(lambda: parts.take_turn(turn))
+        pl.when(wg == 0)(take_turn)
 
         @pl.when(wg == 0)
         def _():  # the last entry is the second warpgroup's alone
