@@ -66,7 +66,7 @@ class ModelRunner:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
         self.programs = StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row,
-                                     self._constrain_cache)
+                                     self._constrain_cache, self._whole)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
@@ -97,6 +97,10 @@ class ModelRunner:
         if self.cache_shardings is None:
             return cache
         return jax.lax.with_sharding_constraint(cache, self.cache_shardings)
+
+    def _whole(self, logits):
+        replicated = self.placement.replicated()
+        return logits if replicated is None else jax.lax.with_sharding_constraint(logits, replicated)
 
     # ------------------------------------------------------------------------------------------------------
     # Compilation

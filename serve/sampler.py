@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+DIGIT_BITS = 4  # the cutoff searches fix 4 bits of a key per pass over the logits: 8 passes each
+
 
 @struct.dataclass
 class SamplingBatch:
@@ -45,7 +47,7 @@ def choose(logits, adjusted, params: SamplingBatch, num_top: int, full: bool) ->
 
     Branch-free: a data-dependent `lax.cond` makes the GPU program wait for its predicate on the host, which
     stops the host from queueing the next decode step ahead. `full` (static) adds the top-k / top-p filters
-    and the top-`num_top` logprobs, which cost a sort and a top-k over [R, V]; without it those are off (the
+    and the top-`num_top` logprobs, which cost ~20 passes and a top-k over [R, V]; without it those are off (the
     caller sends rows that need them to a `full` program)."""
     # logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V] log-softmax
     logits = logits.astype(jnp.float32)
@@ -85,14 +87,54 @@ def _draw(x, params: SamplingBatch, filtered: bool):
     return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
 
 
-def top_k_top_p(x, top_k, top_p):
-    """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p."""
+def top_k_top_p(x, top_k, top_p, digit_bits: int = DIGIT_BITS):
+    """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p.
+
+    Without a sort (a sort of [R, V] cost 1.6 ms of a 32-row step on the H200): the kept entries of a row are
+    those at or above a cutoff, and each cutoff is found digit by digit over the values' order-preserving
+    uint32 keys, one masked count (or sum) per digit over [R, V] for all of a digit's values at once. First
+    the k-th largest key; then the largest key above which the top-k head still holds top_p of its mass.
+    The definition through a sort keeps the same entries except where the mass crosses top_p within float32
+    rounding, and where values tie at the k-th largest (then all of the tied ones count toward the mass)."""
     vocab = x.shape[-1]
-    ranked = -jnp.sort(-x, axis=-1)
+    key = _order_key(x)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
-    in_k = jnp.arange(vocab)[None, :] < k
-    probs = jax.nn.softmax(jnp.where(in_k, ranked, -jnp.inf), axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs
-    kept = jnp.sum(in_k & (before < top_p[:, None]), axis=-1, keepdims=True)
-    cutoff = jnp.take_along_axis(ranked, jnp.maximum(kept - 1, 0), axis=-1)
-    return jnp.where(x >= cutoff, x, -jnp.inf)
+    kth, _ = _largest_true(lambda t: _count_at_least(key, t) >= k, key.shape[0], digit_bits)
+    e = jnp.exp(x - x.max(-1, keepdims=True))
+    head_mass = jnp.sum(jnp.where(key >= kth, e, 0.0), -1, keepdims=True)
+    mass = jnp.where(top_p[:, None] < 1.0, top_p[:, None] * head_mass, jnp.inf)
+    # the largest t with at least `mass` strictly above it (t + 1 wraps only at t = 2**32 - 1, probed only if mass
+    # lay above 2**32 - 16: a NaN)
+    cut, cutting = _largest_true(lambda t: _count_at_least(key, t + 1, e) >= mass, key.shape[0], digit_bits)
+    keep = (key >= kth) & (~cutting | (key > cut))
+    return jnp.where(keep, x, -jnp.inf)
+
+
+def _order_key(x):
+    """uint32 keys in the order of the float32 values x (negative floats: all bits flipped; others: the sign)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _count_at_least(key, t, weight=None):
+    """key [R, V], thresholds t [R, P] -> [R, P]: how many keys of the row are >= t (or the sum of their weights).
+    One pass over key for all P thresholds of a row."""
+    hit = key[:, :, None] >= t[:, None, :]
+    if weight is None:
+        return jnp.sum(hit, axis=1)
+    return jnp.sum(jnp.where(hit, weight[:, :, None], 0.0), axis=1)
+
+
+def _largest_true(holds, rows: int, digit_bits: int):
+    """The largest uint32 t of each row where holds(t) is true, for a predicate true up to some point and false
+    after it, and whether it holds anywhere ([R, 1] each). holds maps thresholds [R, P] to bools [R, P]. One
+    call per digit of digit_bits bits, most significant first, unrolled (32 / digit_bits calls)."""
+    if 32 % digit_bits:
+        raise ValueError(f"digit_bits must divide 32, not {digit_bits}")
+    digits = jnp.arange(1 << digit_bits, dtype=jnp.uint32)[None, :]
+    prefix, anywhere = jnp.zeros((rows, 1), jnp.uint32), None
+    for shift in range(32 - digit_bits, -1, -digit_bits):
+        true = jnp.sum(holds(prefix | (digits << shift)), axis=-1, keepdims=True).astype(jnp.uint32)
+        anywhere = true > 0 if anywhere is None else anywhere
+        prefix = prefix | (jnp.maximum(true, 1) - 1) << shift  # the digit: the last of the true ones
+    return prefix, anywhere

@@ -11,7 +11,9 @@ reads its condition on the host at every iteration and copies loop-carried buffe
 0.3 ms per token of idle time at batch 1.
 
 Both gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
-back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh).
+back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh); `whole`
+puts the `full` sampler's logits whole on every device (a mesh), one gather of [R, V] rather than the collective
+per pass of the cutoff searches that XLA would otherwise give the vocabulary-split filters (`sampler.top_k_top_p`).
 
 Host overhead per call is on the serving critical path, so the programs take the parameters as a flat list of
 arrays (`inkling_jax.generate.flat_params`) and the step inputs packed into two arrays (`pack`; one
@@ -91,12 +93,13 @@ class PenaltyState:
 
 class StepPrograms:
     def __init__(self, merge: Callable, text_config, num_top: int, pages_per_row: int,
-                 constrain: Callable = lambda cache: cache):
+                 constrain: Callable = lambda cache: cache, whole: Callable = lambda logits: logits):
         self.merge = merge  # parameter leaves -> model (see `flat_params`)
         self.pages_per_row = pages_per_row
         self.text = text_config
         self.num_top = num_top
         self.constrain = constrain
+        self.whole = whole
 
     def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool,
                 full: bool):
@@ -136,7 +139,8 @@ class StepPrograms:
         whether any row uses them would cost a host round-trip (see `sampler.choose`)."""
         penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
         rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        out = sample(logits, p, rows(counts), rows(penalties.prompt_mask), self.num_top, full)
+        out = sample(self.whole(logits) if full else logits, p, rows(counts), rows(penalties.prompt_mask), self.num_top,
+                     full)
         counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
         return out, counts
 

@@ -51,6 +51,14 @@ def test_sharded_engine_equals_one_device_model():
     for key, program in engine.runner._steps.items():
         gathers = [line for line in program.as_text().splitlines() if "all-gather" in line and "=" in line]
         assert not [g for g in gathers if any(s in g.split("=")[1].split("all-gather")[0] for s in pool_shapes)], key
+    # The full sampler (these requests ask for logprobs) filters whole logits (`StepPrograms.whole`): its programs
+    # have no collective per pass of the cutoff searches (16 of them) beyond the plain sampler's programs.
+    steps = engine.runner._steps
+    reduces = {key: program.as_text().count(" all-reduce(") + program.as_text().count(" all-reduce-start(")
+               for key, program in steps.items()}
+    for rows, chunk, full in steps:
+        if full:
+            assert reduces[rows, chunk, True] - reduces[rows, chunk, False] < 8, (rows, chunk, reduces)
     # The one-device model over each prompt and its output: greedy picks and logprobs at every new position.
     with kernels.use("jnp", moe="dense"):
         steps = StepFunctions(random_model(CONFIG, seed=1))

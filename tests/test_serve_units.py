@@ -1,6 +1,8 @@
 """The serving engine's host-side parts without a model: pages and the prefix cache, the KV pool's size, the
 scheduler, text streaming with stop strings, the chat format, the request schema, and the on-device sampler."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -358,26 +360,32 @@ def _kept_by_definition(x, top_k, top_p):
     return kept, margin
 
 
-def test_top_k_top_p_keeps_what_the_definition_keeps():
-    rows, checked = 48, 0
-    for vocab, scale, shift in ((7, 1.0, 0.0), (300, 4.0, -50.0), (1000, 0.3, 20.0)):
+@pytest.mark.parametrize("digit_bits", [2, 4])
+def test_top_k_top_p_keeps_what_the_definition_keeps(digit_bits):
+    checked = 0
+    top_k_top_p_at = jax.jit(functools.partial(top_k_top_p, digit_bits=digit_bits))
+    # the last: Inkling's vocabulary, where a float32 running sum of the probabilities reaches 1 before the row ends
+    for rows, vocab, scale, shift in ((48, 7, 1.0, 0.0), (48, 300, 4.0, -50.0), (48, 1000, 0.3, 20.0),
+                                      (48, 500, 30.0, 0.0), (8, 200058, 3.0, 0.0)):
         x = RNG.normal(0, scale, (rows, vocab)).astype(np.float32) + shift
+        x[::5, ::7] = -np.inf  # entries a penalty or mask took out
         top_k = RNG.integers(-1, vocab + 3, rows).astype(np.int32)
         top_p = RNG.choice([1e-6, 0.2, 0.5, 0.9, 1.0], rows).astype(np.float32)
+        top_k[:2], top_p[:2] = (0, -1), 1.0  # filters off: the whole row stays
         want, margin = _kept_by_definition(x, top_k, top_p)
-        filtered = np.asarray(jax.jit(top_k_top_p)(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
+        filtered = np.asarray(top_k_top_p_at(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p)))
         kept = np.isfinite(filtered)
         clear = margin > 1e-4  # rows whose cut float32 sums cannot move
         np.testing.assert_array_equal(kept[clear], want[clear])
         checked += int(clear.sum())
         np.testing.assert_array_equal(filtered[kept], x[kept])  # kept values are the row's own, the rest -inf
         assert kept[top_p == 1e-6].sum(-1).tolist() == [1] * int((top_p == 1e-6).sum())
-        assert kept[(top_p == 1.0) & (top_k <= 0)].all()
+        assert (kept == np.isfinite(x))[(top_p == 1.0) & (top_k <= 0)].all()
     assert checked > 100
-    # ties at the cut are all kept
-    tied = jnp.asarray([[1.0, 1.0, 1.0, 0.0, -2.0]])
-    assert np.isfinite(np.asarray(top_k_top_p(tied, jnp.asarray([2]), jnp.asarray([1.0])))).tolist() == [
-        [True, True, True, False, False]]
+    # ties at the cut are all kept, whether top_k or top_p makes it
+    tied = jnp.asarray([[1.0, 1.0, 1.0, 0.0, -2.0]] * 3)
+    kept = np.isfinite(np.asarray(top_k_top_p_at(tied, jnp.asarray([2, 4, 4]), jnp.asarray([1.0, 0.5, 0.95]))))
+    assert kept.tolist() == [[True] * 3 + [False] * 2, [True] * 3 + [False] * 2, [True] * 4 + [False]]
 
 
 def test_sampler_draws_follow_the_softmax():
