@@ -1,17 +1,19 @@
 """The MoE over a mesh: routed experts split over the `expert` axis (expert parallelism, all-to-all dispatch and
 combine) and every expert's width split over `tensor`, both with `shard_map`.
 
-Tokens come sharded over the batch axes (data x fsdp) and replicated across `expert` and `tensor`. Each expert
-shard takes its own 1/n slice of them, sorts its (token, slot) copies by expert and sends each copy only to the
+Tokens come sharded over the batch axes (data x fsdp x expert: a trainer's batch is split over `expert` too, so
+that attention and the dense work are not repeated on every expert shard) and replicated across `tensor`. Where
+the token count does not split over `expert` (a decode step of 1 row), every expert shard holds all of them and
+takes its own 1/n slice. Each shard sorts its (token, slot) copies by expert and sends each copy only to the
 shard that owns the expert. By default the copies travel by `ragged_all_to_all_padded`: the contract of
 `jax.lax.ragged_all_to_all` over a fixed-size `all_to_all`. XLA:CPU lacks the ragged op, and on two H200s driven
 by one process XLA's ragged op (its one-shot kernel) made the layer 1.7-6.0x slower than the padded form from
 256 to 4096 tokens (18.9 against 4.8 ms at 1024; `bench/moe_ep.py`); pass `transport=jax.lax.ragged_all_to_all`
-to use it. The receiver runs its experts on
-everything it received, sends the results back the same way, the home shard weights and sums the k copies of
-each token in fp32 (in slot order, no atomics), and an `all_gather` over `expert` returns the layer's output
-replicated again. Buffers are sized for the worst case (every copy to one shard), so there is no capacity and
-nothing is dropped. Shared experts run on the home shard's slice: in the same launch (`shared_in_launch`) or dense.
+to use it. The receiver runs its experts on everything it received, sends the results back the same way, and
+the home shard weights and sums the k copies of each token in fp32 (in slot order, no atomics); where the shard
+took a slice, an `all_gather` over `expert` returns the layer's output replicated again. Buffers are sized for
+the worst case (every copy to one shard), so there is no capacity and nothing is dropped. Shared experts run on
+the home shard's tokens: in the same launch (`shared_in_launch`) or dense.
 
 Width (Megatron's MLP split): when `tensor` divides the routed and the shared experts' width, each tensor shard
 holds columns of w_gate / w_up and the matching rows of w_down, so its SwiGLU and down projection give a partial
@@ -66,15 +68,20 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
     transport = ragged_all_to_all_padded if transport is None else transport
     width = width_axis(mesh, routed, shared)
 
+    split = AXIS in _mesh_axes(_tokens_spec(mesh, x.shape[0]))  # each shard holds its own tokens
+
     def shard(x, ids, wts, shared_wts, routed, shared):
         num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape
         me = jax.lax.axis_index(AXIS)
-        # This shard's slice of the tokens its group holds (padded to a multiple of the shard count).
-        per = -(-num_tokens // shards)
-        take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
-            jnp.pad(a, [(0, per * shards - num_tokens)] + [(0, 0)] * (a.ndim - 1)), me * per, per)
-        x_mine, ids_mine, wts_mine, shared_mine = take(x), take(ids), take(wts), take(shared_wts)
-        real = me * per + jnp.arange(per) < num_tokens
+        if split:
+            per, x_mine, ids_mine, wts_mine, shared_mine = num_tokens, x, ids, wts, shared_wts
+            real, num_tokens = jnp.ones((per,), bool), per * shards  # the tokens of the whole expert group
+        else:  # this shard's slice of the tokens its group holds (padded to a multiple of the shard count)
+            per = -(-num_tokens // shards)
+            take = lambda a: jax.lax.dynamic_slice_in_dim(  # noqa: E731
+                jnp.pad(a, [(0, per * shards - num_tokens)] + [(0, 0)] * (a.ndim - 1)), me * per, per)
+            x_mine, ids_mine, wts_mine, shared_mine = take(x), take(ids), take(wts), take(shared_wts)
+            real = me * per + jnp.arange(per) < num_tokens
 
         # Copies sorted by global expert = by destination shard, then by its local expert.
         dest_expert = jnp.where(jnp.repeat(real, top_k), ids_mine.reshape(-1), num_experts)
@@ -106,7 +113,8 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
             out = out + y[capacity:].astype(jnp.float32).reshape(-1, per, out.shape[-1]).sum(0)
         else:
             out = out + shared_dense(x_mine, shared, shared_mine)
-        return jax.lax.all_gather(_sum_width(out, width), AXIS, tiled=True)[:num_tokens]
+        out = _sum_width(out, width)
+        return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
     return _shard_map(shard, mesh, x.shape[0], width)(x, expert_ids, weights, shared_weights, tuple(routed),
                                                       tuple(shared))
@@ -116,7 +124,7 @@ def _shard_map(shard, mesh: Mesh, num_tokens: int, width: str | None):
     """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) over the
     batch axes when they divide the token count, else whole on every shard; routed experts over `expert`;
     the routed and the shared width over `width` (w_gate / w_up columns, w_down rows) unless None."""
-    tokens = spec_for(("batch",), (num_tokens,), mesh)
+    tokens = _tokens_spec(mesh, num_tokens)
 
     def stack(experts):
         return P(experts, None, width), P(experts, None, width), P(experts, width, None)
@@ -124,6 +132,17 @@ def _shard_map(shard, mesh: Mesh, num_tokens: int, width: str | None):
     experts = AXIS if mesh.shape[AXIS] > 1 else None
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
                          in_specs=(tokens, tokens, tokens, tokens, stack(experts), stack(None)))
+
+
+def _tokens_spec(mesh: Mesh, num_tokens: int) -> P:
+    """Tokens [N] as the batch is laid out (RULES "batch", over the leading axes that divide N)."""
+    return spec_for(("batch",), (num_tokens,), mesh)
+
+
+def _mesh_axes(spec: P) -> tuple[str, ...]:
+    """The mesh axes of a one-dimensional spec's dimension."""
+    axes = spec[0] if len(spec) else None
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _sum_width(out, width: str | None):

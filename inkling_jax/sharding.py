@@ -30,7 +30,7 @@ class MeshError(ValueError):
 
 # logical dimension name -> mesh axis (or axes) it is split over; None: replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),  # `expert` too: attention and dense work are not repeated per expert shard
     "vocab": "tensor",
     "embed": "fsdp",
     "q_heads": "tensor",  # query heads x head_dim (and the r projection's heads x d_rel)
@@ -117,7 +117,8 @@ def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
 
 
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=None) -> PartitionSpec:
-    """PartitionSpec for a dimension list; a dimension that does not divide evenly stays replicated."""
+    """PartitionSpec for a dimension list. A dimension goes over the longest leading run of its rule's mesh axes
+    whose sizes multiply to a divisor of it (a batch of 6 over data=2, expert=4: over `data`), else replicated."""
     rules = RULES if rules is None else rules
     used: set[str] = set()
     out = []
@@ -125,12 +126,10 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, r
         target = rules.get(name) if name else None
         mesh_axes = tuple(a for a in ((target,) if isinstance(target, str) else (target or ()))
                           if mesh.shape[a] > 1 and a not in used)
-        parts = int(np.prod([mesh.shape[a] for a in mesh_axes])) if mesh_axes else 1
-        if parts > 1 and size % parts == 0:
-            used.update(mesh_axes)
-            out.append(mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
-        else:
-            out.append(None)
+        while mesh_axes and size % int(np.prod([mesh.shape[a] for a in mesh_axes])):
+            mesh_axes = mesh_axes[:-1]
+        used.update(mesh_axes)
+        out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     return PartitionSpec(*out)
 
 
@@ -208,7 +207,7 @@ def take_rows(table, ids, mesh: Mesh | None):
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """Inputs [batch, ...]: the batch over data x fsdp (when it divides), everything else replicated."""
+    """Inputs [batch, ...]: the batch over data x fsdp x expert (when it divides), everything else replicated."""
     return NamedSharding(mesh, spec_for(("batch",) + (None,) * (len(shape) - 1), shape, mesh))
 
 

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from inkling_jax import kernels, preset
 from inkling_jax.mlp import MoE
-from inkling_jax.sharding import make_mesh, shard_model
+from inkling_jax.sharding import make_mesh, shard_model, spec_for
 
 
 def _moe(seed=0, skew=False, shared_in_launch=False):
@@ -82,6 +83,24 @@ def test_expert_parallel_equals_single_device(spec, tokens, backend, shared_in_l
         moe = shard_model(_moe(skew=True, shared_in_launch=shared_in_launch), make_mesh(spec))
         got = nnx.jit(_run)(moe, _input(tokens))
     _assert_same(got, want, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("rows,split", [(8, True), (6, False)])
+def test_a_batch_split_over_expert_stays_split(rows, split):
+    """A batch that splits over data x expert reaches each expert shard as its own tokens: the layer's output
+    stays split, with no all-gather of [tokens, hidden] activations. One that only splits over `data` (6 rows)
+    is sliced per expert shard and gathered back."""
+    mesh = make_mesh("data=2,expert=4")
+    moe = shard_model(_moe(), mesh)
+    x = jax.device_put(_input((rows, 4)), NamedSharding(mesh, spec_for(("batch", None, None), (rows, 4, 64), mesh)))
+    forward = nnx.jit(lambda moe, x: moe(x)[0])
+    hlo = forward.lower(moe, x).compile().as_text()
+    gathers = [line for line in hlo.splitlines() if "all-gather" in line and ",64]" in line.split("=")[1]]
+    assert bool(gathers) != split, gathers
+    with kernels.use("jnp", moe="dense"):
+        want = nnx.jit(lambda moe, x: moe(x)[0])(_moe(), _input((rows, 4)))
+    np.testing.assert_allclose(forward(moe, x), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

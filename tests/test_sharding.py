@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from inkling_jax import InklingModel, preset
 from inkling_jax.generate import StepFunctions
@@ -25,6 +25,14 @@ def test_logical_axes_table():
     assert logical_axes(("layers", 0, "mlp", "w_gate"), 2) == ("embed", "mlp")
     assert logical_axes(("layers", 0, "attn", "wo", "kernel"), 2) == ("q_heads", "embed")
     assert logical_axes(("norm", "weight"), 1) == (None,)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_batch_splits_over_the_leading_axes_that_divide_it():
+    mesh = make_mesh("data=2,expert=4")
+    assert spec_for(("batch", None), (8, 3), mesh) == PartitionSpec(("data", "expert"), None)
+    assert spec_for(("batch", None), (6, 3), mesh) == PartitionSpec("data", None)
+    assert spec_for(("batch", None), (3, 3), mesh) == PartitionSpec(None, None)
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
