@@ -11,6 +11,8 @@ have size 1.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 from typing import Iterable
 
@@ -116,10 +118,29 @@ def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim  # norms, scales, conv taps of the residual stream, relative-bias banks
 
 
+_RULES_IN_USE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("inkling_rules", default=None)
+
+
+def rules_in_use() -> dict:
+    """RULES, or the override whose block is being traced (`override_rules`)."""
+    return _RULES_IN_USE.get() or RULES
+
+
+@contextlib.contextmanager
+def override_rules(**changes):
+    """Inside the block, `spec_for` (and so the model's own splits) maps the named logical dimensions as given,
+    e.g. the server keeps its rows whole over `expert` (`serve.placement`). For code traced inside the block."""
+    token = _RULES_IN_USE.set({**rules_in_use(), **changes})
+    try:
+        yield
+    finally:
+        _RULES_IN_USE.reset(token)
+
+
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=None) -> PartitionSpec:
     """PartitionSpec for a dimension list. A dimension goes over the longest leading run of its rule's mesh axes
     whose sizes multiply to a divisor of it (a batch of 6 over data=2, expert=4: over `data`), else replicated."""
-    rules = RULES if rules is None else rules
+    rules = rules_in_use() if rules is None else rules
     used: set[str] = set()
     out = []
     for name, size in zip(axes, shape):

@@ -10,6 +10,7 @@ accept it again.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -18,7 +19,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from inkling_jax.cache import Cache
 from inkling_jax.config import TextConfig
 from inkling_jax.kernel_sharding import head_shards
-from inkling_jax.sharding import MeshError, check_mesh, make_mesh, parse_mesh_spec, shard_model, spec_for
+from inkling_jax.sharding import (MeshError, check_mesh, make_mesh, override_rules, parse_mesh_spec, shard_model,
+                                   spec_for)
+
+# The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). Rows split over
+# `expert` would leave the KV pool, one pool of pages on every expert shard, to be resharded per step: a prefill
+# program asked for a 35.5 GiB copy of it on two H200s (2026-11-30).
+ROWS = ("data", "fsdp")
 
 # LayerCache field -> logical names of its dimensions (see `inkling_jax.cache`)
 CACHE_AXES = {"k": (None, None, "kv_heads", None), "v": (None, None, "kv_heads", None),
@@ -101,7 +108,15 @@ class Placement:
         return self.jit(fn, out_shardings=shardings)()
 
     def jit(self, fn, out_shardings=None, **kwargs):
-        """jax.jit with explicit output shardings on a mesh (replicated unless given)."""
-        if self.mesh is not None:
-            kwargs["out_shardings"] = out_shardings if out_shardings is not None else self.replicated()
-        return jax.jit(fn, **kwargs)
+        """jax.jit with explicit output shardings on a mesh (replicated unless given), traced with the server's
+        rows whole over `expert` (ROWS)."""
+        if self.mesh is None:
+            return jax.jit(fn, **kwargs)
+        kwargs["out_shardings"] = out_shardings if out_shardings is not None else self.replicated()
+
+        @functools.wraps(fn)
+        def with_whole_rows(*args, **kw):
+            with override_rules(batch=ROWS):
+                return fn(*args, **kw)
+
+        return jax.jit(with_whole_rows, **kwargs)
