@@ -1,9 +1,17 @@
 """How many KV pages the server allocates: what `memory_fraction` of the device's free memory holds after
 everything else the engine keeps (the slots' ring and ShortConv states, the prefix snapshots, the sampler's
 per-row state, the steps' logits and activations); without memory statistics (CPU) enough pages for every slot
-at full length."""
+at full length.
+
+That first plan estimates the step programs' buffers from a formula. Once they are compiled, `pages_that_fit`
+checks it against what XLA says each program needs (its temporaries and new outputs) and gives the pool that
+leaves room for the largest. The formula can fall short: an expert-parallel prefill sizes its dispatch buffers
+for the worst case, every token copy to one shard (35-37 GiB per GPU at the bench preset's 32 x 128 tokens
+on expert=2, where the allocator was allowed the whole GPU).
+"""
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,4 +49,38 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: i
     pages = int((free - fixed) // page)
     log.info("device memory: %.1f GiB free x %.2f; %.1f GiB for slots, snapshots and step buffers; %d pages",
              free / cfg.memory_fraction / 2**30, cfg.memory_fraction, fixed / 2**30, pages)
+    return pages
+
+
+def free_bytes(devices) -> int | None:
+    """The least free memory among `devices` (bytes the allocator may still hand out); None without statistics."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if any("bytes_limit" not in st for st in stats):
+        return None
+    return min(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
+
+
+def program_bytes(compiled) -> int:
+    """Device bytes a compiled program allocates when it runs: temporaries and outputs that alias no input."""
+    m = compiled.memory_analysis()
+    return 0 if m is None else m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+
+
+def pages_that_fit(programs: dict, num_pages: int, page_bytes_per_device: int, free: int | None,
+                   fixed_pages: bool) -> int:
+    """The KV pages that leave room for the largest of `programs` (compiled) beside everything already allocated
+    (`free`: `free_bytes` now, with the pool of num_pages in place; None: no statistics, keep num_pages).
+    Raises ValueError where the pages were given (`fixed_pages`, --num-pages) and do not leave that room."""
+    if free is None or not programs:
+        return num_pages
+    need = max(program_bytes(p) for p in programs.values())
+    short = need + need // 20 - free  # 5% to spare: the allocator rounds and fragments
+    if short <= 0:
+        return num_pages
+    pages = num_pages - math.ceil(short / page_bytes_per_device)
+    if fixed_pages:
+        raise ValueError(f"the step programs need {need / 2**30:.1f} GiB beside the KV pool and {free / 2**30:.1f} "
+                         f"GiB is free: --num-pages {num_pages} is too many, at most {max(pages, 0)} leave room")
+    log.warning("the step programs need %.1f GiB beside the KV pool, %.1f GiB is free: %d pages instead of %d",
+                need / 2**30, free / 2**30, pages, num_pages)
     return pages

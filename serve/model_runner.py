@@ -144,6 +144,13 @@ class ModelRunner:
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
             compiled = dict(zip(lowered, pool.map(lambda program: program.compile(options), lowered.values())))
+        pages = memory_plan.pages_that_fit(compiled, self.num_pages, self._page_bytes_per_device(),
+                                           memory_plan.free_bytes(self.placement.device_list),
+                                           self.config.num_pages is not None)
+        if pages != self.num_pages:  # a smaller pool, and the programs again for its shapes
+            self._resize_pool(pages)
+            self.warm_up()
+            return time.perf_counter() - start
         self._init_penalties = compiled.pop("init_penalties")
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
         self._steps = compiled
@@ -152,6 +159,17 @@ class ModelRunner:
         log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
                  len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
         return seconds
+
+    def _page_bytes_per_device(self) -> int:
+        return memory_plan.page_bytes(self.text, self.config, self.model.dtype) // self.placement.kv_shards(self.text)
+
+    def _resize_pool(self, pages: int) -> None:
+        if pages < self.config.pages_per_row:
+            raise ValueError(f"after the step programs' buffers, {pages} pages fit: not one sequence of "
+                             f"{self.config.max_model_len} tokens (lower --max-model-len or the step buckets)")
+        self.num_pages = pages
+        self.cache = self.snapshots = self.penalties = None  # freed before the smaller pool is made
+        self.reset()
 
     def _run_once(self) -> None:
         """Runs every step program once on rows that hold nothing (they change no state), so that the first run

@@ -56,6 +56,11 @@ class Placement:
             self._checked = text
 
     @property
+    def device_list(self) -> list:
+        """The devices the engine's arrays live on."""
+        return [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+
+    @property
     def devices(self) -> str:
         return str(jax.devices()[0]) if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
 

@@ -2,6 +2,7 @@
 scheduler, text streaming with stop strings, the chat format, the request schema, and the on-device sampler."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,28 @@ def test_kv_pool_size_follows_free_device_memory(monkeypatch):
     assert pages(4096) < config.pages_per_row  # too little memory: the runner refuses to start on this
     # KV heads split over two devices: each holds half of every page, so the same memory holds twice the pages.
     assert pages((1 << 30) + 7 * 2 * page, kv_shards=2) - pages(1 << 30, kv_shards=2) == 14
+
+
+class FakeProgram:
+    """A compiled program whose memory analysis reports the given bytes."""
+
+    def __init__(self, temp, output=0, alias=0):
+        self.analysis = types.SimpleNamespace(temp_size_in_bytes=temp, output_size_in_bytes=output,
+                                              alias_size_in_bytes=alias)
+
+    def memory_analysis(self):
+        return self.analysis
+
+
+def test_kv_pool_leaves_room_for_the_compiled_programs():
+    page = 1000
+    programs = {"decode": FakeProgram(4000), "prefill": FakeProgram(18_000, output=5000, alias=3000)}
+    need = 20_000 + 1000  # the prefill's temporaries and new outputs, and 5% to spare
+    fit = functools.partial(memory_plan.pages_that_fit, programs, 50, page, fixed_pages=False)
+    assert fit(free=need) == 50 and fit(free=None) == 50
+    assert fit(free=need - 1) == 49 and fit(free=need - 7500) == 42  # whole pages, rounded up
+    with pytest.raises(ValueError, match="--num-pages 50 is too many, at most 42"):
+        memory_plan.pages_that_fit(programs, 50, page, need - 7500, fixed_pages=True)
 
 
 # ------------------------------------------------------------------------------------------------------------
