@@ -5,9 +5,9 @@ at full length.
 
 That first plan estimates the step programs' buffers from a formula. Once they are compiled, `pages_that_fit`
 checks it against what XLA says each program needs (its temporaries and new outputs) and gives the pool that
-leaves room for the largest. The formula can fall short: an expert-parallel prefill sizes its dispatch buffers
-for the worst case, every token copy to one shard (35-37 GiB per GPU at the bench preset's 32 x 128 tokens
-on expert=2, where the allocator was allowed the whole GPU).
+leaves room for the largest. The formula can fall short: on two H200s with the allocator allowed the whole GPU
+(XLA_PYTHON_CLIENT_PREALLOCATE=false), an expert=2 prefill program of the bench preset asked for a 35-37 GiB
+block that the pool had left no room for (bench/results/serve.md, 2026-11-30).
 """
 
 import logging
