@@ -22,9 +22,9 @@ from inkling_jax.kernel_sharding import head_shards
 from inkling_jax.sharding import (MeshError, check_mesh, make_mesh, override_rules, parse_mesh_spec, shard_model,
                                    spec_for)
 
-# The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). Rows split over
-# `expert` would leave the KV pool, one pool of pages on every expert shard, to be resharded per step: a prefill
-# program asked for a 35.5 GiB copy of it on two H200s (2026-11-30).
+# The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). The KV pool is one
+# pool of pages, whole on every expert shard; with the rows split over `expert`, every step program would write it
+# from rows gathered across the shards (tests/test_serve_mesh.py finds such writes then).
 ROWS = ("data", "fsdp")
 
 # LayerCache field -> logical names of its dimensions (see `inkling_jax.cache`)
