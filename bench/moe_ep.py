@@ -11,21 +11,29 @@ Transports (`expert_parallel.experts_ep`'s `transport`):
   bytes), the default.
 Layer: the `bench` preset's widths (hidden 6144, 32 experts of width 3072 top-6, 2 shared), bf16, random
 weights and routing (the router runs outside the timing); `expert_parallel.experts_ep` on a mesh of `expert` =
-every GPU, tokens replicated as the server gives them.
+every GPU. Tokens come replicated, as the server gives them (its rows whole: `serve.placement.ROWS`), each
+shard slicing its share and the output gathered back; the `split` rows take them split over `expert`, as a
+trainer's batch comes (`sharding.RULES`), each shard keeping its output.
 
     PYTHONPATH=. python bench/moe_ep.py [--tokens 8,256,1024,4096]
 """
 
 import argparse
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+# Run as a script, this file's folder comes first on sys.path and bench/serve.py would shadow the `serve` package.
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
-from bench.ceilings import median_seconds
-from inkling_jax import expert_parallel, kernels, preset
-from inkling_jax.mlp import MoE
-from inkling_jax.sharding import make_mesh, shard_model
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bench.ceilings import median_seconds  # noqa: E402
+from inkling_jax import expert_parallel, kernels, preset  # noqa: E402
+from inkling_jax.mlp import MoE  # noqa: E402
+from inkling_jax.sharding import make_mesh, override_rules, shard_model  # noqa: E402
+from serve.placement import ROWS  # noqa: E402
 
 
 def measure(tokens: list[int], preset_name: str) -> dict:
@@ -42,11 +50,16 @@ def measure(tokens: list[int], preset_name: str) -> dict:
     for n in tokens:
         x = jax.random.normal(jax.random.key(n), (n, text.hidden_size), jnp.bfloat16)
         weights, ids, shared_weights = moe.route(x)
-        for name, transport in transports.items():
-            layer = jax.jit(lambda x, r, s, transport=transport: expert_parallel.experts_ep(
-                x, r, s, ids, weights, shared_weights, mesh, kernels.moe_backend(), transport=transport))
+        layouts = [(name, transport, {"batch": ROWS}) for name, transport in transports.items()]
+        layouts.append(("padded, split", expert_parallel.ragged_all_to_all_padded, {}))
+        for name, transport, rules in layouts:
+            def layer(x, r, s, transport=transport, rules=rules):
+                with override_rules(**rules):
+                    return expert_parallel.experts_ep(x, r, s, ids, weights, shared_weights, mesh,
+                                                      kernels.moe_backend(), transport=transport)
+
             # 10 back-to-back calls a trial: one call's dispatch and wait would hide a small layer's device time.
-            out[f"{name} {n}"] = 1e3 * median_seconds(layer, x, routed, shared, trials=5, calls=10)
+            out[name, n] = 1e3 * median_seconds(jax.jit(layer), x, routed, shared, trials=5, calls=10)
     return out
 
 
@@ -57,9 +70,8 @@ def main():
     args = p.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = {}
-    for key, ms in measure(tokens, args.preset).items():
-        transport, n = key.split()
-        rows.setdefault(transport, {})[int(n)] = ms
+    for (name, n), ms in measure(tokens, args.preset).items():
+        rows.setdefault(name, {})[n] = ms
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; ms per MoE layer "
           f"({args.preset} preset widths, expert={jax.device_count()})")
     print("| transport | " + " | ".join(f"{n} tokens" for n in tokens) + " |")
