@@ -9,11 +9,13 @@ it covers the layer), checked against the tuned Triton forward. Then cuDNN (no b
 forward and backward, at the same shapes. A candidate that fails to compile, or whose tokens per tile exceed its
 keys, is reported and skipped.
 
-Run: PYTHONPATH=. python bench/rel_attention_tiles.py [--smoke] [--forward-only]
-     ($OUT/rel_attention_tiles.json if $OUT is set; --forward-only: the tuned Triton forward, Mosaic, the peers)
+Run: PYTHONPATH=. python bench/rel_attention_tiles.py [--smoke] [--forward-only] [--bias-cost]
+     ($OUT/rel_attention_tiles.json if $OUT is set; --forward-only: the tuned Triton forward, Mosaic, the peers;
+     --bias-cost: the tuned backward kernels with and without the relative bias)
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import time
@@ -183,6 +185,25 @@ def mosaic_dq(name, layer):
         save("rel_attention_tiles.json")
 
 
+def bias_cost(name, layer, interpret=None):
+    """The tuned Triton dK/dV and dQ, each alone, at the layer's extent and again with no relative bias (extent 0:
+    every tile plain, no shear, dr or dP), the inputs otherwise the same: what the bias costs each backward
+    kernel. In RESULTS['bias cost'][name][kernel] as {"bias": ms, "no bias": ms}; returns the summary lines."""
+    found = RESULTS.setdefault("bias cost", {}).setdefault(name, {})
+    for label, variant in (("bias", layer), ("no bias", dataclasses.replace(layer, extent=0))):
+        tuned = tuning.blocks(variant.groups, variant.dim, variant.window)
+        geos, args, ct = prepared(variant, tuned, interpret)
+        out, lse = jax.jit(lambda *a: forward.forward(geos[0], *a))(*args)
+        residuals = backward.residual_args(*args, out, lse, ct)
+        for kernel, call, geo in (("dkdv", backward.dkdv, geos[1]), ("dq", backward.dq, geos[2])):
+            fn = jax.jit(lambda *x, call=call, geo=geo: call(geo, *x))
+            found.setdefault(kernel, {})[label] = time_ms(fn, *residuals)
+            log(f"[{name}] {kernel} {label}: {found[kernel][label]:.3f} ms")
+            save("rel_attention_tiles.json")
+    return [f"{name:8} {kernel:5} {x['bias']:.3f} ms with bias, {x['no bias']:.3f} ms without: the bias is "
+            f"{100 * (1 - x['no bias'] / x['bias']):.0f}% of the kernel" for kernel, x in found.items()]
+
+
 def _bias_part(geo_triton, *operands):
     """The Triton dQ of geo_triton's tiles with bias, adding the Mosaic dQ of the other tiles (the last operand,
     split at geo_triton's tiles)."""
@@ -242,6 +263,7 @@ def main():
     parser.add_argument("--forward-only", action="store_true", help="tuned Triton forward, Mosaic forward, peers")
     parser.add_argument("--mosaic-dkdv", action="store_true", help="the Mosaic and tuned Triton dK/dV only")
     parser.add_argument("--mosaic-dq", action="store_true", help="the split (Mosaic + Triton) and tuned Triton dQ only")
+    parser.add_argument("--bias-cost", action="store_true", help="the tuned Triton dK/dV and dQ with and without bias")
     flags = parser.parse_args()
     smoke = flags.smoke
     layers = SMOKE_LAYERS if smoke else {name: LAYERS[name] for name in CANDIDATES}
@@ -249,6 +271,10 @@ def main():
         TIMING.update(reps=1, rounds=1)
     RESULTS["device"] = str(jax.devices()[0].device_kind)
     rooflines(*((128, 1 << 16) if smoke else ()))
+    if flags.bias_cost:
+        for name, layer in layers.items():
+            guarded(f"[{name}] bias cost", lambda: print("\n".join(bias_cost(name, layer)), flush=True))
+        return
     if flags.mosaic_dq:
         for name, layer in LAYERS.items():
             guarded(f"[{name}] dq mosaic", lambda: mosaic_dq(name, layer))
