@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 from inkling_jax import InklingModel, preset  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
+from serve.memory_plan import program_bytes  # noqa: E402
 from serve.placement import Placement  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
@@ -222,6 +223,11 @@ def main():
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
     results["compile_s"] = engine.warm_up_seconds
+    # Per device: the KV pool and what each step program allocates beside it (temporaries, unaliased outputs).
+    runner = engine.runner
+    results["kv_pool_gib"] = runner.num_pages * runner._page_bytes_per_device() / 2**30
+    results["step_program_gib"] = {f"{rows}x{tokens}{' full' if full else ''}": program_bytes(p) / 2**30
+                                   for (rows, tokens, full), p in runner._steps.items()}
     vocab = config.text.unpadded_vocab_size
     run_load(engine, min(levels), args.prompt_tokens, 4, vocab, seed=99)  # first calls of each executable
     results["levels"] = [run_load(engine, c, args.prompt_tokens, args.output_tokens, vocab, seed=c) for c in levels]
@@ -252,6 +258,8 @@ def main():
           f"preset {args.preset}, prompt {args.prompt_tokens}, "
           f"output {args.output_tokens}, decode steps {args.decode_steps}; build {results['build_s']:.1f}s, "
           f"compile {results['compile_s']:.1f}s ({len(engine_config.buckets)} buckets: {engine_config.buckets})")
+    print(f"per device: KV pool {results['kv_pool_gib']:.1f} GiB; largest step program "
+          f"{max(results['step_program_gib'].values()):.2f} GiB beside it")
     print(f"copy (y = 2x, read + write) {results['copy_bytes_s'] / 1e9:.0f} GB/s; read (sum x) "
           f"{results['read_bytes_s'] / 1e9:.0f} GB/s; bf16 matmul {results['matmul_flop_s'] / 1e12:.0f} TFLOP/s")
     print("| concurrency | submitted as | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p50 ms | "
