@@ -225,7 +225,7 @@ def main():
     results["compile_s"] = engine.warm_up_seconds
     # Per device: the KV pool and what each step program allocates beside it (temporaries, unaliased outputs).
     runner = engine.runner
-    results["kv_pool_gib"] = runner.num_pages * runner._page_bytes_per_device() / 2**30
+    results["kv_pool_gib"] = runner.num_pages * runner.page_bytes_per_device() / 2**30
     results["step_program_gib"] = {f"{rows}x{tokens}{' full' if full else ''}": program_bytes(p) / 2**30
                                    for (rows, tokens, full), p in runner._steps.items()}
     vocab = config.text.unpadded_vocab_size

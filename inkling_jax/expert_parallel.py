@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from inkling_jax.mlp import grouped_ffn, grouped_rows, local_experts, shared_dense, with_shared_rows
-from inkling_jax.sharding import RULES, spec_for
+from inkling_jax.sharding import RULES, axes_of, spec_for
 
 AXIS = RULES["experts"]
 WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the shared ones' ("mlp") alike
@@ -50,8 +50,8 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch)
         return _sum_width(out, width)
 
-    return _shard_map(shard, mesh, x.shape[0], width)(x, expert_ids, weights, shared_weights, tuple(routed),
-                                                      tuple(shared))
+    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width)(
+        x, expert_ids, weights, shared_weights, tuple(routed), tuple(shared))
 
 
 def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
@@ -68,7 +68,8 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
     transport = ragged_all_to_all_padded if transport is None else transport
     width = width_axis(mesh, routed, shared)
 
-    split = AXIS in _mesh_axes(_tokens_spec(mesh, x.shape[0]))  # each shard holds its own tokens
+    tokens = _tokens_spec(mesh, x.shape[0])
+    split = AXIS in axes_of(tokens[0])  # each shard holds its own tokens
 
     def shard(x, ids, wts, shared_wts, routed, shared):
         num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape
@@ -116,15 +117,14 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         out = _sum_width(out, width)
         return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
-    return _shard_map(shard, mesh, x.shape[0], width)(x, expert_ids, weights, shared_weights, tuple(routed),
-                                                      tuple(shared))
+    return _shard_map(shard, mesh, tokens, width)(x, expert_ids, weights, shared_weights, tuple(routed),
+                                                  tuple(shared))
 
 
-def _shard_map(shard, mesh: Mesh, num_tokens: int, width: str | None):
-    """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) over the
-    batch axes when they divide the token count, else whole on every shard; routed experts over `expert`;
-    the routed and the shared width over `width` (w_gate / w_up columns, w_down rows) unless None."""
-    tokens = _tokens_spec(mesh, num_tokens)
+def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None):
+    """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) laid out as
+    `tokens` (`_tokens_spec`); routed experts over `expert`; the routed and the shared width over `width`
+    (w_gate / w_up columns, w_down rows) unless None."""
 
     def stack(experts):
         return P(experts, None, width), P(experts, None, width), P(experts, width, None)
@@ -137,12 +137,6 @@ def _shard_map(shard, mesh: Mesh, num_tokens: int, width: str | None):
 def _tokens_spec(mesh: Mesh, num_tokens: int) -> P:
     """Tokens [N] as the batch is laid out (RULES "batch", over the leading axes that divide N)."""
     return spec_for(("batch",), (num_tokens,), mesh)
-
-
-def _mesh_axes(spec: P) -> tuple[str, ...]:
-    """The mesh axes of a one-dimensional spec's dimension."""
-    axes = spec[0] if len(spec) else None
-    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def _sum_width(out, width: str | None):

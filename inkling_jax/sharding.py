@@ -137,6 +137,11 @@ def override_rules(**changes):
         _RULES_IN_USE.reset(token)
 
 
+def axes_of(entry) -> tuple[str, ...]:
+    """A rule's target or a PartitionSpec entry (None, a mesh axis, or a tuple of them) as a tuple of axes."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules=None) -> PartitionSpec:
     """PartitionSpec for a dimension list. A dimension goes over the longest leading run of its rule's mesh axes
     whose sizes multiply to a divisor of it (a batch of 6 over data=2, expert=4: over `data`), else replicated."""
@@ -145,8 +150,7 @@ def spec_for(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, r
     out = []
     for name, size in zip(axes, shape):
         target = rules.get(name) if name else None
-        mesh_axes = tuple(a for a in ((target,) if isinstance(target, str) else (target or ()))
-                          if mesh.shape[a] > 1 and a not in used)
+        mesh_axes = tuple(a for a in axes_of(target) if mesh.shape[a] > 1 and a not in used)
         while mesh_axes and size % int(np.prod([mesh.shape[a] for a in mesh_axes])):
             mesh_axes = mesh_axes[:-1]
         used.update(mesh_axes)

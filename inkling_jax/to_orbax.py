@@ -33,7 +33,7 @@ from inkling_jax.config import load_config
 from inkling_jax.hub_source import HubSource, direct_span, open_for_reading, read_bytes
 from inkling_jax.loading import abstract_model, check_shapes, check_tensor_names, hub_layout, model_variables
 from inkling_jax.safetensors_io import INDEX, CheckpointError
-from inkling_jax.sharding import MESH_AXES, logical_axes, parse_mesh_spec, spec_for
+from inkling_jax.sharding import MESH_AXES, axes_of, logical_axes, parse_mesh_spec, spec_for
 from inkling_jax.slabs import TensorPlan, contiguous, plan_tensor
 from inkling_jax.streaming import BufferPool, Stream
 
@@ -88,8 +88,7 @@ def prepare(src: str, dtype: str | None, mesh: str | None, tuning: Tuning):
         var = variables[rule.targets[0]].get_value()
         shape, out = tuple(var.shape), np.dtype(var.dtype).itemsize
         spec = spec_for(logical_axes(rule.targets[0], len(shape)), shape, abstract_mesh)
-        shard = [s // math.prod(sizes[a] for a in ((p,) if isinstance(p, str) else (p or ())))
-                 for s, p in zip(shape, spec)]
+        shard = [s // math.prod(sizes[a] for a in axes_of(p)) for s, p in zip(shape, spec)]
         hub_shape = source.shape(name)
         row_elems = math.prod(hub_shape[1:])
         cost = source.row_bytes(name) + row_elems * (source.dtype(name).itemsize + len(rule.targets) * out)

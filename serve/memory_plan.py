@@ -23,11 +23,12 @@ from serve.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
-def page_bytes(text: TextConfig, config: EngineConfig, dtype) -> int:
-    """Bytes of one page: page_size tokens of K and V in every full-attention layer."""
+def page_bytes(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
+    """Bytes of one page: page_size tokens of K and V in every full-attention layer; per device where its KV
+    heads are split over kv_shards devices."""
     full = text.num_layers - len(text.local_layer_ids)
     shape = text.attention(False)
-    return 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize // kv_shards
 
 
 def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
@@ -35,13 +36,13 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: i
     the devices a page's KV heads are split over (tensor parallelism), each holding that share of every page;
     the rest is counted whole, as if every device held all of it."""
     cfg, vocab = config, text.unpadded_vocab_size
-    stats = jax.devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
+    available = free_bytes(jax.devices()[:1])
+    if available is None:
         return cfg.max_num_seqs * cfg.pages_per_row
-    free = (stats["bytes_limit"] - stats["bytes_in_use"]) * cfg.memory_fraction
-    page = page_bytes(text, cfg, dtype)
-    fixed = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1) - page
-    page //= kv_shards
+    free = available * cfg.memory_fraction
+    fixed = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
+    fixed -= page_bytes(text, cfg, dtype)
+    page = page_bytes(text, cfg, dtype, kv_shards)
     per_row = fixed // cfg.num_rows
     fixed += cfg.snapshots * per_row + cfg.num_rows * vocab * 5  # snapshots; penalty counts and prompt masks
     fixed += 4 * cfg.rows[-1] * vocab * 4  # one logits row per step row, its softmax and draws, fp32

@@ -144,7 +144,7 @@ class ModelRunner:
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
             compiled = dict(zip(lowered, pool.map(lambda program: program.compile(options), lowered.values())))
-        pages = memory_plan.pages_that_fit(compiled, self.num_pages, self._page_bytes_per_device(),
+        pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
                                            self.config.num_pages is not None)
         if pages != self.num_pages:  # a smaller pool, and the programs again for its shapes
@@ -160,8 +160,9 @@ class ModelRunner:
                  len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
         return seconds
 
-    def _page_bytes_per_device(self) -> int:
-        return memory_plan.page_bytes(self.text, self.config, self.model.dtype) // self.placement.kv_shards(self.text)
+    def page_bytes_per_device(self) -> int:
+        """Bytes of one KV page on each device (its share of the KV heads)."""
+        return memory_plan.page_bytes(self.text, self.config, self.model.dtype, self.placement.kv_shards(self.text))
 
     def _resize_pool(self, pages: int) -> None:
         if pages < self.config.pages_per_row:

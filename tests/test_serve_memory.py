@@ -23,7 +23,7 @@ def _serve(monkeypatch=None, pages_short=0):
         engine = Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
         runner = engine.runner
         if monkeypatch is not None:
-            page = runner._page_bytes_per_device()
+            page = runner.page_bytes_per_device()
             need = 20 * page  # the largest program's bytes, as the fake analysis reports them
             first = runner.num_pages
             monkeypatch.setattr(memory_plan, "program_bytes", lambda compiled: need)
