@@ -3,11 +3,13 @@ everything else the engine keeps (the slots' ring and ShortConv states, the pref
 per-row state, the steps' logits and activations); without memory statistics (CPU) enough pages for every slot
 at full length.
 
-That first plan estimates the step programs' buffers from a formula. Once they are compiled, `pages_that_fit`
-checks it against what XLA says each program needs (its temporaries and new outputs) and gives the pool that
-leaves room for the largest. The formula can fall short: on two H200s with the allocator allowed the whole GPU
-(XLA_PYTHON_CLIENT_PREALLOCATE=false), an expert=2 prefill program of the bench preset asked for a 35-37 GiB
-block that the pool had left no room for (bench/results/serve.md, 2026-11-30).
+Free memory is counted only as far as one block holds it (`largest_allocation`): each full-attention layer's K
+and V pool is one array. Where the allocator grows region by region (XLA_PYTHON_CLIENT_PREALLOCATE=false), the
+runner also has it take the whole cache as one block and hand it back before making the arrays
+(`Placement.reserve`). Without that, on two H200s (bench/results/serve.md, 2026-11-30) the allocator grew a 64
+GiB region for a 37.5 GiB K pool, and the V pool then found 27 GiB there and 8.8 GiB of room for a new region.
+Once the step programs are compiled, `pages_that_fit` checks the plan's formula for their buffers against what
+XLA says each program needs.
 """
 
 import logging
@@ -36,10 +38,10 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: i
     the devices a page's KV heads are split over (tensor parallelism), each holding that share of every page;
     the rest is counted whole, as if every device held all of it."""
     cfg, vocab = config, text.unpadded_vocab_size
-    available = free_bytes(jax.devices()[:1])
+    available, block = free_bytes(jax.devices()[:1]), largest_allocation(jax.devices()[:1])
     if available is None:
         return cfg.max_num_seqs * cfg.pages_per_row
-    free = available * cfg.memory_fraction
+    free = min(available, block or available) * cfg.memory_fraction
     fixed = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
     fixed -= page_bytes(text, cfg, dtype)
     page = page_bytes(text, cfg, dtype, kv_shards)
@@ -48,8 +50,9 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: i
     fixed += 4 * cfg.rows[-1] * vocab * 4  # one logits row per step row, its softmax and draws, fp32
     fixed += 2 * max(r * t for r, t in cfg.buckets) * text.hidden_size * 4 * 4  # the widest activations
     pages = int((free - fixed) // page)
-    log.info("device memory: %.1f GiB free x %.2f; %.1f GiB for slots, snapshots and step buffers; %d pages",
-             free / cfg.memory_fraction / 2**30, cfg.memory_fraction, fixed / 2**30, pages)
+    log.info("device memory: %.1f GiB free, %.1f GiB of it in one block, x %.2f; %.1f GiB for slots, snapshots and "
+             "step buffers; %d pages", available / 2**30, free / cfg.memory_fraction / 2**30, cfg.memory_fraction,
+             fixed / 2**30, pages)
     return pages
 
 
@@ -59,6 +62,35 @@ def free_bytes(devices) -> int | None:
     if any("bytes_limit" not in st for st in stats):
         return None
     return min(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
+
+
+def largest_allocation(devices) -> int | None:
+    """The largest single array the allocator can still hand out on every one of `devices`: its largest free
+    block, or a new region up to its limit where it grows on demand; None without statistics."""
+    stats = [d.memory_stats() or {} for d in devices]
+    if any("largest_free_block_bytes" not in st or "bytes_limit" not in st for st in stats):
+        return None
+    return min(max(st["largest_free_block_bytes"], st["bytes_limit"] - st.get("pool_bytes", st["bytes_limit"]))
+               for st in stats)
+
+
+def is_out_of_memory(message: str) -> bool:
+    return "RESOURCE_EXHAUSTED" in message or "Out of memory" in message
+
+
+def grows_on_demand(devices) -> bool:
+    """Whether the allocator takes device memory region by region as arrays need it
+    (XLA_PYTHON_CLIENT_PREALLOCATE=false) instead of holding its whole limit from the start."""
+    stats = [d.memory_stats() or {} for d in devices]
+    return any(st.get("pool_bytes", math.inf) < st.get("bytes_limit", 0) for st in stats)
+
+
+def bytes_per_device(shapes, shardings=None) -> int:
+    """Bytes that arrays of these shapes take on each device (`shardings`: a matching pytree, None: whole)."""
+    leaves = jax.tree.leaves(shapes)
+    placed = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
+    return sum(math.prod(x.shape if s is None else s.shard_shape(x.shape)) * x.dtype.itemsize
+               for x, s in zip(leaves, placed, strict=True))
 
 
 def program_bytes(compiled) -> int:

@@ -81,15 +81,31 @@ class ModelRunner:
     def reset(self) -> None:
         """Fresh device state (also after a failed step, whose donated buffers may be gone)."""
         cfg = self.config
-        cache = jax.eval_shape(lambda: self.model.init_cache(cfg.num_rows, cfg.max_model_len,
-                                                             page_size=cfg.page_size, num_pages=self.num_pages))
-        self.cache_shardings = self.placement.cache_shardings(self.text, cache)
+        self.cache = self.snapshots = None  # the old ones go first
+        shapes = jax.eval_shape(lambda: self.model.init_cache(cfg.num_rows, cfg.max_model_len,
+                                                              page_size=cfg.page_size, num_pages=self.num_pages))
+        snapshot_shapes = jax.eval_shape(lambda: cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots))
+        self.cache_shardings = self.placement.cache_shardings(self.text, shapes)
         self.snapshot_shardings = None if self.cache_shardings is None else cache_rows.row_state(
             self.text, self.cache_shardings)
-        self.cache = self.placement.create(lambda: self.model.init_cache(
-            cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size, num_pages=self.num_pages), self.cache_shardings)
-        self.snapshots = self.placement.create(lambda: cache_rows.empty_snapshots(self.text, cache, cfg.snapshots),
-                                               self.snapshot_shardings)
+        if memory_plan.grows_on_demand(self.placement.device_list):
+            self.placement.reserve(memory_plan.bytes_per_device(shapes, self.cache_shardings)
+                                   + memory_plan.bytes_per_device(snapshot_shapes, self.snapshot_shardings))
+        try:  # an allocation that fails shows once the arrays are waited for
+            self.cache, self.snapshots = jax.block_until_ready((
+                self.placement.create(lambda: self.model.init_cache(
+                    cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size, num_pages=self.num_pages),
+                    self.cache_shardings),
+                self.placement.create(lambda: cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots),
+                                      self.snapshot_shardings)))
+        except jax.errors.JaxRuntimeError as err:
+            if not memory_plan.is_out_of_memory(str(err)):
+                raise
+            # No smaller pool is tried: on the H200 the arrays of a failed allocation stayed allocated.
+            gib = self.num_pages * self.page_bytes_per_device() / 2**30
+            raise MemoryError(f"the KV pool of {self.num_pages} pages ({gib:.1f} GiB per device) could not be "
+                              f"allocated: pass fewer with --num-pages, or a smaller --memory-fraction "
+                              f"({str(err).splitlines()[0]})") from None
         self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
                                                          jnp.zeros((cfg.num_rows, self.vocab), bool)))
 
@@ -169,7 +185,7 @@ class ModelRunner:
             raise ValueError(f"after the step programs' buffers, {pages} pages fit: not one sequence of "
                              f"{self.config.max_model_len} tokens (lower --max-model-len or the step buckets)")
         self.num_pages = pages
-        self.cache = self.snapshots = self.penalties = None  # freed before the smaller pool is made
+        self.penalties = None  # freed, with the cache, before the smaller pool is made
         self.reset()
 
     def _run_once(self) -> None:

@@ -14,6 +14,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.cache import Cache
@@ -111,6 +112,16 @@ class Placement:
         """The arrays `fn()` builds, made by each device in its own shards (`shardings`: a matching pytree;
         default replicated): a KV pool sized for every device's memory never exists whole on one of them."""
         return self.jit(fn, out_shardings=shardings)()
+
+    def reserve(self, nbytes: int) -> None:
+        """Has the allocator take `nbytes` on every device as one block and hand it back. An allocator that grows
+        region by region keeps the block, so the arrays made next (the cache) find room in it; otherwise it may
+        grow a region that holds the first of them but not the next (see `serve.memory_plan`)."""
+        count = len(self.device_list)
+        rows = -(-nbytes // 2**20)  # whole MiB, rows of 1 MiB: no dimension over 2**31
+        every_device = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))
+        block = self.create(lambda: jnp.zeros((count * rows, 2**20), jnp.uint8), every_device)
+        jax.block_until_ready(block).delete()
 
     def jit(self, fn, out_shardings=None, **kwargs):
         """jax.jit with explicit output shardings on a mesh (replicated unless given), traced with the server's

@@ -1,12 +1,17 @@
-"""The KV pool leaves room for the compiled step programs: where the largest program's buffers do not fit beside
-the first pool (told here by fake memory statistics; CPUs have none), the runner makes a smaller pool, compiles
-its programs again for it, and serves the same tokens."""
+"""The KV pool shrinks where it does not fit: where the allocator cannot place it, and where the largest compiled
+step program's buffers do not fit beside it (told here by fake memory statistics and allocation failures; CPUs
+have neither). The smaller pool serves the same tokens."""
+
+import jax
+import jax.numpy as jnp
+import pytest
 
 from inkling_jax import kernels, preset
 from serve import memory_plan
 from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.offline import generate
+from serve.placement import Placement
 from serve.random_weights import random_model
 from serve.sampling import SamplingParams
 
@@ -45,3 +50,55 @@ def test_pool_shrinks_to_leave_room_for_the_programs(monkeypatch):
     got, fewer = _serve(monkeypatch, pages_short=3)
     assert fewer == 5
     assert got == want
+
+
+class _Device:
+    def __init__(self, **stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_free_memory_counts_as_far_as_one_block_holds_it():
+    """Two H200s without preallocation (2026-11-30): 82 GiB free, but 9 GiB in the largest free block and 73 GiB
+    of room for a new region; with preallocation the allocator's one region is its whole limit."""
+    gib = 2**30
+    growing = _Device(bytes_limit=105 * gib, bytes_in_use=22 * gib, pool_bytes=32 * gib,
+                      largest_free_block_bytes=9 * gib)
+    preallocated = _Device(bytes_limit=105 * gib, bytes_in_use=22 * gib, pool_bytes=105 * gib,
+                           largest_free_block_bytes=80 * gib)
+    assert memory_plan.free_bytes([growing]) == 83 * gib
+    assert memory_plan.largest_allocation([growing]) == 73 * gib
+    assert memory_plan.largest_allocation([preallocated, growing]) == 73 * gib
+    assert memory_plan.grows_on_demand([growing]) and not memory_plan.grows_on_demand([preallocated])
+    assert memory_plan.largest_allocation([_Device()]) is None and not memory_plan.grows_on_demand([_Device()])
+
+
+def test_an_allocator_that_grows_takes_the_cache_as_one_block_first(monkeypatch):
+    """Where the allocator grows region by region, the runner has it take the whole cache (pool, ring and conv
+    states, snapshots) as one block before making it; the engine then serves as before."""
+    want, _ = _serve()
+    reserved = []
+    reserve = Placement.reserve
+    monkeypatch.setattr(memory_plan, "grows_on_demand", lambda devices: True)
+    monkeypatch.setattr(Placement, "reserve", lambda self, nbytes: reserved.append(nbytes) or reserve(self, nbytes))
+    got, pages = _serve()
+    assert got == want
+    page = memory_plan.page_bytes(CONFIG.text, EngineConfig(**ENGINE), jnp.float32)
+    assert len(reserved) == 1 and reserved[0] > pages * page  # the pool and the rest of the cache
+
+
+def test_a_pool_that_cannot_be_allocated_stops_with_the_numbers(monkeypatch):
+    """No smaller pool is tried (on the H200 the arrays of a failed allocation stayed allocated): the error says
+    which pool failed and what to change."""
+    create = Placement.create
+
+    def out_of_memory_for_pools(self, fn, shardings=None):
+        if hasattr(jax.eval_shape(fn), "layers"):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+        return create(self, fn, shardings)
+
+    monkeypatch.setattr(Placement, "create", out_of_memory_for_pools)
+    with kernels.use("jnp", moe="dense"), pytest.raises(MemoryError, match="KV pool of 8 pages .* --num-pages"):
+        Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
