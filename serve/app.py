@@ -179,6 +179,8 @@ def main(argv=None) -> None:
         service = build_service(args)
     except MeshError as e:
         raise SystemExit(f"--mesh {args.mesh}: {e}") from None
+    except MemoryError as e:  # the KV pool did not fit: the message says its size and the flags that change it
+        raise SystemExit(str(e)) from None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     log.info("serving %r at http://%s:%d/v1", service.model_name, args.host, args.port)

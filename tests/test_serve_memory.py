@@ -102,3 +102,6 @@ def test_a_pool_that_cannot_be_allocated_stops_with_the_numbers(monkeypatch):
     monkeypatch.setattr(Placement, "create", out_of_memory_for_pools)
     with kernels.use("jnp", moe="dense"), pytest.raises(MemoryError, match="KV pool of 8 pages .* --num-pages"):
         Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
+    from serve.app import main  # the server stops with that line, no traceback
+    with pytest.raises(SystemExit, match="KV pool of 4 pages .* could not be allocated"):
+        main(["--num-pages", "4", "--max-model-len", "32"])
