@@ -182,10 +182,12 @@ class _Plan:
 def ragged_all_to_all_padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
                              axis_name):
     """`jax.lax.ragged_all_to_all` (one slice per peer) through a dense `all_to_all`: every slice travels in a
-    slot of operand's full length, so nothing can overflow. n times the bytes, yet faster on one host's GPUs
-    (see module doc), and the only form XLA:CPU runs."""
+    slot of the most rows a slice can have, so nothing can overflow: operand's length, or the output's where
+    that is shorter (a slice must fit the peer's output, which has this shard's shape; the combine sends back
+    from the n-times larger receive buffer). Up to n times the bytes, yet faster on one host's GPUs (see module
+    doc), and the only form XLA:CPU runs."""
     rows = operand.shape[0]
-    pos = jnp.arange(rows, dtype=jnp.int32)
+    pos = jnp.arange(min(rows, output.shape[0]), dtype=jnp.int32)
     gather = jnp.minimum(input_offsets[:, None] + pos, rows - 1)
     sent = (pos < send_sizes[:, None]).reshape(gather.shape + (1,) * (operand.ndim - 1))
     slots = jnp.where(sent, operand[gather], 0)  # [n, rows, ...]

@@ -2,6 +2,7 @@
 replay keeps the recorded choice while gradients reach the router."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +99,11 @@ def test_a_batch_split_over_expert_stays_split(rows, split):
     hlo = forward.lower(moe, x).compile().as_text()
     gathers = [line for line in hlo.splitlines() if "all-gather" in line and ",64]" in line.split("=")[1]]
     assert bool(gathers) != split, gathers
+    # Each expert shard's share is ceil(rows * 4 / 8) tokens, 2 copies each: no all-to-all slot holds more rows,
+    # in the combine too (sent back from a receive buffer 4 times that).
+    slots = [int(rows) for line in hlo.splitlines() if "all-to-all" in line and "=" in line
+             for rows in re.findall(r"\[1,(\d+),64\]", line.split("=")[1])]
+    assert slots and max(slots) <= -(-rows * 4 // 8) * 2, slots
     with kernels.use("jnp", moe="dense"):
         want = nnx.jit(lambda moe, x: moe(x)[0])(_moe(), _input((rows, 4)))
     np.testing.assert_allclose(forward(moe, x), want, rtol=1e-5, atol=1e-6)
@@ -171,5 +177,10 @@ def test_padded_transport_follows_the_ragged_all_to_all_contract():
     def f(*args):
         return ragged_all_to_all_padded(*(a[0] for a in args), axis_name="e")[None]
 
-    got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("e"), out_specs=P("e")))(*per_device)
-    np.testing.assert_array_equal(got, [[1, 3, 0, 0], [2, 2, 4, 0]])
+    send = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("e"), out_specs=P("e")))
+    np.testing.assert_array_equal(send(*per_device), [[1, 3, 0, 0], [2, 2, 4, 0]])
+    # An output shorter than the operand (the combine sends back from the larger receive buffer): slots of the
+    # output's length. Device 0 sends its rows 0 and 3, device 1 its rows 2 and 1.
+    per_device = [jnp.array(a) for a in ([[1.0, 2, 3, 4], [5, 6, 7, 8]], [[0.0] * 2] * 2, [[0, 3], [2, 1]],
+                                         [[1, 1], [1, 1]], [[0, 1], [1, 0]], [[1, 1], [1, 1]])]
+    np.testing.assert_array_equal(send(*per_device), [[1, 7], [6, 4]])
