@@ -8,7 +8,7 @@ Rows (bf16; batch 1, 8192 tokens, 64 query heads, head_dim 128, d_rel 16 unless 
   FlexAttention with the same bias as a score_mod (>= 5x), forward TFLOP/s vs cuDNN plain causal attention
   through `jax.nn.dot_product_attention` (>= 0.75), backward vs Flex's backward (>= 3x);
 - decode attention at batch 64: paged (context 8192) KV TB/s (>= 3.5), and the sliding ring, for the record;
-- ShortConv prefill GB/s vs a jitted y = 2x over the same bytes (>= 0.85), for the tiled and strip kernels;
+- ShortConv prefill GB/s vs a jitted y = 2x over the same bytes (>= 0.85);
 - the fused decode prologue at 64 tokens vs the unfused jitted jnp sequence (>= 2x), both layer kinds.
 The table uses the tuned tiles; the tile sweeps are the kernels' own scripts (`bench/shortconv.py
 --prefill-sweep`, `bench/rel_attention_tiles.py`).
@@ -41,7 +41,7 @@ from bench import shortconv as sc  # noqa: E402
 from bench.ceilings import copy_bandwidth, matmul_flops  # noqa: E402
 from pallas_kernels.attn_prologue import attn_prologue  # noqa: E402
 from pallas_kernels.attn_prologue import reference as prologue_reference  # noqa: E402
-from pallas_kernels.shortconv import shortconv_prefill, shortconv_prefill_strip  # noqa: E402
+from pallas_kernels.shortconv import shortconv_prefill  # noqa: E402
 
 TORCH_TIMEOUT_S = 180  # FlexAttention compiles its forward and backward for two layers
 START = time.time()
@@ -180,14 +180,13 @@ def shortconv_rows(shapes, results):
         scale = attempt("y = 2x", lambda: sc.scale_seconds(x, shapes.reps))
         name = "x".join(map(str, shape))
         found = {"y = 2x": scale}
-        for label, kernel in (("tiled", shortconv_prefill), ("strip", shortconv_prefill_strip)):
-            best = attempt(label, lambda: sc.best_of(
-                [None], lambda b: measure(lambda x, w: kernel(x, w, blocks=b)), log, f"prefill {label} {name}"))
-            found[label] = best and best[0]
-            ratio = best and scale and (moved / best[0]) / (2 * x.size * 2 / scale)
-            us = f"{best[0] * 1e6:.1f} us {moved / best[0] / 1e9:.0f} GB/s" if best else "-"
-            base = f"y=2x {scale * 1e6:.1f} us {2 * x.size * 2 / scale / 1e9:.0f} GB/s" if scale else "-"
-            rows.append(row(f"ShortConv prefill ({label}): GB/s vs y = 2x", name, us, base, 0.85, ratio))
+        best = attempt("prefill", lambda: sc.best_of(
+            [None], lambda b: measure(lambda x, w: shortconv_prefill(x, w, blocks=b)), log, f"prefill {name}"))
+        found["kernel"] = best and best[0]
+        ratio = best and scale and (moved / best[0]) / (2 * x.size * 2 / scale)
+        us = f"{best[0] * 1e6:.1f} us {moved / best[0] / 1e9:.0f} GB/s" if best else "-"
+        base = f"y=2x {scale * 1e6:.1f} us {2 * x.size * 2 / scale / 1e9:.0f} GB/s" if scale else "-"
+        rows.append(row("ShortConv prefill: GB/s vs y = 2x", name, us, base, 0.85, ratio))
         results[f"shortconv prefill {name}"] = dict(seconds=found, moved=moved)
         log(f"shortconv prefill {name}", found)
     return rows

@@ -2,9 +2,8 @@
 
     PYTHONPATH=. python bench/shortconv.py [--out DIR] [--sweep-seconds S] [--prefill-sweep]
 
-- prefill: the tiled and the strip kernels' bandwidth against a plain jitted `y = 2x` over the same bytes (the
-  copy roofline) and their speed against the jitted jnp reference; a few tile settings of each are swept and
-  each is printed;
+- prefill: the kernel's bandwidth against a plain jitted `y = 2x` over the same bytes (the copy roofline) and its
+  speed against the jitted jnp reference; a few settings are swept and each is printed;
 - decode: the state-pool kernel against the jitted jnp reference;
 - prologue: the fused kernel against the jitted unfused jnp sequence (pools and caches donated in both).
 Each time is the median over trials of a jitted chain of `reps` dependent calls kept apart by optimization
@@ -25,14 +24,10 @@ import jax.numpy as jnp
 
 from pallas_kernels.attn_prologue import PrologueBlocks, attn_prologue
 from pallas_kernels.attn_prologue import reference as prologue_ref
-from pallas_kernels.shortconv import (DecodeBlocks, PrefillBlocks, StripBlocks, reference, shortconv_decode,
-                                      shortconv_prefill, shortconv_prefill_strip, tuning)
+from pallas_kernels.shortconv import DecodeBlocks, StripBlocks, reference, shortconv_decode, shortconv_prefill
 
 BF16, WIDTH = jnp.bfloat16, 4
 PREFILL_SHAPES = [(1, 8192, 6144), (1, 8192, 2048), (4, 8192, 2048)]
-PREFILL_SWEEP = [PrefillBlocks(16, 256, 4), PrefillBlocks(16, 128, 2), PrefillBlocks(8, 256, 4),
-                 PrefillBlocks(8, 512, 4), PrefillBlocks(16, 512, 8), PrefillBlocks(32, 256, 8),
-                 PrefillBlocks(8, 256, 2)]
 # Strip settings (channels, rows, unroll, num_warps), the two earlier defaults first. A thread keeps about
 # `unroll` row loads in flight; more resident programs per SM (shorter runs, fewer registers) keep more bytes in
 # flight. 8 channels per thread (channels = 256 x num_warps) give 16 B loads, 4 give 8 B loads.
@@ -143,38 +138,32 @@ def bench_prefill(shape, rows, log):
     name = "x".join(map(str, shape))
     rows.append(("y = 2x (XLA)", name, scale, 2 * x.size * 2, scale_rate, None, ""))
     measure = prefill_measure(x, w)
-    jnp_seconds = kernel_vs_jnp(rows, log, "sconv prefill", name, measure, shortconv_prefill,
-                                reference.shortconv_prefill, PREFILL_SWEEP, moved, scale_rate)
-    found = best_of(STRIP_SWEEP, lambda b: measure(functools.partial(shortconv_prefill_strip, blocks=b)), log,
-                    f"sconv prefill strip {name}")
-    if found:
-        rows.append(("sconv prefill strip kernel", name, found[0], moved, scale_rate, jnp_seconds, str(found[1])))
+    kernel_vs_jnp(rows, log, "sconv prefill", name, measure, shortconv_prefill, reference.shortconv_prefill,
+                  STRIP_SWEEP, moved, scale_rate)
     return scale_rate
 
 
 def prefill_sweep(shape, rows, log):
-    """Every strip setting of STRIP_SWEEP, the tuned tiled kernel, and the fastest strip setting again with a
-    state (the model's call), against y = 2x timed before and after them; appends a row for each."""
+    """Every setting of STRIP_SWEEP, and the fastest again with a state (the model's call), against y = 2x timed
+    before and after them; appends a row for each."""
     x, w, moved = prefill_inputs(shape)
     name = "x".join(map(str, shape))
     scale_before = scale_seconds(x)
     measure = prefill_measure(x, w)
     timed = []
-    for label, kernel, blocks in [("tiled", shortconv_prefill, tuning.prefill_blocks(shape[2]))] + [
-            ("strip", shortconv_prefill_strip, b) for b in STRIP_SWEEP]:
+    for blocks in STRIP_SWEEP:
         try:
-            seconds = measure(functools.partial(kernel, blocks=blocks))
+            seconds = measure(functools.partial(shortconv_prefill, blocks=blocks))
         except Exception as err:  # a setting the backend rejects is reported, not fatal
-            log(f"  {label} {name} {blocks}: FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            log(f"  {name} {blocks}: FAILED {type(err).__name__}: {str(err).splitlines()[0][:200]}")
             continue
-        log(f"  {label} {name} {blocks}: {seconds * 1e6:.1f} us")
-        timed.append((f"sconv prefill {label}", seconds, blocks))
-    strips = [t for t in timed if t[0].endswith("strip")]
-    if strips:
-        best = min(strips, key=lambda t: t[1])[2]
-        seconds = prefill_measure(x, w, with_state=True)(functools.partial(shortconv_prefill_strip, blocks=best))
-        log(f"  strip + state {name} {best}: {seconds * 1e6:.1f} us")
-        timed.append(("sconv prefill strip + state", seconds, best))
+        log(f"  {name} {blocks}: {seconds * 1e6:.1f} us")
+        timed.append(("sconv prefill", seconds, blocks))
+    if timed:
+        best = min(timed, key=lambda t: t[1])[2]
+        seconds = prefill_measure(x, w, with_state=True)(functools.partial(shortconv_prefill, blocks=best))
+        log(f"  + state {name} {best}: {seconds * 1e6:.1f} us")
+        timed.append(("sconv prefill + state", seconds, best))
     scale_after = scale_seconds(x)
     scale_rate = 2 * x.size * 2 / min(scale_before, scale_after)  # the faster of the two: the stricter roofline
     for seconds in (scale_before, scale_after):

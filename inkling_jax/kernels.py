@@ -77,8 +77,7 @@ def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None, mesh=
 def _shortconv_kernel(x, w, state, segment_ids, lengths):
     """The Pallas forward with the reference's gradient (the conv is cheap to recompute; Pallas kernels have no
     transpose rule of their own)."""
-    # The strip kernel (each input loaded once) measured faster than the tiled one on the H200 at both widths
-    from pallas_kernels.shortconv import shortconv_prefill_strip as kernel
+    from pallas_kernels.shortconv import shortconv_prefill as kernel
 
     return kernel(x, w, state, segment_ids=segment_ids, lengths=lengths)
 

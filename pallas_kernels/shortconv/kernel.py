@@ -1,8 +1,9 @@
-"""ShortConv as Pallas kernels (Triton backend): the prefill over [B, T, C] and the decode step over a state pool.
+"""ShortConv's decode step over a state pool as a Pallas kernel (Triton backend), and the pieces the prefill
+kernel (strip.py) shares with it: the taps' weighted sum, the final state, the prefill's pallas_call.
 
 Semantics are those of `reference.py`. No BlockSpecs: every ref is the whole array and the kernels address
-rows themselves, because a time tile also reads the 3 rows before it (its halo; from `state` on the first
-tile). Row and column indices are clamped into range and the values masked, never started out of range: that
+rows themselves, because a run of time steps also reads the 3 rows before it (its halo; from `state` on the
+first run). Row and column indices are clamped into range and the values masked, never started out of range: that
 keeps one code path valid both compiled and in interpret mode (which shifts an out-of-range start instead of
 masking it). Tiles are powers of two, as Triton requires.
 """
@@ -58,46 +59,6 @@ def and_masks(a, b):
     return b if a is None else a if b is None else a & b
 
 
-def _prefill_kernel(x_ref, w_ref, state_ref, seg_ref, len_ref, y_ref, new_state_ref, *, blocks):
-    _, seq, channels = x_ref.shape
-    width = w_ref.shape[1]
-    has_state, has_segments = state_ref is not None, seg_ref is not None
-    hist = width - 1
-    bt, bc = blocks.time, blocks.channels
-    c_blk, t_blk, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t0, c0 = t_blk * bt, c_blk * bc
-
-    rows = t0 + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
-    lanes = c0 + lax.broadcasted_iota(jnp.int32, (1, bc), 1)
-    col_mask = lanes < channels if channels % bc else None
-    cols = jnp.minimum(lanes, channels - 1) if channels % bc else lanes
-
-    def clamp_row(r):
-        return jnp.minimum(jnp.maximum(r, 0), seq - 1)
-
-    seg_here = seg_ref[b, clamp_row(rows)] if has_segments else None
-    taps = []
-    for k in range(width):
-        src = rows - (hist - k)  # tap k reads x[t - hist + k]
-        if k == hist:
-            tap = x_ref[b, clamp_row(src), cols].astype(jnp.float32)
-        else:
-            inside = src >= 0
-            tap = plt.load(x_ref.at[b, clamp_row(src), cols], mask=inside, other=0).astype(jnp.float32)
-            if has_state:  # rows before the chunk come from the state (only the first tile has any)
-                state_row = jnp.minimum(jnp.maximum(src + hist, 0), hist - 1)
-                from_state = plt.load(state_ref.at[b, state_row, cols], mask=~inside, other=0)
-                tap = jnp.where(inside, tap, from_state.astype(jnp.float32))
-        if has_segments and k < hist:  # the state carries the first segment's id: clamping to row 0 gives it
-            tap = jnp.where(seg_ref[b, clamp_row(src)] == seg_here, tap, 0.0)
-        taps.append(tap)
-    y = weighted_window(taps, tap_weights(w_ref, cols)) + taps[-1]
-    store_mask = and_masks(rows < seq if seq % bt else None, col_mask)
-    plt.store(y_ref.at[b, pl.ds(t0, bt), pl.ds(c0, bc)], y.astype(y_ref.dtype), mask=store_mask)
-
-    pl.when(t_blk == 0)(lambda: write_final_state(x_ref, state_ref, len_ref, new_state_ref, b, c0, bc))
-
-
 def write_final_state(x_ref, state_ref, len_ref, new_state_ref, b, c0, bc):
     """new_state[b, :, c0:c0+bc] = the newest W-1 inputs before position lengths[b] (T without lengths),
     reaching back into `state` (or zeros) where the chunk is shorter than that. state_ref, len_ref: or None."""
@@ -137,19 +98,6 @@ def prefill_call(body, x, w, state, segment_ids, lengths, *, grid, num_warps, in
         kernel, out_shape=out_shape, grid=grid, interpret=interpret_default() if interpret is None else interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps), name=name,
     )(x, w, *[a for a in optional if a is not None])
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "blocks"))
-def shortconv_prefill(x, w, state=None, segment_ids=None, lengths=None, *, interpret=None, blocks=None):
-    """Kernel form of `reference.shortconv_prefill` (same arguments and results).
-
-    blocks: optional `tuning.PrefillBlocks`; default from `tuning.prefill_blocks`.
-    """
-    batch, seq, channels = x.shape
-    blocks = blocks or tuning.prefill_blocks(channels)
-    grid = (pl.cdiv(channels, blocks.channels), pl.cdiv(seq, blocks.time), batch)
-    return prefill_call(functools.partial(_prefill_kernel, blocks=blocks), x, w, state, segment_ids, lengths,
-                        grid=grid, num_warps=blocks.num_warps, interpret=interpret, name="shortconv_prefill")
 
 
 def _decode_kernel(x_ref, w_ref, slots_ref, pool_in_ref, y_ref, pool_ref, *, channels, blocks):

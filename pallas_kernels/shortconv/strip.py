@@ -1,9 +1,10 @@
 """ShortConv prefill as a walk down the time axis (Triton backend); semantics of `reference.shortconv_prefill`.
 
-The tiled kernel (kernel.py) loads every input four times, once per tap, because a tile held in registers cannot
-be shifted by a row. Here each program owns a strip of channels and a run of `rows` time steps and carries the
-last W-1 input rows from one step to the next, so each input is loaded once, plus a W-1 row halo per run. Each
-loop step issues `unroll` row loads before using any, so that enough bytes are in flight.
+A kernel of [time x channels] tiles loads every input four times, once per tap, because a tile held in registers
+cannot be shifted by a row; on the H200 it reached 0.69-0.77 of `y = 2x` (removed 2026-11-30; this kernel:
+0.95-1.13, bench/results/kernels.md). Here each program owns a strip of channels and a run of `rows` time steps
+and carries the last W-1 input rows from one step to the next, so each input is loaded once, plus a W-1 row halo
+per run. Each loop step issues `unroll` row loads before using any, so that enough bytes are in flight.
 
 Bandwidth is set by the bytes in flight per SM: resident programs x `unroll` rows x the strip's bytes per row.
 Long runs leave few programs: 256-row runs at 8192 x 6144 give 384 programs (3 per SM, ~24 KB in flight per SM)
@@ -93,12 +94,13 @@ def _strip_kernel(x_ref, w_ref, state_ref, seg_ref, len_ref, y_ref, new_state_re
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "blocks"))
-def shortconv_prefill_strip(x, w, state=None, segment_ids=None, lengths=None, *, interpret=None, blocks=None):
-    """Same arguments and results as `shortconv_prefill`; blocks: optional `tuning.StripBlocks`."""
+def shortconv_prefill(x, w, state=None, segment_ids=None, lengths=None, *, interpret=None, blocks=None):
+    """Kernel form of `reference.shortconv_prefill` (same arguments and results); blocks: optional
+    `tuning.StripBlocks`, default from `tuning.strip_blocks`."""
     batch, seq, channels = x.shape
     blocks = blocks or tuning.strip_blocks(channels)
     if blocks.rows % blocks.unroll or blocks.rows < w.shape[-1] - 1:
         raise ValueError(f"rows must be a multiple of unroll and cover the conv's history: {blocks}")
     grid = (pl.cdiv(channels, blocks.channels), pl.cdiv(seq, blocks.rows), batch)
     return prefill_call(functools.partial(_strip_kernel, blocks=blocks), x, w, state, segment_ids, lengths,
-                        grid=grid, num_warps=blocks.num_warps, interpret=interpret, name="shortconv_prefill_strip")
+                        grid=grid, num_warps=blocks.num_warps, interpret=interpret, name="shortconv_prefill")

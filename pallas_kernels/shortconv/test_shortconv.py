@@ -7,13 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.shortconv import (DecodeBlocks, PrefillBlocks, StripBlocks, reference, shortconv_decode,
-                                      shortconv_prefill, shortconv_prefill_strip)
+from pallas_kernels.shortconv import DecodeBlocks, StripBlocks, reference, shortconv_decode, shortconv_prefill
 
-# 37 rows in tiles of 8 (5 tiles, the last ragged); 100 channels in tiles of 32 (4 tiles, the last ragged).
+# 37 rows in runs of 16 (3 runs, the last ragged) in loop steps of 4 rows; 100 channels in strips of 32 (4 strips,
+# the last ragged).
 BATCH, SEQ, CHANNELS, WIDTH = 2, 37, 100, 4
-PREFILL = PrefillBlocks(time=8, channels=32, num_warps=4)
-# The strip kernel: runs of 16 rows (3, the last ragged) in loop steps of 4 rows, strips of 32 channels.
 STRIP = StripBlocks(channels=32, rows=16, unroll=4, num_warps=4)
 WHOLE_RUNS_SEQ = 48  # 3 runs of 16 rows, none ragged: the kernel's unclamped addressing
 DECODE = DecodeBlocks(channels=32, num_warps=4)
@@ -30,8 +28,8 @@ def normal(key, shape, dtype):
 
 
 def segment_ids(key, seq=SEQ):
-    """Row 0 changes segment at rows 1, 8 (a tile edge), 9 and 30; row 1 at random places."""
-    fixed = jnp.cumsum(jnp.zeros(seq, jnp.int32).at[jnp.array([1, 8, 9, 30])].set(1))
+    """Row 0 changes segment at rows 1, 8 (a loop-step edge), 16 (a run edge), 17 and 30; row 1 at random places."""
+    fixed = jnp.cumsum(jnp.zeros(seq, jnp.int32).at[jnp.array([1, 8, 16, 17, 30])].set(1))
     drawn = jnp.cumsum(jax.random.bernoulli(key, 0.2, (seq,)).astype(jnp.int32))
     return jnp.stack([fixed, drawn]) + 3  # ids need not start at 0
 
@@ -42,16 +40,11 @@ CASES = ["plain", "state", "segments", "lengths", "all"]
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES)
 def test_prefill_matches_reference(case, dtype):
-    check_prefill(functools.partial(shortconv_prefill, blocks=PREFILL), case, dtype)
+    check_prefill(functools.partial(shortconv_prefill, blocks=STRIP), case, dtype)
 
 
-@pytest.mark.parametrize(("case", "dtype"), list(zip(CASES, [jnp.float32, jnp.bfloat16] * 3)))
-def test_strip_prefill_matches_reference(case, dtype):
-    check_prefill(functools.partial(shortconv_prefill_strip, blocks=STRIP), case, dtype)
-
-
-def test_strip_prefill_of_whole_runs_matches_reference():
-    check_prefill(functools.partial(shortconv_prefill_strip, blocks=STRIP), "all", jnp.bfloat16, seq=WHOLE_RUNS_SEQ)
+def test_prefill_of_whole_runs_matches_reference():
+    check_prefill(functools.partial(shortconv_prefill, blocks=STRIP), "all", jnp.bfloat16, seq=WHOLE_RUNS_SEQ)
 
 
 def check_prefill(kernel, case, dtype, seq=SEQ):
@@ -104,8 +97,8 @@ def test_prefill_then_decode_steps_equal_one_prefill():
     steps = 3
     x = normal(keys[0], (1, SEQ + steps, CHANNELS), jnp.float32)
     w = normal(keys[1], (CHANNELS, WIDTH), jnp.float32)
-    y_full, _ = shortconv_prefill(x, w, blocks=PREFILL)
-    _, state = shortconv_prefill(x[:, :SEQ], w, blocks=PREFILL)
+    y_full, _ = shortconv_prefill(x, w, blocks=STRIP)
+    _, state = shortconv_prefill(x[:, :SEQ], w, blocks=STRIP)
     pool = normal(keys[2], (POOL_SLOTS, WIDTH - 1, CHANNELS), jnp.float32).at[4].set(state[0])
     for t in range(SEQ, SEQ + steps):
         y, pool = shortconv_decode(x[:, t], w, pool, jnp.array([4]), blocks=DECODE)

@@ -1,19 +1,11 @@
 """Tile sizes for the ShortConv kernels (Triton backend: every tile dimension a power of two).
 
 Measured on one NVIDIA H200, jax 0.11.2, 2026-11-29 (bench/shortconv.py sweep, bf16, one run; settings within
-~5% of each other are not told apart by it): prefill 1x8192x6144 best at 16x256 rows x channels with 4 warps
-(87.9 us), 2048 channels best at 16x128 with 2 warps (35.6 us at 1x8192, 113.4 us at 4x8192); decode N=256 best
-at 512 channels / 4 warps for C=6144 (17.6 us) and 256 / 2 warps for C=2048 (7.1 us).
+~5% of each other are not told apart by it): decode N=256 best at 512 channels / 4 warps for C=6144 (17.6 us)
+and 256 / 2 warps for C=2048 (7.1 us); the prefill's settings are StripBlocks' own.
 """
 
 import dataclasses
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillBlocks:
-    time: int = 16  # rows per tile; each tile re-reads a 3-row halo, so larger tiles waste less
-    channels: int = 256
-    num_warps: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,10 +34,6 @@ class StripBlocks:
 def strip_blocks(channels: int) -> StripBlocks:
     # Below 4096 channels one warp per program measured best (see StripBlocks).
     return StripBlocks() if channels >= 4096 else StripBlocks(num_warps=1)
-
-
-def prefill_blocks(channels: int) -> PrefillBlocks:
-    return PrefillBlocks() if channels >= 4096 else PrefillBlocks(time=16, channels=128, num_warps=2)
 
 
 def decode_blocks(channels: int) -> DecodeBlocks:
