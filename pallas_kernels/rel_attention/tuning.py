@@ -11,6 +11,10 @@ heads (group 8), E 1024; sliding: 16 KV heads (group 4), window = E = 512. Times
             dQ 64/32/4/2 1.79; 64/64/4/2 2.49; 32/64/4/2 2.51; 128/64/4/2 3.88; 128/64/8/2 3.94.
     Sliding-layer programs meet only ~9 key tiles each, all carrying bias, so smaller programs (more of them in
     flight per SM) win there.
+  Pipeline stages of the sliding backward's tiles, 2026-11-30 ~15:40 UTC (a throwaway sweep through
+  bench/rel_attention_tiles.sweep, two runs, ms): dK/dV 32/64/4 with 2 / 3 / 4 / 5 stages 1.366 / 1.272 / 1.317 /
+  1.706; dQ 64/32/4 1.786-1.799 / 1.732-1.758 / 1.746 / 2.616. Also slower: dK/dV 32/64/8/2 3.03, 32/128/4/2 3.52,
+  16/32/4/2 3.57, 32/32/2/2 1.96; dQ 32/32/2/2 2.25, 64/16/4/2 2.41, 128/32/8/2 2.43, 64/32/8/2 3.75.
   Earlier (same day, bench/rel_attention.py): full forward 128/64/8/2 4.44; 128/128/8/2 6.98; 128/64/4/2 11.1;
     128/128/8/3 needs 260 KB of shared memory (227 KB available); dQ 128/32/4/3 10.7.
 """
@@ -22,7 +26,7 @@ from pallas_kernels.rel_attention.toeplitz import tokens_per_tile
 
 # (rows, keys, warps, stages) of the forward, dK/dV and dQ kernels.
 FULL = ((128, 64, 8, 3), (32, 64, 4, 2), (128, 64, 8, 2))
-SLIDING = ((64, 64, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2))
+SLIDING = ((64, 64, 4, 2), (32, 64, 4, 3), (64, 32, 4, 3))
 
 
 def as_blocks(shape: tuple[int, int, int, int], groups: int) -> Blocks:
