@@ -33,12 +33,14 @@ def page_bytes(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1
     return 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize // kv_shards
 
 
-def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
+def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1, devices=None) -> int:
     """The pages to allocate (see the module docstring); logs the budget where it sized from memory. kv_shards:
     the devices a page's KV heads are split over (tensor parallelism), each holding that share of every page;
-    the rest is counted whole, as if every device held all of it."""
+    the rest is counted whole, as if every device held all of it. devices: those the cache lives on (default
+    the first), sized by the one with the least memory."""
     cfg, vocab = config, text.unpadded_vocab_size
-    available, block = free_bytes(jax.devices()[:1]), largest_allocation(jax.devices()[:1])
+    devices = jax.devices()[:1] if devices is None else devices
+    available, block = free_bytes(devices), largest_allocation(devices)
     if available is None:
         return cfg.max_num_seqs * cfg.pages_per_row
     free = min(available, block or available) * cfg.memory_fraction

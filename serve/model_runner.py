@@ -60,8 +60,8 @@ class ModelRunner:
         self.model = self.placement.shard_model(model)
         self.params, merge = flat_params(self.model)
         self.multimodal = model.vision is not None or model.audio is not None
-        self.num_pages = config.num_pages or memory_plan.pages_for_memory(self.text, config, model.dtype,
-                                                                          self.placement.kv_shards(self.text))
+        self.num_pages = config.num_pages or memory_plan.pages_for_memory(
+            self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()

@@ -97,11 +97,14 @@ def test_snapshot_pool_evicts_least_recently_used():
 class FakeDevice:
     """A device whose memory statistics say `free` bytes are free."""
 
-    def __init__(self, free):
-        self.free = free
+    def __init__(self, free, largest_block=None):
+        self.free, self.largest_block = free, largest_block
 
     def memory_stats(self):
-        return {"bytes_limit": self.free + 1000, "bytes_in_use": 1000}
+        stats = {"bytes_limit": self.free + 1000, "bytes_in_use": 1000}
+        if self.largest_block is not None:  # a preallocated pool: its limit is one region
+            stats.update(pool_bytes=self.free + 1000, largest_free_block_bytes=self.largest_block)
+        return stats
 
 
 def test_kv_pool_size_follows_free_device_memory(monkeypatch):
@@ -126,6 +129,13 @@ def test_kv_pool_size_follows_free_device_memory(monkeypatch):
     assert pages(4096) < config.pages_per_row  # too little memory: the runner refuses to start on this
     # KV heads split over two devices: each holds half of every page, so the same memory holds twice the pages.
     assert pages((1 << 30) + 7 * 2 * page, kv_shards=2) - pages(1 << 30, kv_shards=2) == 14
+    # The device with the least memory sizes the pool, not the first of jax.devices(); free memory counts as far
+    # as one block holds it.
+    monkeypatch.setattr(jax, "devices", lambda: [FakeDevice(1 << 31)])
+    two = [FakeDevice((1 << 30) + 7 * 2 * page), FakeDevice(1 << 30)]
+    assert memory_plan.pages_for_memory(text, config, jnp.float32, 1, two) == base
+    split = [FakeDevice((1 << 30) + 7 * 2 * page, largest_block=1 << 30)]
+    assert memory_plan.pages_for_memory(text, config, jnp.float32, 1, split) == base
 
 
 class FakeProgram:
