@@ -82,22 +82,25 @@ class ModelRunner:
         """Fresh device state (also after a failed step, whose donated buffers may be gone)."""
         cfg = self.config
         self.cache = self.snapshots = None  # the old ones go first
-        shapes = jax.eval_shape(lambda: self.model.init_cache(cfg.num_rows, cfg.max_model_len,
-                                                              page_size=cfg.page_size, num_pages=self.num_pages))
-        snapshot_shapes = jax.eval_shape(lambda: cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots))
+
+        def cache():
+            return self.model.init_cache(cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size,
+                                         num_pages=self.num_pages)
+
+        def snapshots():
+            return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)
+
+        shapes = jax.eval_shape(cache)
         self.cache_shardings = self.placement.cache_shardings(self.text, shapes)
         self.snapshot_shardings = None if self.cache_shardings is None else cache_rows.row_state(
             self.text, self.cache_shardings)
         if memory_plan.grows_on_demand(self.placement.device_list):
             self.placement.reserve(memory_plan.bytes_per_device(shapes, self.cache_shardings)
-                                   + memory_plan.bytes_per_device(snapshot_shapes, self.snapshot_shardings))
+                                   + memory_plan.bytes_per_device(jax.eval_shape(snapshots), self.snapshot_shardings))
         try:  # an allocation that fails shows once the arrays are waited for
             self.cache, self.snapshots = jax.block_until_ready((
-                self.placement.create(lambda: self.model.init_cache(
-                    cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size, num_pages=self.num_pages),
-                    self.cache_shardings),
-                self.placement.create(lambda: cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots),
-                                      self.snapshot_shardings)))
+                self.placement.create(cache, self.cache_shardings),
+                self.placement.create(snapshots, self.snapshot_shardings)))
         except jax.errors.JaxRuntimeError as err:
             if not memory_plan.is_out_of_memory(str(err)):
                 raise
