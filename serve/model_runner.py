@@ -24,9 +24,9 @@ from inkling_jax.model import InklingModel
 from serve import cache_rows, memory_plan
 from serve.config import EngineConfig
 from serve.placement import Placement
-from serve.sampler import Sampled, SamplingBatch
+from serve.sampler import Sampled
 from serve.scheduler import Chunk
-from serve.steps import PenaltyState, StepInputs, StepPrograms, pack
+from serve.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
 
 log = logging.getLogger(__name__)
 
@@ -304,42 +304,5 @@ class ModelRunner:
         return outs, previous
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
-        """Host arrays of one step; padding rows add nothing. In a gathered step each padding row gets its own
-        row number past the cache (they read the scratch row, the last one, and their writes are dropped), so
-        that the rows a step scatters back are distinct (see `cache_rows.put_rows`)."""
-        cfg = self.config
-        every_row = rows == cfg.num_rows
-        index = self._row_index(group) if group else []
-        cache_row = np.arange(rows, dtype=np.int32) + (0 if every_row else cfg.num_rows)
-        ids = np.zeros((rows, chunk), np.int32)
-        n_new, lengths, index_out, steps = (np.zeros((rows,), np.int32) for _ in range(4))
-        page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
-        floats = {name: np.full((rows,), value, np.float32) for name, value in
-                  (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("presence", 0.0), ("frequency", 0.0),
-                   ("repetition", 1.0))}
-        top_k = np.zeros((rows,), np.int32)
-        seed = np.zeros((rows,), np.uint32)
-        media = is_media = None
-        if self.multimodal and chunk > 1:
-            media = np.zeros((rows, chunk, self.text.hidden_size), self.model.dtype)
-            is_media = np.zeros((rows, chunk), bool)
-        for c, row in zip(group, index):
-            seq, p = c.seq, c.seq.params
-            cache_row[row] = seq.slot
-            start = seq.num_cached + c.ahead
-            ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
-            n_new[row], lengths[row] = c.num_tokens, start
-            page_rows[row, :len(seq.block_ids)] = seq.block_ids
-            steps[row] = c.samples
-            for name, value in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
-                                ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
-                                ("repetition", p.repetition_penalty)):
-                floats[name][row] = value
-            top_k[row], seed[row], index_out[row] = p.top_k, p.seed or 0, seq.num_output + c.ahead
-            if media is not None and seq.media is not None:
-                positions, features = seq.media
-                inside = (positions >= start) & (positions < start + c.num_tokens)
-                media[row, positions[inside] - start] = features[inside]
-                is_media[row, positions[inside] - start] = True
-        params = SamplingBatch(top_k=top_k, seed=seed, index=index_out, **floats)
-        return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, params, media, is_media)
+        media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
+        return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)

@@ -30,7 +30,9 @@ import numpy as np
 from flax import struct
 
 from serve import cache_rows
+from serve.config import EngineConfig
 from serve.sampler import SamplingBatch, sample
+from serve.scheduler import Chunk
 
 
 @struct.dataclass
@@ -150,3 +152,45 @@ class StepPrograms:
 
     def _rows_out(self, cache, inp: StepInputs, sub, gather: bool):
         return self.constrain(cache_rows.put_rows(cache, inp.rows, sub) if gather else sub)
+
+
+def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: int, chunk: int,
+                media_like=None) -> StepInputs:
+    """Host arrays of one step of `rows` rows x `chunk` tokens: chunk group[i] in row index[i]; padding rows add
+    nothing. In a gathered step each padding row gets its own row number past the cache (they read the scratch
+    row, the last one, and their writes are dropped), so that the rows a step scatters back are distinct (see
+    `cache_rows.put_rows`). media_like: (width, dtype) of media features where the model has media towers."""
+    every_row = rows == cfg.num_rows
+    cache_row = np.arange(rows, dtype=np.int32) + (0 if every_row else cfg.num_rows)
+    ids = np.zeros((rows, chunk), np.int32)
+    n_new, lengths, index_out, steps = (np.zeros((rows,), np.int32) for _ in range(4))
+    page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
+    floats = {name: np.full((rows,), value, np.float32) for name, value in
+              (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("presence", 0.0), ("frequency", 0.0),
+               ("repetition", 1.0))}
+    top_k = np.zeros((rows,), np.int32)
+    seed = np.zeros((rows,), np.uint32)
+    media = is_media = None
+    if media_like is not None:
+        media = np.zeros((rows, chunk, media_like[0]), media_like[1])
+        is_media = np.zeros((rows, chunk), bool)
+    for c, row in zip(group, index):
+        seq, p = c.seq, c.seq.params
+        cache_row[row] = seq.slot
+        start = seq.num_cached + c.ahead
+        ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
+        n_new[row], lengths[row] = c.num_tokens, start
+        page_rows[row, :len(seq.block_ids)] = seq.block_ids
+        steps[row] = c.samples
+        for name, value in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
+                            ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
+                            ("repetition", p.repetition_penalty)):
+            floats[name][row] = value
+        top_k[row], seed[row], index_out[row] = p.top_k, p.seed or 0, seq.num_output + c.ahead
+        if media is not None and seq.media is not None:
+            positions, features = seq.media
+            inside = (positions >= start) & (positions < start + c.num_tokens)
+            media[row, positions[inside] - start] = features[inside]
+            is_media[row, positions[inside] - start] = True
+    params = SamplingBatch(top_k=top_k, seed=seed, index=index_out, **floats)
+    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, params, media, is_media)
