@@ -58,6 +58,7 @@ class Engine:
         self.max_queued = config.max_queued  # adjustable while serving
         self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
         self._accepting = True
+        self._refusal = "the server is shutting down"  # what a request hears once no more are taken
         self._cancel_all = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,7 +87,7 @@ class Engine:
         request = Request(request_id, seqs, [make_parser() for _ in seqs], sink)
         with self._lock:
             if not self._accepting:
-                raise EngineStopped("the server is shutting down")
+                raise EngineStopped(self._refusal)
             queued = self._queued + sum(len(r.seqs) for r in self._inbox)
             if queued + len(seqs) > self.max_queued:
                 self.metrics.rejected.inc()
@@ -142,12 +143,24 @@ class Engine:
                 self.step()
             except Exception:  # a failed step must not take the server down: fail its requests, start clean
                 log.exception("engine step failed; failing every request in flight")
-                self._unreported, self._inflight = [], None
-                for request_id in list(self._requests):
-                    self._end_request(request_id, "error")
-                self.runner.reset()
+                self._fail_requests()
+                try:
+                    self.runner.reset()
+                except Exception:  # no clean start (say the failed step's memory did not come back): stop
+                    log.exception("the engine could not start clean after a failed step; it takes no more requests")
+                    with self._lock:
+                        self._accepting = False
+                        self._refusal = "the engine stopped after a failed step (the server log says why)"
+                    self._take_mail()  # requests that came meanwhile fail too
+                    self._fail_requests()
+                    return
                 self._new_state()
             self._update_gauges()
+
+    def _fail_requests(self) -> None:
+        self._unreported, self._inflight = [], None
+        for request_id in list(self._requests):
+            self._end_request(request_id, "error")
 
     def _take_mail(self) -> None:
         with self._lock:

@@ -12,6 +12,7 @@ from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.offline import generate
 from serve.placement import Placement
+from serve.request import EngineStopped
 from serve.random_weights import random_model
 from serve.sampling import SamplingParams
 
@@ -105,3 +106,33 @@ def test_a_pool_that_cannot_be_allocated_stops_with_the_numbers(monkeypatch):
     from serve.app import main  # the server stops with that line, no traceback
     with pytest.raises(SystemExit, match="KV pool of 4 pages .* could not be allocated"):
         main(["--num-pages", "4", "--max-model-len", "32"])
+
+
+def test_a_failed_step_fails_its_requests_and_a_failed_restart_stops_the_engine(monkeypatch):
+    """A step that fails ends its requests with finish_reason "error" and the engine starts clean, serving the
+    same tokens after; where it cannot start clean (its reset runs out of memory) it stops taking requests,
+    instead of queueing them for an engine thread that is gone."""
+    with kernels.use("jnp", moe="dense"):
+        engine = Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
+        engine.start()
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runner, dispatch = engine.runner, engine.runner.dispatch
+    try:
+        want = [o.token_ids for o in generate(engine, PROMPTS, params)]
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("a step that fails")
+
+        monkeypatch.setattr(runner, "dispatch", fail)
+        assert [o.finish_reason for o in generate(engine, PROMPTS, params)] == ["error", "error"]
+        monkeypatch.setattr(runner, "dispatch", dispatch)
+        assert [o.token_ids for o in generate(engine, PROMPTS, params)] == want
+        monkeypatch.setattr(runner, "dispatch", fail)
+        monkeypatch.setattr(runner, "reset", lambda: (_ for _ in ()).throw(MemoryError("no room")))
+        assert [o.finish_reason for o in generate(engine, PROMPTS, params)] == ["error", "error"]
+        engine._thread.join(timeout=10)
+        assert not engine.alive
+        with pytest.raises(EngineStopped, match="stopped after a failed step"):
+            generate(engine, PROMPTS, params, timeout=10)
+    finally:
+        engine.shutdown(drain_seconds=0)
