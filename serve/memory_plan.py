@@ -58,9 +58,14 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: i
     return pages
 
 
+def _stats(devices) -> list[dict]:
+    """Each device's allocator statistics ({} where it keeps none: CPU)."""
+    return [d.memory_stats() or {} for d in devices]
+
+
 def free_bytes(devices) -> int | None:
     """The least free memory among `devices` (bytes the allocator may still hand out); None without statistics."""
-    stats = [d.memory_stats() or {} for d in devices]
+    stats = _stats(devices)
     if any("bytes_limit" not in st for st in stats):
         return None
     return min(st["bytes_limit"] - st["bytes_in_use"] for st in stats)
@@ -69,7 +74,7 @@ def free_bytes(devices) -> int | None:
 def largest_allocation(devices) -> int | None:
     """The largest single array the allocator can still hand out on every one of `devices`: its largest free
     block, or a new region up to its limit where it grows on demand; None without statistics."""
-    stats = [d.memory_stats() or {} for d in devices]
+    stats = _stats(devices)
     if any("largest_free_block_bytes" not in st or "bytes_limit" not in st for st in stats):
         return None
     return min(max(st["largest_free_block_bytes"], st["bytes_limit"] - st.get("pool_bytes", st["bytes_limit"]))
@@ -83,7 +88,7 @@ def is_out_of_memory(message: str) -> bool:
 def grows_on_demand(devices) -> bool:
     """Whether the allocator takes device memory region by region as arrays need it
     (XLA_PYTHON_CLIENT_PREALLOCATE=false) instead of holding its whole limit from the start."""
-    stats = [d.memory_stats() or {} for d in devices]
+    stats = _stats(devices)
     return any(st.get("pool_bytes", math.inf) < st.get("bytes_limit", 0) for st in stats)
 
 
