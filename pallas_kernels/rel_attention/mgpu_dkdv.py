@@ -129,8 +129,7 @@ def _kernel(geo: Geometry, n_off: int, dtype, interpret: bool, q_ref, k_ref, v_r
                     if mask:  # rows are keys, columns query rows (head-major: token = column % n_tok)
                         token = lax.rem(parts.iota(1, ROWS, interpret), n_tok)
                         dist = geo.q_offset + i * n_tok + token - kw - parts.iota(0, ROWS, interpret)
-                        visible = dist >= 0 if geo.window is None else (dist >= 0) & (dist < geo.window)
-                        s = jnp.where(visible, s, NEG)
+                        s = jnp.where(tiles.in_view(geo, dist), s, NEG)
                     lse = parts.column_vector(ld_smem.at[slot, 0], interpret)
                     return jnp.exp2(s - lax.broadcast_in_dim(lse, s.shape, [1]))
 

@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
-from pallas_kernels.rel_attention import toeplitz
+from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import NEG, Geometry
 
 ROWS = toeplitz.TILE_ROWS
@@ -108,8 +108,7 @@ def window_mask(geo: Geometry, offset, interpret: bool, s):
     bk = s.shape[1]
     token = lax.rem(iota(0, bk, interpret), ROWS // geo.groups)
     dist = offset + token - iota(1, bk, interpret)
-    visible = dist >= 0 if geo.window is None else (dist >= 0) & (dist < geo.window)
-    return jnp.where(visible, s, NEG)
+    return jnp.where(tiles.in_view(geo, dist), s, NEG)
 
 
 def attend(carry, q, k, v, c, ready, consumed, v_ready, v_consumed, turn, mask, dtype, *, bias=None, stage=None):

@@ -211,6 +211,13 @@ def sheared_bias(rows: Rows, band, shear, keys_major=False):
     return take_along_axis(m.astype(rows.rt2.dtype), shear, 0 if keys_major else 1).astype(jnp.float32)
 
 
+def in_view(geo: Geometry, dist):
+    """Whether a key `dist` positions before its query may be seen: not a future key, and on sliding layers not
+    one past the window. Every kernel's mask (Triton and Mosaic GPU) asks this."""
+    seen = dist >= 0
+    return seen if geo.window is None else seen & (dist < geo.window)
+
+
 def tile_logits(geo: Geometry, rows: Rows, k, k0, kseg_ref, *, bias=None, mask=False, keys_major=False):
     """Base-2 logits of one tile: tau * (q.k * scale + bias) * log2(e), masked to NEG; [rows, block_k], or
     [block_k, rows] when keys_major. `bias` is the tile's fp32 bias in base-2 units (same orientation), given on
@@ -223,9 +230,7 @@ def tile_logits(geo: Geometry, rows: Rows, k, k0, kseg_ref, *, bias=None, mask=F
     if mask:
         bk = geo.blocks.block_k
         dist = per_row(rows.pos) - per_key(k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0))
-        visible = dist >= 0
-        if geo.window is not None:
-            visible &= dist < geo.window
+        visible = in_view(geo, dist)
         if geo.segmented:
             visible &= per_row(rows.seg) == per_key(kseg_ref[pl.ds(k0, bk)])
         s = jnp.where(visible, s, NEG)
