@@ -14,7 +14,9 @@ Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) 
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
     PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU;
-                                        --decode-sweep: only a tile sweep of the 32-token decode step)
+                                        --decode-sweep: only a tile sweep of the 32-token decode step, of the
+                                        fp8 experts with --fp8; --fp8 alone: only fp8 experts against bf16,
+                                        decode and prefill forward)
 """
 
 import dataclasses
@@ -34,6 +36,7 @@ from bench.moe_peers import mgpu_peer, unfused_ffn
 from inkling_jax import kernels
 from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
+from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.tuning import DECODE, GmmConfig, KernelConfigs, WgradConfig
 
 H, I, LOCAL, SHARED, TOP_K, TOKENS, RAGGED_TOKENS = 6144, 3072, 32, 2, 6, 16384, 2048
@@ -185,30 +188,74 @@ def decode(w):
         print(f"decode {tokens}", json.dumps(row), flush=True)
 
 
-def decode_sweep(w, tokens=32):
-    """Bytes/s of `moe_ffn_decode` at the serving engine's 32-row decode step for a few tiles per role (the
-    other role at its default), against the read bandwidth (a jitted sum) measured here."""
+def decode_sweep(w, tokens=32, fp8=False):
+    """Bytes/s of the MoE FFN at the serving engine's 32-row decode step (`moe_ffn_decode`, or with fp8 the fp8
+    experts of `moe_ffn_fp8`) for a few tiles per role (the other role at its default), against the read
+    bandwidth (a jitted sum) measured here."""
     read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
     d = rows_inputs(tokens, seed=tokens)
-    nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * 2
-    base = {role: DECODE[role][jnp.dtype(jnp.bfloat16)] for role in ("swiglu", "gmm")}
+    nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * (1 if fp8 else 2)
+    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
+    base = {role: DECODE[role][jnp.dtype(dtype)] for role in ("swiglu", "gmm")}
     # (swiglu changes, gmm changes) from the decode defaults
-    variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
-                (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
-                ({}, dict(block_n=128, block_k=128, stages=4))]
+    if fp8:
+        variants = [({}, {}), ({}, dict(block_n=128, stages=8)), ({}, dict(block_n=128, block_k=256, stages=4)),
+                    (dict(block_n=64, block_k=256, stages=4), {}), (dict(block_n=64, stages=8), {})]
+        q = quantize_experts(*w)
+        run = lambda cfgs: functools.partial(moe_ffn_fp8, experts=q, max_group_rows=tokens,  # noqa: E731
+                                             configs=cfgs)
+        args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
+    else:
+        variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
+                    (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
+                    ({}, dict(block_n=128, block_k=128, stages=4))]
+        run = lambda cfgs: functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs)  # noqa: E731
+        args = dict(x=d["x"], w_gate=w[0], w_up=w[1], w_down=w[2], group_sizes=d["gs"], row_weights=d["rw"])
     cases = [(f"swiglu {sw} gmm {mm}", KernelConfigs(decode=True, swiglu=dataclasses.replace(base["swiglu"], **sw),
                                                     gmm=dataclasses.replace(base["gmm"], **mm)))
              for sw, mm in variants]
     sweep = R["decode_sweep"] = {}
-    print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights", flush=True)
+    print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights "
+          f"({'fp8' if fp8 else 'bf16'})", flush=True)
     for name, cfgs in cases:
-        kernel = jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs))
+        kernel = jax.jit(run(cfgs))
         t = guarded(f"decode sweep {name}", lambda: median_seconds(
-            kernel, d["x"], *w, d["gs"], d["rw"], trials=5, warmup=2, calls=20))
+            lambda: kernel(**args), trials=5, warmup=2, calls=20))
         if t:
             sweep[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read)
             print(f"  {name:45s} {t * 1e6:7.0f} us = {nbytes / t / 1e9:5.0f} GB/s = "
                   f"{nbytes / t / 1e9 / read:.2f} of read", flush=True)
+
+
+def fp8_vs_bf16(w):
+    """fp8 routed experts (pallas_kernels/moe/fp8.py) against bf16 on the same rows: decode steps (bytes of the
+    touched experts' weights per second against the read bandwidth) and the prefill forward (TFLOP/s); the
+    relative L2 difference of the outputs is the fp8 error."""
+    read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
+    q = quantize_experts(*w)
+    table = R["fp8"] = {}
+    for tokens in (1, 8, 32, 64, TOKENS):
+        d = rows_inputs(tokens, seed=tokens)
+        args = (d["x"], d["gs"], d["rw"])
+        bound = tokens if tokens <= 64 else None
+        cases = {"bf16": (jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens) if bound else moe_ffn),
+                          lambda f: f(args[0], *w, *args[1:])),
+                 "fp8": (jax.jit(functools.partial(moe_ffn_fp8, max_group_rows=bound)),
+                         lambda f: f(args[0], q, *args[1:]))}
+        row = table[tokens] = {}
+        outs = {}
+        for name, (f, call) in cases.items():
+            outs[name] = guarded(f"fp8 {tokens} {name}", lambda: call(f))
+            t = guarded(f"fp8 {tokens} {name} time", lambda: median_seconds(
+                lambda: call(f), trials=5, warmup=2, calls=20 if bound else 3))
+            if not t:
+                continue
+            nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * (2 if name == "bf16" else 1)
+            row[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read,
+                             TFLOPs=6 * int(d["gs"].sum()) * H * I / t / 1e12)
+        if outs.get("fp8") is not None and outs.get("bf16") is not None:
+            row["fp8_vs_bf16_rel_l2"] = rel(outs["fp8"], outs["bf16"])
+        print(f"fp8 {tokens} tokens", json.dumps(row), flush=True)
 
 
 def kernel_sweep(d, w):
@@ -286,9 +333,11 @@ def main():
     try:
         ceilings()
         w = weights()
-        if "--decode-sweep" in sys.argv:  # only the decode tiles (with --dry-run: tiny, on CPU)
-            with kernels.use(moe="pallas"):
-                decode_sweep(w)
+        if "--decode-sweep" in sys.argv:  # only the decode tiles (with --dry-run: tiny, on CPU; --fp8: fp8 experts)
+            decode_sweep(w, fp8="--fp8" in sys.argv)
+            return
+        if "--fp8" in sys.argv:
+            fp8_vs_bf16(w)
             return
         with kernels.use(moe="pallas"):
             d = prefill(w)

@@ -188,6 +188,8 @@ def main():
                    "device. Bytes/s are then compared with the ceilings times the device count")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
                    help="share of the free device memory the KV pool may take")
+    p.add_argument("--expert-precision", default="bf16", choices=["bf16", "fp8"],
+                   help="routed experts' weights, as serve.app's flag (fp8: one device)")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     placement = Placement.from_spec(args.mesh)
@@ -210,6 +212,8 @@ def main():
     start = time.perf_counter()
     config = preset(args.preset)
     model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
+    if args.expert_precision == "fp8":
+        model.quantize_routed_experts()
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))

@@ -44,6 +44,7 @@ class MoE(nnx.Module):
     """
 
     shared_in_launch: bool = False
+    ROUTED_FP8 = ("w_gate_fp8", "w_up_fp8", "w_down_fp8", "w_gate_scale", "w_up_scale", "w_down_scale")
 
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -62,6 +63,29 @@ class MoE(nnx.Module):
     @property
     def num_experts(self) -> int:
         return self.router_bias.shape[0]
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the routed experts are held in fp8 (`quantize_routed_experts`)."""
+        return hasattr(self, "w_gate_fp8")
+
+    def quantize_routed_experts(self) -> None:
+        """Replaces the routed experts' weights by fp8 ones (pallas_kernels/moe/fp8.py: one scale per expert and
+        matrix, activations quantised per row on the fly), freeing the originals: for serving (forward only)."""
+        from pallas_kernels.moe.fp8 import quantize_experts
+
+        experts = jax.jit(quantize_experts)(self.w_gate[...], self.w_up[...], self.w_down[...])
+        del self.w_gate, self.w_up, self.w_down
+        for name, value in zip(self.ROUTED_FP8, experts):
+            setattr(self, name, nnx.Param(value))
+
+    def routed_experts(self):
+        """(w_gate, w_up, w_down), or an Fp8Experts when quantised."""
+        if self.fp8:
+            from pallas_kernels.moe.fp8 import Fp8Experts
+
+            return Fp8Experts(*(getattr(self, name)[...] for name in self.ROUTED_FP8))
+        return self.w_gate[...], self.w_up[...], self.w_down[...]
 
     def route(self, x, expert_ids=None):
         """x [N, hidden] -> (routed weights [N, k], expert ids [N, k], shared weights [N, S]), all fp32.
@@ -86,7 +110,7 @@ class MoE(nnx.Module):
         if expert_ids is not None:
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
-        routed = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        routed = self.routed_experts()
         shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
         out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
                       shared_in_launch=self.shared_in_launch)
@@ -103,6 +127,8 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     `expert_parallel`).
     """
     backend = kernels.moe_backend()
+    if _is_fp8(routed) and mesh is not None and mesh.size > 1:
+        raise NotImplementedError("fp8 routed experts run on one device for now; serve them without a mesh")
     if mesh is not None:
         from inkling_jax import expert_parallel as parallel
 
@@ -118,16 +144,19 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
 def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False):
     """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
     slice of every expert's width, whose fp32 output is then a partial sum."""
-    if backend == "dense":
+    fp8 = _is_fp8(routed)
+    if backend == "dense" and not fp8:
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
+    shared_in_launch = shared_in_launch and not fp8  # the shared experts stay bf16
     source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
     group, row_weights, stack = expert_ids.reshape(-1), weights.reshape(-1), routed
     if shared_in_launch:
         source, group, row_weights, stack = with_shared_rows(source, group, row_weights, stack, shared,
                                                              jnp.arange(num_tokens, dtype=jnp.int32),
                                                              shared_weights)
-    y = grouped_rows(x, source, group, row_weights, stack, grouped_ffn(backend, num_tokens)).astype(jnp.float32)
+    ffn = fp8_ffn(backend, num_tokens) if fp8 else grouped_ffn(backend, num_tokens)
+    y = grouped_rows(x, source, group, row_weights, stack, ffn).astype(jnp.float32)
     out = y[:num_tokens * top_k].reshape(num_tokens, top_k, -1).sum(1)
     if shared_in_launch:
         return out + y[num_tokens * top_k:].reshape(-1, num_tokens, out.shape[-1]).sum(0)
@@ -170,6 +199,23 @@ def grouped_ffn(backend, num_tokens: int | None = None):
             return functools.partial(moe_ffn_decode, max_group_rows=num_tokens)
         return moe_ffn
     return _ragged_ffn
+
+
+def _is_fp8(routed) -> bool:
+    return len(routed) == 6  # Fp8Experts: three value arrays and three scales
+
+
+def fp8_ffn(backend, num_tokens: int | None = None):
+    """`grouped_ffn` for fp8 experts, called with the six fields of an Fp8Experts: the fp8 kernels with the
+    Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py)."""
+    from pallas_kernels.moe.fp8 import Fp8Experts, moe_ffn_fp8, moe_ffn_fp8_reference
+
+    def ffn(rows, *args):
+        experts, (group_sizes, row_weights) = Fp8Experts(*args[:6]), args[6:]
+        if backend == "pallas":
+            return moe_ffn_fp8(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens)
+        return moe_ffn_fp8_reference(rows, experts, group_sizes, row_weights)
+    return ffn
 
 
 def _ragged_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):

@@ -88,6 +88,14 @@ class InklingModel(nnx.Module):
         self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
         self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
 
+    def quantize_routed_experts(self) -> int:
+        """Holds every MoE layer's routed experts in fp8 from now on (`MoE.quantize_routed_experts`: half the
+        bytes that a decode step reads, for serving; forward only). Returns the number of layers changed."""
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE) and not layer.mlp.fp8]
+        for moe in moes:
+            moe.quantize_routed_experts()
+        return len(moes)
+
     # ------------------------------------------------------------------------------------------------------
     # Public API
 

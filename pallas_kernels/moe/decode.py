@@ -27,13 +27,31 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     interpret = interpret_default() if interpret is None else interpret
     w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
     configs = configs or KernelConfigs(decode=True)
+    return in_slabs(x, group_sizes, row_weights, max_group_rows, lambda xs, sizes, rws: ops.moe_ffn_core(
+        xs, w_gate, w_up, w_down, sizes, rws, interpret, configs))
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def in_slabs(x, group_sizes, row_weights, max_group_rows: int | None, ffn, *, align: int = SLAB_ROWS):
+    """ffn(x_slabs, slab_sizes, row_weight_slabs) run on the slab layout (module doc), its rows gathered back
+    to the order of x: [M, H] in x.dtype. Slabs have max_group_rows rows rounded up to `align` each; with
+    max_group_rows None, each group's own size rounded up (every group then fills whole blocks of `align`
+    rows, at most num_groups * (align - 1) padding rows in all)."""
     num_rows, num_groups = x.shape[0], group_sizes.shape[0]
-    slab = -(-max_group_rows // SLAB_ROWS) * SLAB_ROWS
     starts, ends = group_bounds(group_sizes, num_rows)
-    slab_sizes = jnp.where(ends > starts, slab, 0).astype(jnp.int32)
+    if max_group_rows is None:
+        slab_sizes = _round_up(ends - starts, align).astype(jnp.int32)
+        total = _round_up(num_rows + num_groups * (align - 1), align)
+    else:
+        slab = _round_up(max_group_rows, align)
+        slab_sizes = jnp.where(ends > starts, slab, 0).astype(jnp.int32)
+        total = num_groups * slab
     slab_starts = jnp.cumsum(slab_sizes) - slab_sizes
 
-    padded = jnp.arange(num_groups * slab, dtype=jnp.int32)
+    padded = jnp.arange(total, dtype=jnp.int32)
     # Searches by comparing all pairs (small arrays): the default scan is an XLA while loop (see groups.py).
     slab_ends = slab_starts + slab_sizes
     pg = jnp.minimum(jnp.searchsorted(slab_ends, padded, side="right", method="compare_all"), num_groups - 1)
@@ -43,7 +61,7 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     x_slabs = jnp.where(valid[:, None], x[src], 0)
     rw_slabs = jnp.where(valid, row_weights[src], 0)
 
-    y_slabs = ops.moe_ffn_core(x_slabs, w_gate, w_up, w_down, slab_sizes, rw_slabs, interpret, configs)
+    y_slabs = ffn(x_slabs, slab_sizes, rw_slabs)
 
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     rg = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), num_groups - 1)

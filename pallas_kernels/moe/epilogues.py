@@ -19,3 +19,21 @@ def swiglu(accs, rows, *, keep_preactivations: bool):
     weight = lax.broadcast_in_dim(rows[0], gate.shape, (0,))
     h = gate * jax.nn.sigmoid(gate) * up * weight
     return [h, gate, up] if keep_preactivations else [h]
+
+
+def _per_row(v, shape):
+    return lax.broadcast_in_dim(v, shape, (0,))
+
+
+def scaled(accs, rows):
+    """acc * scale per row (fp8 operands: the row's activation scale times its expert's weight scale)."""
+    return [accs[0] * _per_row(rows[0], accs[0].shape)]
+
+
+def scaled_swiglu(accs, rows):
+    """swiglu of the gate and up accumulators, each first multiplied by its scale per row: rows are (routing
+    weight, gate scale, up scale)."""
+    gate, up = accs
+    weight, gate_scale, up_scale = (_per_row(r, gate.shape) for r in rows)
+    gate, up = gate * gate_scale, up * up_scale
+    return [gate * jax.nn.sigmoid(gate) * up * weight]

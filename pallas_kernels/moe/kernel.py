@@ -26,7 +26,7 @@ from pallas_kernels.moe.tuning import GmmConfig, fit_stages
 
 
 def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_minor: bool, pairs, epilogue,
-               num_outputs: int, cfg: GmmConfig, interpret: bool):
+               num_outputs: int, cfg: GmmConfig, interpret: bool, out_dtype=None, mask_rows: bool = True):
     """Runs the grouped matmul.
 
     Args:
@@ -38,11 +38,15 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
       pairs: (lhs index, rhs index, accumulator index) products summed per accumulator.
       epilogue: (list of fp32 accumulator tiles [wg_rows, block_n], list of row vectors) -> list of
         `num_outputs` tiles.
+      out_dtype: of the outputs; default the lhs dtype (fp8 operands give bf16 outputs).
+      mask_rows: False leaves out the masking of row blocks that straddle groups, for callers whose groups
+        fill whole row blocks (fp8.py: Mosaic GPU has no select on 8-bit registers).
     Returns:
-      `num_outputs` arrays [M, n] in lhs dtype.
+      `num_outputs` arrays [M, n] in out_dtype.
     """
     m, k = lhs[0].shape
     dtype = lhs[0].dtype
+    out_dtype = jnp.dtype(out_dtype or dtype)
     wm, bm, bn, bk = cfg.wg_rows, cfg.block_rows, cfg.block_n, cfg.block_k
     if k % bk or n % bn or bn % cfg.epi_n:
         raise ValueError(f"K={k} and N={n} must be multiples of block_k={bk} and block_n={bn}")
@@ -51,7 +55,7 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
     itemsize = jnp.dtype(dtype).itemsize
     rhs_block = (bn, bk) if rhs_k_minor else (bk, bn)
     cfg = fit_stages(cfg, (n_lhs * bm * bk + n_rhs * bk * bn) * itemsize,
-                     cfg.compute_wgs * 2 * wm * cfg.epi_n * itemsize)
+                     cfg.compute_wgs * 2 * wm * cfg.epi_n * out_dtype.itemsize)
     lhs_tf = mgpu.tile_transforms(bk, dtype)
     rhs_tf = mgpu.tile_transforms(rhs_block[1], dtype)
 
@@ -78,8 +82,8 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
         n_rows = max(len(row_refs), 1)
 
         @functools.partial(pl.run_scoped, allocs=allocs,
-                           out_smem=plgpu.SMEM((cfg.compute_wgs, 2, wm, cfg.epi_n), dtype,
-                                               transforms=mgpu.tile_transforms(cfg.epi_n, dtype)),
+                           out_smem=plgpu.SMEM((cfg.compute_wgs, 2, wm, cfg.epi_n), out_dtype,
+                                               transforms=mgpu.tile_transforms(cfg.epi_n, out_dtype)),
                            row_smem=plgpu.SMEM((cfg.compute_wgs, n_rows, wm), jnp.float32),
                            row_barriers=plgpu.Barrier(num_barriers=cfg.compute_wgs * n_rows),
                            collective_axes="wg")
@@ -94,11 +98,12 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
                     *tiles, accs = args
                     lhs_tiles = [t.at[pl.ds(wg * wm, wm)] for t in tiles[:n_lhs]]
 
-                    @pl.when(mixed != 0)
-                    def _mask():
-                        p = first + lax.div(idx[0], nk)
-                        for t in lhs_tiles:
-                            mgpu.zero_rows_outside(t, 0, row0, start_ref[p], end_ref[p], interpret)
+                    if mask_rows:
+                        @pl.when(mixed != 0)
+                        def _mask():
+                            p = first + lax.div(idx[0], nk)
+                            for t in lhs_tiles:
+                                mgpu.zero_rows_outside(t, 0, row0, start_ref[p], end_ref[p], interpret)
 
                     for li, ri, ai in pairs:
                         b = tiles[n_lhs + ri]
@@ -135,7 +140,7 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
 
     kernel = plgpu.kernel(
         body,
-        out_type=[jax.ShapeDtypeStruct((m, n), dtype)] * num_outputs,
+        out_type=[jax.ShapeDtypeStruct((m, n), out_dtype)] * num_outputs,
         grid=(mgpu.num_sms(interpret),), grid_names=("sm",),
         num_threads=cfg.compute_wgs + 1, thread_name="wg",
         compiler_params=mgpu.compiler_params(),

@@ -34,8 +34,8 @@ def _pad_rows(a, align=_ROW_ALIGN):
 
 
 def gmm(lhs, weights, group_sizes, *, transpose_rhs: bool, pairs, epilogue, num_outputs: int, cfg,
-        interpret: bool | str, row_inputs=()):
-    """Grouped matmul of rows sorted by group: see `kernel.gmm_kernel` for pairs/epilogue/row_inputs.
+        interpret: bool | str, row_inputs=(), out_dtype=None, mask_rows: bool = True):
+    """Grouped matmul of rows sorted by group: see `kernel.gmm_kernel` for pairs/epilogue/row_inputs/out_dtype.
 
     weights: [G, K, N] arrays; out = lhs @ w[g] ([M, N]), or lhs @ w[g]^T ([M, K]) with transpose_rhs.
     """
@@ -48,12 +48,13 @@ def gmm(lhs, weights, group_sizes, *, transpose_rhs: bool, pairs, epilogue, num_
     else:
         views = [w.reshape(num_groups * kw, nw) for w in weights]
     passes = row_block_passes(group_sizes, lhs[0].shape[0], cfg.block_rows)
-    kwargs = dict(n=n, rhs_k_minor=k_minor, pairs=pairs, epilogue=epilogue, num_outputs=num_outputs, cfg=cfg)
+    kwargs = dict(n=n, rhs_k_minor=k_minor, pairs=pairs, epilogue=epilogue, num_outputs=num_outputs, cfg=cfg,
+                  out_dtype=out_dtype)
     if interpret is True:
         return portable.gmm_portable(lhs, views, passes, list(row_inputs), **kwargs)
     m = lhs[0].shape[0]
     outs = gmm_kernel([_pad_rows(a) for a in lhs], views, passes, list(row_inputs), interpret=interpret == MOSAIC,
-                      **kwargs)
+                      mask_rows=mask_rows, **kwargs)
     return [o[:m] for o in outs]
 
 

@@ -20,7 +20,7 @@ def _dot(a, b):
 
 
 def gmm_portable(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_minor: bool, pairs, epilogue,
-                 num_outputs: int, cfg: GmmConfig):
+                 num_outputs: int, cfg: GmmConfig, out_dtype=None):
     """Same contract as `kernel.gmm_kernel`."""
     m, k = lhs[0].shape
     bm, bn = cfg.block_rows, cfg.block_n
@@ -62,7 +62,7 @@ def gmm_portable(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_
         + [full(r.shape) for r in rhs]
         + [pl.BlockSpec((bm,), lambda i, j: (i,))] * n_row,
         out_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j))] * num_outputs,
-        out_shape=[jax.ShapeDtypeStruct((m, n), lhs[0].dtype)] * num_outputs,
+        out_shape=[jax.ShapeDtypeStruct((m, n), out_dtype or lhs[0].dtype)] * num_outputs,
         interpret=True,
     )(*meta, *lhs, *rhs, *row_inputs)
 

@@ -48,13 +48,15 @@ class WgradConfig:
         return self.wg_rows * self.compute_wgs
 
 
-_BF16, _F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-# Defaults per role and dtype. fp32 runs as tf32, which wgmma takes only with 32-element K-minor tiles.
+_BF16, _F32, _FP8 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn)
+# Defaults per role and dtype. fp32 runs as tf32, which wgmma takes only with 32-element K-minor tiles; fp8
+# (pallas_kernels/moe/fp8.py, forward only) with K-minor tiles of 128 elements, one 128-byte swizzle span.
 DEFAULTS = {
     # out = x @ w[g] (down projection) and dgrad (dy @ w[g]^T).
-    "gmm": {_BF16: GmmConfig(), _F32: GmmConfig(block_n=128, block_k=32)},
+    "gmm": {_BF16: GmmConfig(), _F32: GmmConfig(block_n=128, block_k=32), _FP8: GmmConfig(block_k=128)},
     # Fused gate/up: two accumulators of block_n columns each.
-    "swiglu": {_BF16: GmmConfig(block_n=128), _F32: GmmConfig(block_n=64, block_k=32)},
+    "swiglu": {_BF16: GmmConfig(block_n=128), _F32: GmmConfig(block_n=64, block_k=32),
+               _FP8: GmmConfig(block_n=128, block_k=128)},
     # dx = dgate @ w_gate^T + dup @ w_up^T: two operand pairs per step, so half the K tile.
     "gmm_pairs": {_BF16: GmmConfig(block_k=32), _F32: GmmConfig(block_n=128, block_k=16)},
     "wgrad": {_BF16: WgradConfig(), _F32: WgradConfig(block_n=128, block_rows=32)},
@@ -65,9 +67,11 @@ DEFAULTS = {
 # block_n 128 / 8 stages; swiglu block_n 256 (3 stages) fell to 0.34.
 DECODE = {
     "gmm": {_BF16: GmmConfig(compute_wgs=1, block_n=256, stages=4, grid_tile_width=1),
-            _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=8, grid_tile_width=1)},
+            _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=8, grid_tile_width=1),
+            _FP8: GmmConfig(compute_wgs=1, block_n=256, block_k=128, stages=4, grid_tile_width=1)},
     "swiglu": {_BF16: GmmConfig(compute_wgs=1, block_n=128, stages=5, grid_tile_width=1),
-               _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=4, grid_tile_width=1)},
+               _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=4, grid_tile_width=1),
+               _FP8: GmmConfig(compute_wgs=1, block_n=128, block_k=128, stages=5, grid_tile_width=1)},
 }
 
 
