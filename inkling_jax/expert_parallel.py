@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from inkling_jax.mlp import grouped_ffn, grouped_rows, local_experts, shared_dense, with_shared_rows
+from inkling_jax.mlp import expert_ffn, grouped_rows, is_fp8, local_experts, shared_dense, with_shared_rows
 from inkling_jax.sharding import RULES, axes_of, spec_for
 
 AXIS = RULES["experts"]
@@ -38,7 +38,8 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
     """`tensor` when the mesh has one and it divides the routed and the shared width (split alike, so the
     stacks `shared_in_launch` concatenates line up), else None: every shard holds whole experts."""
     n = mesh.shape[WIDTH_AXIS]
-    return WIDTH_AXIS if n > 1 and routed[2].shape[1] % n == 0 and shared[2].shape[1] % n == 0 else None
+    routed_width = routed[0].shape[1] if is_fp8(routed) else routed[2].shape[1]  # fp8 values are K-minor
+    return WIDTH_AXIS if n > 1 and routed_width % n == 0 and shared[2].shape[1] % n == 0 else None
 
 
 def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
@@ -47,10 +48,10 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
     width = width_axis(mesh, routed, shared)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
-        out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch)
+        out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch, width_axis=width)
         return _sum_width(out, width)
 
-    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width)(
+    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, is_fp8(routed))(
         x, expert_ids, weights, shared_weights, tuple(routed), tuple(shared))
 
 
@@ -70,6 +71,7 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
 
     tokens = _tokens_spec(mesh, x.shape[0])
     split = AXIS in axes_of(tokens[0])  # each shard holds its own tokens
+    shared_in_launch = shared_in_launch and not is_fp8(routed)  # the shared experts stay bf16
 
     def shard(x, ids, wts, shared_wts, routed, shared):
         num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape
@@ -104,7 +106,7 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         # distinct), from whichever shard holds it; a shared group holds this shard's `per` <= num_tokens. So
         # num_tokens bounds every group, and decode-sized steps get the kernel's decode layout although the
         # receive buffer (shards x per x top_k rows) is larger.
-        y = grouped_rows(buffer, source, group, row_weights, stack, grouped_ffn(backend, num_tokens))
+        y = grouped_rows(buffer, source, group, row_weights, stack, expert_ffn(backend, stack, num_tokens, width))
 
         back = transport(y[:capacity], jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
                          axis_name=AXIS)
@@ -117,21 +119,25 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         out = _sum_width(out, width)
         return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
-    return _shard_map(shard, mesh, tokens, width)(x, expert_ids, weights, shared_weights, tuple(routed),
-                                                  tuple(shared))
+    return _shard_map(shard, mesh, tokens, width, is_fp8(routed))(x, expert_ids, weights, shared_weights,
+                                                                  tuple(routed), tuple(shared))
 
 
-def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None):
+def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, fp8: bool = False):
     """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) laid out as
     `tokens` (`_tokens_spec`); routed experts over `expert`; the routed and the shared width over `width`
-    (w_gate / w_up columns, w_down rows) unless None."""
+    (w_gate / w_up columns, w_down rows) unless None. fp8: the routed experts are an Fp8Experts (values K-minor,
+    then one scale per expert and matrix)."""
 
     def stack(experts):
         return P(experts, None, width), P(experts, None, width), P(experts, width, None)
 
     experts = AXIS if mesh.shape[AXIS] > 1 else None
+    routed = stack(experts)
+    if fp8:
+        routed = tuple(P(e, k, n) for e, n, k in routed) + (P(experts),) * 3
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
-                         in_specs=(tokens, tokens, tokens, tokens, stack(experts), stack(None)))
+                         in_specs=(tokens, tokens, tokens, tokens, routed, stack(None)))
 
 
 def _tokens_spec(mesh: Mesh, num_tokens: int) -> P:

@@ -155,7 +155,7 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
-                    mesh: jax.sharding.Mesh | None = None):
+                    mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16"):
     """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
@@ -163,7 +163,12 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     mesh: shard every parameter by the `sharding` table on this mesh (default: one device).
     place: hub directories only: how a host array becomes a device array (default: by `mesh`, else
     `jnp.asarray`).
+    expert_precision: "fp8" holds the routed experts in fp8 (`InklingModel.quantize_routed_experts`, for serving).
+    From a hub directory each MoE layer is quantised as soon as its experts are in, so the devices never hold
+    more than one layer's experts in `dtype`; a converted checkpoint is restored whole first.
     """
+    if expert_precision not in ("bf16", "fp8"):
+        raise ValueError(f"expert_precision must be 'bf16' or 'fp8', not {expert_precision!r}")
     path = os.fspath(path)
     config = config or load_config(path)
     model = abstract_model(config, jnp.dtype(dtype))
@@ -173,6 +178,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
 
     if orbax_io.is_converted(path):
         orbax_io.load_converted(path, variables, shardings)
+        if expert_precision == "fp8":
+            model.quantize_routed_experts()
         return model
     checkpoint = HubCheckpoint(path)
     rules = hub_layout(config)
@@ -180,13 +187,33 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     check_shapes(checkpoint, rules, variables)
     if place is None:
         place = (lambda _, x: jnp.asarray(x)) if mesh is None else (lambda p, x: jax.device_put(x, shardings[p]))
-    fill_variables(checkpoint, rules, variables, place, progress)
+    fill_variables(checkpoint, rules, variables, place, progress,
+                   filled=_quantize_when_complete(model) if expert_precision == "fp8" else None)
     return model
 
 
+def _quantize_when_complete(model: InklingModel) -> Callable[[Path], None]:
+    """A `fill_variables` callback that quantises a MoE layer's routed experts once all three are set."""
+    from inkling_jax.mlp import MoE
+
+    pending: dict[int, set] = {}
+
+    def filled(path: Path) -> None:
+        if path[0] != "layers" or path[-1] not in ("w_gate", "w_up", "w_down"):
+            return
+        moe = model.layers[path[1]].mlp
+        if isinstance(moe, MoE):
+            pending.setdefault(path[1], set()).add(path[-1])
+            if len(pending[path[1]]) == 3:
+                moe.quantize_routed_experts()
+    return filled
+
+
 def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable],
-                   place: Callable[[Path, np.ndarray], jax.Array], progress: bool = False) -> None:
-    """Set every variable from a checked checkpoint (anything with `names`, `read(name)` and `path_of(name)`)."""
+                   place: Callable[[Path, np.ndarray], jax.Array], progress: bool = False,
+                   filled: Callable[[Path], None] | None = None) -> None:
+    """Set every variable from a checked checkpoint (anything with `names`, `read(name)` and `path_of(name)`);
+    `filled(path)` after each."""
     names = [n for n in checkpoint.names if n in rules]
     for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress):
         rule = rules[name]
@@ -197,6 +224,8 @@ def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx
         for target, array in zip(rule.targets, arrays):
             var = variables[target]
             var.set_value(place(target, np.asarray(array, dtype=var.get_value().dtype)))
+            if filled is not None:
+                filled(target)
 
 
 def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config: InklingConfig) -> None:

@@ -127,8 +127,6 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     `expert_parallel`).
     """
     backend = kernels.moe_backend()
-    if _is_fp8(routed) and mesh is not None and mesh.size > 1:
-        raise NotImplementedError("fp8 routed experts run on one device for now; serve them without a mesh")
     if mesh is not None:
         from inkling_jax import expert_parallel as parallel
 
@@ -141,10 +139,11 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch)
 
 
-def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False):
+def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False, *,
+                  width_axis=None):
     """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
-    slice of every expert's width, whose fp32 output is then a partial sum."""
-    fp8 = _is_fp8(routed)
+    slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum."""
+    fp8 = is_fp8(routed)
     if backend == "dense" and not fp8:
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
@@ -155,8 +154,8 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
         source, group, row_weights, stack = with_shared_rows(source, group, row_weights, stack, shared,
                                                              jnp.arange(num_tokens, dtype=jnp.int32),
                                                              shared_weights)
-    ffn = fp8_ffn(backend, num_tokens) if fp8 else grouped_ffn(backend, num_tokens)
-    y = grouped_rows(x, source, group, row_weights, stack, ffn).astype(jnp.float32)
+    y = grouped_rows(x, source, group, row_weights, stack, expert_ffn(backend, stack, num_tokens, width_axis))
+    y = y.astype(jnp.float32)
     out = y[:num_tokens * top_k].reshape(num_tokens, top_k, -1).sum(1)
     if shared_in_launch:
         return out + y[num_tokens * top_k:].reshape(-1, num_tokens, out.shape[-1]).sum(0)
@@ -201,20 +200,24 @@ def grouped_ffn(backend, num_tokens: int | None = None):
     return _ragged_ffn
 
 
-def _is_fp8(routed) -> bool:
+def is_fp8(routed) -> bool:
     return len(routed) == 6  # Fp8Experts: three value arrays and three scales
 
 
-def fp8_ffn(backend, num_tokens: int | None = None):
-    """`grouped_ffn` for fp8 experts, called with the six fields of an Fp8Experts: the fp8 kernels with the
-    Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py)."""
+def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
+    """The `grouped_ffn` for `routed`; for fp8 experts, one called with the six fields of an Fp8Experts: the
+    fp8 kernels with the Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py). width_axis: the
+    mesh axis over which the experts' width is split, so that h is quantised with its whole row's scale."""
+    if not is_fp8(routed):
+        return grouped_ffn(backend, num_tokens)
     from pallas_kernels.moe.fp8 import Fp8Experts, moe_ffn_fp8, moe_ffn_fp8_reference
 
     def ffn(rows, *args):
         experts, (group_sizes, row_weights) = Fp8Experts(*args[:6]), args[6:]
         if backend == "pallas":
-            return moe_ffn_fp8(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens)
-        return moe_ffn_fp8_reference(rows, experts, group_sizes, row_weights)
+            return moe_ffn_fp8(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens,
+                               width_axis=width_axis)
+        return moe_ffn_fp8_reference(rows, experts, group_sizes, row_weights, width_axis=width_axis)
     return ffn
 
 

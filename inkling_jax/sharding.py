@@ -71,6 +71,12 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("mlp", "w_gate"), ("experts", "embed", "expert_mlp")),  # MoE: 3-D; dense MLP: 2-D (below)
     (("mlp", "w_up"), ("experts", "embed", "expert_mlp")),
     (("mlp", "w_down"), ("experts", "expert_mlp", "embed")),
+    (("w_gate_fp8",), ("experts", "expert_mlp", "embed")),  # fp8 routed experts: K-minor (mlp.MoE)
+    (("w_up_fp8",), ("experts", "expert_mlp", "embed")),
+    (("w_down_fp8",), ("experts", "embed", "expert_mlp")),
+    (("w_gate_scale",), ("experts",)),
+    (("w_up_scale",), ("experts",)),
+    (("w_down_scale",), ("experts",)),
     (("shared_gate",), (None, "embed", "mlp")),
     (("shared_up",), (None, "embed", "mlp")),
     (("shared_down",), (None, "mlp", "embed")),

@@ -65,8 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       "the model's config before the weights load")
     a("--expert-precision", default="bf16", choices=["bf16", "fp8"],
       help="routed experts' weights: bf16 (as loaded), or fp8 e4m3 with one scale per expert and matrix and the "
-      "activations quantised per row (half the bytes a decode step reads; a few percent of error per MoE layer; "
-      "one device, no --mesh, for now)")
+      "activations quantised per row (half the bytes a decode step reads; a few percent of error per MoE layer)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--no-fuse-projections", action="store_true",
       help="keep the four attention input projections as separate matmuls (by default they are fused into one)")
@@ -108,22 +107,22 @@ def build_service(args: argparse.Namespace) -> Service:
     model_config = load_config(args.model) if args.model else preset("tiny")
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
     placement.check(model_config.text)
-    if args.expert_precision == "fp8" and placement.mesh is not None:
-        raise MeshError("--expert-precision fp8 serves on one device for now: drop --mesh")
     tokenizer = load_tokenizer(args.model)
     config = engine_config(args)
     if args.model:
-        model = load_pretrained(args.model, dtype=dtype, config=model_config)
+        model = load_pretrained(args.model, dtype=dtype, config=model_config, mesh=placement.mesh,
+                                expert_precision=args.expert_precision)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         description = f"checkpoint {args.model}"
     else:
         model = random_model(model_config, dtype, args.seed)
+        if args.expert_precision == "fp8":
+            model.quantize_routed_experts()
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
-    if args.expert_precision == "fp8":
-        log.info("routed experts of %d MoE layers now held in fp8", model.quantize_routed_experts())
-    log.info("model %r: %s; tokenizer %s; %s on %s", name, description, tokenizer.name, dtype, placement.devices)
+    log.info("model %r: %s; tokenizer %s; %s (routed experts %s) on %s", name, description, tokenizer.name, dtype,
+             args.expert_precision, placement.devices)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
     try:

@@ -88,9 +88,50 @@ def test_engine_with_quantised_experts_decodes_the_quantised_models_greedy_token
     assert got.token_ids == want[len(prompt):]
 
 
-def test_server_refuses_fp8_experts_on_a_mesh_before_loading():
-    from serve.app import build_service, parse_args
-    from serve.placement import MeshError
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("spec,tokens,backend", [
+    ("tensor=2", 14, "ragged"),
+    ("tensor=2", 80, "pallas"),
+    ("expert=4", 80, "ragged"),
+    ("tensor=2,expert=4", 14, "pallas"),
+    ("fsdp=4,tensor=2", 80, "pallas"),
+])
+def test_quantised_layer_on_a_mesh_equals_one_device(spec, tokens, backend):
+    """Expert parallel and width-split fp8 experts give the single-device fp8 layer's output: h is quantised
+    with its whole row's scale on every width shard."""
+    from inkling_jax.sharding import make_mesh, shard_model
 
-    with pytest.raises(MeshError, match="one device"):
-        build_service(parse_args(["--mesh", "tensor=1", "--expert-precision", "fp8"]))
+    def quantised():
+        moe = MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(3))
+        moe.quantize_routed_experts()
+        return moe
+
+    x = jax.random.normal(jax.random.key(tokens), (tokens, 64), jnp.float32)
+    with kernels.use("jnp", moe=backend):
+        want, want_ids = nnx.jit(lambda m, x: m(x))(quantised(), x)
+        moe = shard_model(quantised(), make_mesh(spec))
+        placed = moe.w_gate_fp8.get_value().sharding.spec  # [experts, width, hidden]
+        assert tuple(placed[:2]) == ("expert" if "expert" in spec else None, "tensor" if "tensor" in spec else None)
+        got, ids = nnx.jit(lambda m, x: m(x))(moe, x)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints):
+    """load_pretrained(expert_precision="fp8") from a hub directory gives the same fp8 experts and logits as
+    loading in full precision and quantising after."""
+    from inkling_jax import load_pretrained
+
+    path, _ = checkpoints("base")
+    direct = load_pretrained(path, progress=False, expert_precision="fp8")
+    after = load_pretrained(path, progress=False)
+    after.quantize_routed_experts()
+    moes = [layer.mlp for layer in direct.layers if isinstance(layer.mlp, MoE)]
+    assert moes and all(m.fp8 and not hasattr(m, "w_gate") for m in moes)
+    for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    tokens = jnp.asarray([[1, 5, 9, 2, 7]])
+    with kernels.use(moe="ragged"):
+        np.testing.assert_array_equal(direct(tokens), after(tokens))
+    with pytest.raises(ValueError, match="expert_precision"):
+        load_pretrained(path, progress=False, expert_precision="int4")

@@ -53,9 +53,11 @@ def _scale(amax):
     return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
 
 
-def quantize_rows(x):
-    """x [M, K] -> (e4m3 [M, K], fp32 scale [M]) with x ~ q * scale; a zero row gets scale 1."""
-    scale = _scale(jnp.abs(x.astype(jnp.float32)).max(axis=-1))
+def quantize_rows(x, axis_name: str | None = None):
+    """x [M, K] -> (e4m3 [M, K], fp32 scale [M]) with x ~ q * scale; a zero row gets scale 1. axis_name: a mesh
+    axis over which the rows' columns are split (inside shard_map): the scale is then the whole row's."""
+    amax = jnp.abs(x.astype(jnp.float32)).max(axis=-1)
+    scale = _scale(amax if axis_name is None else jax.lax.pmax(amax, axis_name))
     return (x.astype(jnp.float32) / scale[:, None]).astype(E4M3), scale
 
 
@@ -92,10 +94,13 @@ def _row_scales(experts: Fp8Experts, group_sizes, num_rows):
 
 
 def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_rows: int | None = None,
-                interpret: bool | str | None = None, configs: KernelConfigs | None = None):
+                width_axis: str | None = None, interpret: bool | str | None = None,
+                configs: KernelConfigs | None = None):
     """The module doc's h and y for rows x [M, H] sorted by expert (bf16), as two fp8 grouped-matmul kernels;
     [M, H] in x.dtype, zeros past sum(group_sizes). With max_group_rows (static, a bound on every group's size:
-    the step's token count) of at most DECODE_MAX_ROWS, the rows run in the decode slab layout."""
+    the step's token count) of at most DECODE_MAX_ROWS, the rows run in the decode slab layout. width_axis:
+    inside a shard_map whose shards hold slices of the experts' width over that axis, h's rows are quantised with
+    their whole row's scale, so the partial outputs add up to the unsplit result."""
     interpret = interpret_default() if interpret is None else interpret
     decode_layout = max_group_rows is not None and max_group_rows <= DECODE_MAX_ROWS
     configs = configs or KernelConfigs(decode=decode_layout)
@@ -108,7 +113,7 @@ def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_r
         (h,) = matmuls.gmm([qx], [experts.gate, experts.up], sizes, pairs=((0, 0, 0), (0, 1, 1)),
                            epilogue=epilogues.scaled_swiglu, cfg=configs.get("swiglu", E4M3),
                            row_inputs=(row_weights, sx * gate_scale, sx * up_scale), **common)
-        qh, sh = quantize_rows(h)
+        qh, sh = quantize_rows(h, width_axis)
         (y,) = matmuls.gmm([qh], [experts.down], sizes, pairs=((0, 0, 0),), epilogue=epilogues.scaled,
                            cfg=configs.get("gmm", E4M3), row_inputs=(sh * down_scale,), **common)
         return y
@@ -116,7 +121,7 @@ def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_r
     return decode.in_slabs(x, group_sizes, row_weights, max_group_rows if decode_layout else None, ffn, align=align)
 
 
-def moe_ffn_fp8_reference(x, experts: Fp8Experts, group_sizes, row_weights):
+def moe_ffn_fp8_reference(x, experts: Fp8Experts, group_sizes, row_weights, *, width_axis: str | None = None):
     """The module doc's formula in jnp (ragged_dot on the fp8 values, fp32 accumulation); same contract as
     `moe_ffn_fp8`."""
     def mm(q, values):
@@ -128,5 +133,5 @@ def moe_ffn_fp8_reference(x, experts: Fp8Experts, group_sizes, row_weights):
     gate = mm(qx, experts.gate) * (sx * gate_scale)[:, None]
     up = mm(qx, experts.up) * (sx * up_scale)[:, None]
     h = (jax.nn.silu(gate) * up * row_weights.astype(jnp.float32)[:, None]).astype(x.dtype)
-    qh, sh = quantize_rows(h)
+    qh, sh = quantize_rows(h, width_axis)
     return (mm(qh, experts.down) * (sh * down_scale)[:, None]).astype(x.dtype)
