@@ -135,3 +135,43 @@ def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints
         np.testing.assert_array_equal(direct(tokens), after(tokens))
     with pytest.raises(ValueError, match="expert_precision"):
         load_pretrained(path, progress=False, expert_precision="int4")
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, tmp_path):
+    """`python -m serve.app --model DIR --mesh tensor=2,expert=4 --expert-precision fp8`, short of HTTP: the
+    weights load straight into their shards, the routed experts are fp8 and sharded, the tokenizer.json of the
+    directory is used, and the engine serves the one-device fp8 model's greedy tokens."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from inkling_jax import load_pretrained
+    from serve.app import build_service, parse_args
+
+    source, _ = checkpoints("base")
+    directory = tmp_path / "model"
+    shutil.copytree(source, directory)
+    words = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="a"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+    with kernels.use():  # build_service sets the MoE backend for the process: put it back after
+        service = build_service(parse_args([
+            "--model", str(directory), "--mesh", "tensor=2,expert=4", "--expert-precision", "fp8", "--max-num-seqs",
+            "2", "--max-model-len", "32", "--max-num-batched-tokens", "48", "--moe-backend", "ragged"]))
+    try:
+        moe = next(layer.mlp for layer in service.engine.runner.model.layers if isinstance(layer.mlp, MoE))
+        assert moe.fp8 and moe.w_gate_fp8.get_value().sharding.spec[:2] == ("expert", "tensor")
+        prompt = service.tokenizer.encode("b c d e")
+        assert prompt == [1, 2, 3, 4]
+        got = generate(service.engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))[0]
+    finally:
+        service.engine.shutdown(drain_seconds=0)
+    model = load_pretrained(directory, progress=False, expert_precision="fp8")
+    want = list(prompt)
+    with kernels.use(moe="ragged"):
+        for _ in range(4):
+            want.append(int(jnp.argmax(model(jnp.asarray([want]))[0, -1])))
+    assert got.token_ids == want[len(prompt):]
