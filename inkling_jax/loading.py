@@ -24,8 +24,9 @@ except ImportError:  # a declared dependency, but loading works without its prog
         return items
 
 from inkling_jax.config import InklingConfig, load_config
+from inkling_jax.hub_source import HubSource
 from inkling_jax.model import InklingModel
-from inkling_jax.safetensors_io import CheckpointError, HubCheckpoint
+from inkling_jax.safetensors_io import CheckpointError
 from inkling_jax.sharding import param_shardings
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
         if expert_precision == "fp8":
             model.quantize_routed_experts()
         return model
-    checkpoint = HubCheckpoint(path)
+    checkpoint = HubSource(path)  # NVFP4 experts are dequantised as they are read
     rules = hub_layout(config)
     check_tensor_names(checkpoint, rules, config)
     check_shapes(checkpoint, rules, variables)
@@ -228,7 +229,7 @@ def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx
                 filled(target)
 
 
-def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config: InklingConfig) -> None:
+def check_tensor_names(checkpoint: HubSource, rules: dict[str, Rule], config: InklingConfig) -> None:
     present = set(checkpoint.names)
     missing = sorted(set(rules) - present)
     if missing:
@@ -245,7 +246,7 @@ def check_tensor_names(checkpoint: HubCheckpoint, rules: dict[str, Rule], config
         log.info("skipping %d tensors this model does not use (e.g. %s)", len(skipped), skipped[0])
 
 
-def check_shapes(checkpoint: HubCheckpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable]) -> None:
+def check_shapes(checkpoint: HubSource, rules: dict[str, Rule], variables: dict[Path, nnx.Variable]) -> None:
     for name, rule in rules.items():
         expected = rule.hub_shape([tuple(variables[t].get_value().shape) for t in rule.targets])
         found = checkpoint.shape(name)

@@ -137,6 +137,19 @@ def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints
         load_pretrained(path, progress=False, expert_precision="int4")
 
 
+def test_an_nvfp4_checkpoint_loads_into_fp8_experts(checkpoints, tmp_path):
+    """The NVFP4 repo's packed experts are dequantised as they are read, then quantised to fp8 like any others."""
+    from inkling_jax import load_pretrained, nvfp4
+
+    source = tmp_path / "nvfp4"
+    assert nvfp4.quantize_checkpoint(checkpoints("base")[0], str(source))
+    direct = load_pretrained(source, progress=False, expert_precision="fp8")
+    after = load_pretrained(source, progress=False)
+    after.quantize_routed_experts()
+    for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, tmp_path):
     """`python -m serve.app --model DIR --mesh tensor=2,expert=4 --expert-precision fp8`, short of HTTP: the
