@@ -71,7 +71,6 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
 
     tokens = _tokens_spec(mesh, x.shape[0])
     split = AXIS in axes_of(tokens[0])  # each shard holds its own tokens
-    shared_in_launch = shared_in_launch and not is_fp8(routed)  # the shared experts stay bf16
 
     def shard(x, ids, wts, shared_wts, routed, shared):
         num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape

@@ -120,13 +120,15 @@ class MoE(nnx.Module):
 def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None, shared_in_launch=False):
     """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32.
 
-    x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts; weights [N, k] and
+    x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
+    Fp8Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula); weights [N, k] and
     shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis is larger than 1,
     by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides the experts'
     width, every tensor shard runs its slice of the width and the partial outputs are summed (both in
     `expert_parallel`).
     """
     backend = kernels.moe_backend()
+    shared_in_launch = shared_in_launch and not is_fp8(routed)  # fp8 routed experts: the shared ones stay bf16
     if mesh is not None:
         from inkling_jax import expert_parallel as parallel
 
@@ -143,11 +145,9 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
                   width_axis=None):
     """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
     slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum."""
-    fp8 = is_fp8(routed)
-    if backend == "dense" and not fp8:
+    if backend == "dense" and not is_fp8(routed):
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
-    shared_in_launch = shared_in_launch and not fp8  # the shared experts stay bf16
     source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
     group, row_weights, stack = expert_ids.reshape(-1), weights.reshape(-1), routed
     if shared_in_launch:
