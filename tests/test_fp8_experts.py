@@ -188,3 +188,15 @@ def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, t
         for _ in range(4):
             want.append(int(jnp.argmax(model(jnp.asarray([want]))[0, -1])))
     assert got.token_ids == want[len(prompt):]
+
+
+def test_training_refuses_a_model_with_fp8_experts():
+    from inkling_jax.sharding import make_mesh
+    from train.state import model_params
+    from train.step import Trainer
+
+    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+    model = random_model(config, jnp.float32)
+    model.quantize_routed_experts()
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_\w+_fp8: .* serves but does not train"):
+        Trainer(config, make_mesh(None, jax.devices()[:1])).init(model_params(model))

@@ -71,6 +71,10 @@ class Trainer:
         """(state, frozen) from a complete flat dict of model parameters (any float dtype, any placement).
 
         With LoRA, `adapters` continues given ones (e.g. `lora.load_adapters`); by default they start fresh."""
+        quantised = sorted(n for n in params if n.endswith("_fp8"))
+        if quantised:
+            raise ValueError(f"{quantised[0]}: this model's routed experts are fp8 (`quantize_routed_experts`), "
+                             "which serves but does not train; train from the bf16 weights")
         key = jax.random.PRNGKey(seed)
         if self.lora:
             _, bias, frozen = partition(self.parts, params, ())
