@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, matmuls
 from pallas_kernels.moe.ffn import DECODE_MAX_ROWS
-from pallas_kernels.moe.reference import group_ids
 from pallas_kernels.moe.tuning import KernelConfigs
 
 E4M3 = jnp.float8_e4m3fn
@@ -88,8 +87,11 @@ def dequantize_experts(experts: Fp8Experts):
 
 
 def _row_scales(experts: Fp8Experts, group_sizes, num_rows):
-    """Each row's expert's (gate, up, down) weight scale; rows of no expert take expert 0's (their output is 0)."""
-    g = jnp.maximum(group_ids(group_sizes, num_rows), 0)
+    """Each row's expert's (gate, up, down) weight scale; rows of no expert take the last expert's (their output
+    is 0). compare_all: one fused comparison, not the default search's XLA while loop (see groups.py)."""
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(num_rows, dtype=ends.dtype)
+    g = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), group_sizes.shape[0] - 1)
     return experts.gate_scale[g], experts.up_scale[g], experts.down_scale[g]
 
 
