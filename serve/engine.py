@@ -222,20 +222,12 @@ class Engine:
                 if k:
                     self._advance(seq, 1)  # the token fed back on device is in the cache
                 seq.append(sample[0])
-                reason = self._end_reason(seq, sample[0])
+                reason = seq.end_reason(sample[0], self.eos_token_id, self.config.max_model_len)
                 tokens.append((seq, sample, now, reason))
                 if reason:  # the device's later tokens of this row are discarded
                     self.scheduler.finish(seq)
                     break
         return tokens
-
-    def _end_reason(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_output >= p.max_tokens or len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
 
     def _report(self) -> None:
         """Text and outputs of the applied tokens not yet reported."""
@@ -245,26 +237,11 @@ class Engine:
                 self._on_token(seq, *sample, now, reason)
 
     def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
-        """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
-        `decode_steps`, its max_tokens and the context length, with the pages for them reserved. None where
-        a multi-token run is not wanted (a prefill chunk, an ended sequence, a row with nothing left, a waiting or
-        newly submitted sequence that could be admitted meanwhile) or the free pages do not cover it."""
-        cfg, blocks = self.config, self.blocks
-        steps = min(self.decode_steps, cfg.decode_steps)
+        """`Scheduler.decode_plan`, at the decode steps set now; a request that arrived meanwhile counts as
+        waiting, so that the next schedule sees it."""
         with self._lock:
-            mail = bool(self._inbox)  # a request arrived meanwhile: let the next schedule see it
-        admissible = (self.scheduler.waiting or mail) and self.scheduler.free_slots
-        if admissible or any(c.num_tokens > 1 or c.seq.finished for c in chunks):
-            return None
-        plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
-                for c, a in zip(chunks, ahead)]
-        ends = [c.seq.num_cached + a + n for c, a, n in zip(chunks, ahead, plan)]
-        needed = sum(max(0, blocks.blocks_for(end) - len(c.seq.block_ids)) for c, end in zip(chunks, ends))
-        if min(plan) < 1 or needed > blocks.num_free:
-            return None
-        for chunk, end in zip(chunks, ends):
-            blocks.grow(chunk.seq, end)
-        return plan
+            mail = bool(self._inbox)
+        return self.scheduler.decode_plan(chunks, ahead, self.decode_steps, mail)
 
     def _advance(self, seq: Sequence, num_tokens: int) -> None:
         """`num_tokens` more tokens are in the cache: publish its full pages, and snapshot a prefill chunk's

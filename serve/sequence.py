@@ -63,6 +63,16 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def end_reason(self, token: int, eos_token_id: int, max_model_len: int) -> str | None:
+        """Why the sequence ends with `token` just appended: "stop" (EOS unless ignored, or a stop id), "length"
+        (max_tokens or the context), else None."""
+        p = self.params
+        if (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if self.num_output >= p.max_tokens or len(self) >= max_model_len:
+            return "length"
+        return None
+
     def append(self, token: int) -> None:
         self.token_ids.append(token)
 
