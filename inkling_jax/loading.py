@@ -25,11 +25,13 @@ except ImportError:  # a declared dependency, but loading works without its prog
 
 from inkling_jax.config import InklingConfig, load_config
 from inkling_jax.hub_source import HubSource
+from inkling_jax.mlp import MoE
 from inkling_jax.model import InklingModel
 from inkling_jax.safetensors_io import CheckpointError
 from inkling_jax.sharding import param_shardings
 
 log = logging.getLogger(__name__)
+ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")  # a MoE layer's parameters that expert_precision="fp8" quantises
 
 Path = tuple  # a parameter's path in the module tree, e.g. ("layers", 3, "attn", "wq", "kernel")
 
@@ -165,8 +167,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     place: hub directories only: how a host array becomes a device array (default: by `mesh`, else
     `jnp.asarray`).
     expert_precision: "fp8" holds the routed experts in fp8 (`InklingModel.quantize_routed_experts`, for serving).
-    From a hub directory each MoE layer is quantised as soon as its experts are in, so the devices never hold
-    more than one layer's experts in `dtype`; a converted checkpoint is restored whole first.
+    Each MoE layer is quantised as soon as its experts are in (a converted checkpoint is restored in parts for
+    that), so the devices never hold more than one layer's experts in `dtype`.
     """
     if expert_precision not in ("bf16", "fp8"):
         raise ValueError(f"expert_precision must be 'bf16' or 'fp8', not {expert_precision!r}")
@@ -177,10 +179,15 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     shardings = None if mesh is None else param_shardings(model, mesh)
     from inkling_jax import orbax_io  # orbax is imported only when a converted directory is loaded
 
+    filled = _quantize_when_complete(model) if expert_precision == "fp8" else None
     if orbax_io.is_converted(path):
-        orbax_io.load_converted(path, variables, shardings)
-        if expert_precision == "fp8":
-            model.quantize_routed_experts()
+        batches = None
+        if filled is not None:  # everything but the routed experts, then one MoE layer's experts at a time
+            experts = [[("layers", i, "mlp", name) for name in ROUTED_EXPERTS]
+                       for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+            routed = {p for batch in experts for p in batch}
+            batches = [[p for p in variables if p not in routed]] + experts
+        orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled)
         return model
     checkpoint = HubSource(path)  # NVFP4 experts are dequantised as they are read
     rules = hub_layout(config)
@@ -188,19 +195,17 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     check_shapes(checkpoint, rules, variables)
     if place is None:
         place = (lambda _, x: jnp.asarray(x)) if mesh is None else (lambda p, x: jax.device_put(x, shardings[p]))
-    fill_variables(checkpoint, rules, variables, place, progress,
-                   filled=_quantize_when_complete(model) if expert_precision == "fp8" else None)
+    fill_variables(checkpoint, rules, variables, place, progress, filled=filled)
     return model
 
 
 def _quantize_when_complete(model: InklingModel) -> Callable[[Path], None]:
-    """A `fill_variables` callback that quantises a MoE layer's routed experts once all three are set."""
-    from inkling_jax.mlp import MoE
-
+    """A callback for each parameter set while loading, that quantises a MoE layer's routed experts once all
+    three are set."""
     pending: dict[int, set] = {}
 
     def filled(path: Path) -> None:
-        if path[0] != "layers" or path[-1] not in ("w_gate", "w_up", "w_down"):
+        if path[0] != "layers" or path[-1] not in ROUTED_EXPERTS:
             return
         moe = model.layers[path[1]].mlp
         if isinstance(moe, MoE):

@@ -189,9 +189,11 @@ def _zarr_dtype(dtype) -> str:
     return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
-def load_converted(directory: str, variables: dict, shardings: dict | None) -> None:
+def load_converted(directory: str, variables: dict, shardings: dict | None, batches=None, restored=None) -> None:
     """Fill the (abstract) model variables {path: nnx.Variable} from a converted directory, checking first
-    that the stored tree is exactly the model's. shardings: {path: Sharding}; None puts all on one device."""
+    that the stored tree is exactly the model's. shardings: {path: Sharding}; None puts all on one device.
+    batches: lists of paths restored one list at a time (default: all at once), `restored(path)` called for each
+    path of a list once it is set (loading.py quantises experts layer by layer so)."""
     import jax
 
     from inkling_jax.safetensors_io import CheckpointError
@@ -212,13 +214,18 @@ def load_converted(directory: str, variables: dict, shardings: dict | None) -> N
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = dict.fromkeys(specs, device)
-    for path, value in restore_params(directory, specs, shardings).items():
-        variables[path].set_value(value)
+    for batch in batches or [list(specs)]:
+        part = {p: specs[p] for p in batch}
+        for path, value in restore_params(directory, part, shardings, partial=len(part) < len(specs)).items():
+            variables[path].set_value(value)
+            if restored is not None:
+                restored(path)
 
 
-def restore_params(directory: str, specs: dict[tuple, tuple[tuple[int, ...], np.dtype]], shardings) -> dict:
+def restore_params(directory: str, specs: dict[tuple, tuple[tuple[int, ...], np.dtype]], shardings,
+                   partial: bool = False) -> dict:
     """{path: jax.Array} restored from a converted directory, cast to the requested dtypes and placed with
-    `shardings` ({path: Sharding})."""
+    `shardings` ({path: Sharding}); partial: `specs` names only some of the stored parameters."""
     import jax
 
     target = nested({p: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[p])
@@ -227,7 +234,8 @@ def restore_params(directory: str, specs: dict[tuple, tuple[tuple[int, ...], np.
                                                                dtype=s.dtype), target)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
         tree = checkpointer.restore(os.path.join(os.fspath(directory), PARAMS_DIR),
-                                    args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+                                    args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                                **({"partial_restore": True} if partial else {})))
     out = {}
     for path in specs:
         node = tree

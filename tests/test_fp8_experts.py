@@ -200,3 +200,30 @@ def test_training_refuses_a_model_with_fp8_experts():
     model.quantize_routed_experts()
     with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_\w+_fp8: .* serves but does not train"):
         Trainer(config, make_mesh(None, jax.devices()[:1])).init(model_params(model))
+
+
+def test_a_converted_checkpoint_restores_into_fp8_experts_layer_by_layer(checkpoints, tmp_path):
+    """An orbax checkpoint from the converter restores the rest first, then one MoE layer's experts at a time,
+    each quantised before the next is read: the same fp8 model as loading the hub directory."""
+    from inkling_jax import load_pretrained, orbax_io
+    from inkling_jax.convert import main as convert
+
+    source, _ = checkpoints("base")
+    assert convert(["--src", source, "--dst", str(tmp_path / "orbax"), "--quiet"]) == 0
+    restores = []
+    original = orbax_io.restore_params
+
+    def counting(directory, specs, shardings, partial=False):
+        restores.append(sorted(str(p[-1]) for p in specs) if partial and len(specs) <= 3 else "rest")
+        return original(directory, specs, shardings, partial)
+
+    orbax_io.restore_params = counting
+    try:
+        restored = load_pretrained(tmp_path / "orbax", progress=False, expert_precision="fp8")
+    finally:
+        orbax_io.restore_params = original
+    moe_layers = sum(isinstance(layer.mlp, MoE) for layer in restored.layers)
+    assert restores == ["rest"] + [["w_down", "w_gate", "w_up"]] * moe_layers
+    hub = load_pretrained(source, progress=False, expert_precision="fp8")
+    for a, b in zip(jax.tree.leaves(nnx.state(restored, nnx.Param)), jax.tree.leaves(nnx.state(hub, nnx.Param))):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
