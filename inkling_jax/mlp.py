@@ -72,9 +72,7 @@ class MoE(nnx.Module):
     def quantize_routed_experts(self) -> None:
         """Replaces the routed experts' weights by fp8 ones (pallas_kernels/moe/fp8.py: one scale per expert and
         matrix, activations quantised per row on the fly), freeing the originals: for serving (forward only)."""
-        from pallas_kernels.moe.fp8 import quantize_experts
-
-        experts = jax.jit(quantize_experts)(self.w_gate[...], self.w_up[...], self.w_down[...])
+        experts = _quantize_experts()(self.w_gate[...], self.w_up[...], self.w_down[...])
         del self.w_gate, self.w_up, self.w_down
         for name, value in zip(self.ROUTED_FP8, experts):
             setattr(self, name, nnx.Param(value))
@@ -198,6 +196,14 @@ def grouped_ffn(backend, num_tokens: int | None = None):
             return functools.partial(moe_ffn_decode, max_group_rows=num_tokens)
         return moe_ffn
     return _ragged_ffn
+
+
+@functools.cache
+def _quantize_experts():
+    """The jitted quantiser, made once: compiled once per layer shape and placement, not once per layer."""
+    from pallas_kernels.moe.fp8 import quantize_experts
+
+    return jax.jit(quantize_experts)
 
 
 def is_fp8(routed) -> bool:
