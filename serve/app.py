@@ -64,8 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device). Checked against "
       "the model's config before the weights load")
     a("--expert-precision", default="bf16", choices=["bf16", "fp8"],
-      help="routed experts' weights: bf16 (as loaded), or fp8 e4m3 with one scale per expert and matrix and the "
-      "activations quantised per row (half the bytes a decode step reads; a few percent of error per MoE layer)")
+      help="routed experts' weights: bf16 (in the model's --dtype, as loaded), or fp8 e4m3 with one scale per "
+      "expert and matrix and the activations quantised per row (half the bytes a decode step reads; a few "
+      "percent of error per MoE layer)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--no-fuse-projections", action="store_true",
       help="keep the four attention input projections as separate matmuls (by default they are fused into one)")
@@ -121,8 +122,8 @@ def build_service(args: argparse.Namespace) -> Service:
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
-    log.info("model %r: %s; tokenizer %s; %s (routed experts %s) on %s", name, description, tokenizer.name, dtype,
-             args.expert_precision, placement.devices)
+    log.info("model %r: %s; tokenizer %s; %s%s on %s", name, description, tokenizer.name, dtype,
+             ", routed experts fp8" if args.expert_precision == "fp8" else "", placement.devices)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
     try:
