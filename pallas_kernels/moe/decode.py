@@ -3,7 +3,8 @@
 The rows of each non-empty group are copied into their own slab of `slab` rows (zero padded), slabs of touched
 groups back to back. On that layout the row-blocked kernels see one group per row block, so every touched
 expert's weights are streamed exactly once per n-block, spread over all SMs, and untouched experts are never
-read. The results are gathered back to the caller's row order.
+read. The results are gathered back to the caller's row order. `in_slabs` without a row bound pads each group to
+whole row blocks instead: the layout the fp8 kernels (fp8.py) need at every size.
 """
 
 import jax.numpy as jnp
