@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import ops
-from pallas_kernels.moe.groups import group_bounds
+from pallas_kernels.moe.groups import group_bounds, group_of_rows
 from pallas_kernels.moe.tuning import KernelConfigs
 
 SLAB_ROWS = 64  # wgmma's row granularity per warpgroup
@@ -53,9 +53,8 @@ def in_slabs(x, group_sizes, row_weights, max_group_rows: int | None, ffn, *, al
     slab_starts = jnp.cumsum(slab_sizes) - slab_sizes
 
     padded = jnp.arange(total, dtype=jnp.int32)
-    # Searches by comparing all pairs (small arrays): the default scan is an XLA while loop (see groups.py).
     slab_ends = slab_starts + slab_sizes
-    pg = jnp.minimum(jnp.searchsorted(slab_ends, padded, side="right", method="compare_all"), num_groups - 1)
+    pg = group_of_rows(slab_ends, total)
     src = starts[pg] + padded - slab_starts[pg]
     valid = (padded < slab_ends[pg]) & (src < ends[pg])
     src = jnp.where(valid, src, 0)
@@ -65,7 +64,7 @@ def in_slabs(x, group_sizes, row_weights, max_group_rows: int | None, ffn, *, al
     y_slabs = ffn(x_slabs, slab_sizes, rw_slabs)
 
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    rg = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), num_groups - 1)
+    rg = group_of_rows(ends, num_rows)
     in_group = rows < ends[rg]
     dst = jnp.where(in_group, slab_starts[rg] + rows - starts[rg], 0)
     return jnp.where(in_group[:, None], y_slabs[dst], 0).astype(x.dtype)

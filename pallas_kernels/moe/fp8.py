@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default
-from pallas_kernels.moe import decode, epilogues, matmuls
+from pallas_kernels.moe import decode, epilogues, matmuls, ops
 from pallas_kernels.moe.ffn import DECODE_MAX_ROWS
+from pallas_kernels.moe.groups import group_of_rows
 from pallas_kernels.moe.tuning import KernelConfigs
 
 E4M3 = jnp.float8_e4m3fn
@@ -60,21 +61,18 @@ def quantize_rows(x, axis_name: str | None = None):
     return (x.astype(jnp.float32) / scale[:, None]).astype(E4M3), scale
 
 
-def _quantize_matrix(w, k_axis: int):
-    """w [G, ...] -> (e4m3 values K-minor, fp32 scale [G]); k_axis: the contraction axis of w (1 or 2)."""
+def _quantize_matrix(w):
+    """w [G, K, N] -> (e4m3 values K-minor [G, N, K], fp32 scale [G])."""
     w = w.astype(jnp.float32)
     scale = _scale(jnp.abs(w).max(axis=(1, 2)))
-    q = (w / scale[:, None, None]).astype(E4M3)
-    return (q.transpose(0, 2, 1) if k_axis == 1 else q), scale
+    return (w / scale[:, None, None]).astype(E4M3).transpose(0, 2, 1), scale
 
 
 def quantize_experts(w_gate, w_up, w_down) -> Fp8Experts:
     """w_gate, w_up [G, H, I], w_down [G, I, H] (any float dtype) -> Fp8Experts, the width padded (zeros: the
     padded SwiGLU columns are silu(0) * 0 = 0)."""
-    pad = -w_gate.shape[-1] % WIDTH_MULTIPLE
-    w_gate, w_up = (jnp.pad(w, [(0, 0), (0, 0), (0, pad)]) for w in (w_gate, w_up))
-    w_down = jnp.pad(w_down, [(0, 0), (0, pad), (0, 0)])
-    (gate, sg), (up, su), (down, sd) = (_quantize_matrix(w, 1) for w in (w_gate, w_up, w_down))
+    padded = ops.pad_expert_width(w_gate, w_up, w_down, WIDTH_MULTIPLE)
+    (gate, sg), (up, su), (down, sd) = (_quantize_matrix(w) for w in padded)
     return Fp8Experts(gate, up, down, sg, su, sd)
 
 
@@ -88,10 +86,8 @@ def dequantize_experts(experts: Fp8Experts):
 
 def _row_scales(experts: Fp8Experts, group_sizes, num_rows):
     """Each row's expert's (gate, up, down) weight scale; rows of no expert take the last expert's (their output
-    is 0). compare_all: one fused comparison, not the default search's XLA while loop (see groups.py)."""
-    ends = jnp.cumsum(group_sizes)
-    rows = jnp.arange(num_rows, dtype=ends.dtype)
-    g = jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), group_sizes.shape[0] - 1)
+    is 0)."""
+    g = group_of_rows(jnp.cumsum(group_sizes), num_rows)
     return experts.gate_scale[g], experts.up_scale[g], experts.down_scale[g]
 
 

@@ -31,10 +31,10 @@ def _check(x, *weights):
 WIDTH_MULTIPLE = 64
 
 
-def pad_expert_width(w_gate, w_up, w_down):
-    """Zero-pads the expert width (I) to a multiple of WIDTH_MULTIPLE (a tiny model's experts). The padded
+def pad_expert_width(w_gate, w_up, w_down, multiple: int = WIDTH_MULTIPLE):
+    """Zero-pads the expert width (I) to a multiple of `multiple` (a tiny model's experts). The padded
     SwiGLU columns are silu(0) * 0 = 0, so the output is unchanged; the padding's gradients are dropped."""
-    pad = -w_gate.shape[-1] % WIDTH_MULTIPLE
+    pad = -w_gate.shape[-1] % multiple
     if not pad:
         return w_gate, w_up, w_down
     cols = [(0, 0), (0, 0), (0, pad)]
