@@ -3,10 +3,14 @@ for every weight a layer multiplies outside the MoE kernels, with XLA's own choi
 cuBLAS only (`xla_gpu_enable_triton_gemm` off), against the read bandwidth measured in the same run. A decode
 step is bound by reading these weights, so bytes/s of the weight is the figure of merit.
 
+With --fp8, also e4m3 weights with one fp32 scale per output column: "fp8 w-only" multiplies x by the weight
+converted to bf16 (XLA may fuse the convert into its gemm, so that only fp8 bytes are read), "fp8 w8a8" first
+quantises x per row and runs an fp8 x fp8 dot (the weight stored [out, in], as fp8 tensor cores read it).
+
 Each case multiplies enough copies of its weight (> 4x the 50 MB L2) in one jitted program that every product
 reads its weight from HBM, as the decode step does, with no host dispatch between them.
 
-    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--out DIR]
+    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--fp8] [--out DIR]
 """
 
 import argparse
@@ -17,8 +21,35 @@ import jax.numpy as jnp
 
 from bench.ceilings import median_seconds, read_bandwidth
 from inkling_jax import preset
+from pallas_kernels.moe.fp8 import E4M3, quantize_rows
 
-VARIANTS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
+def _fp8_columns(w):
+    """w [in, out] -> (e4m3 [in, out], fp32 scale [out]): one scale per output column."""
+    scale = jnp.maximum(jnp.abs(w.astype(jnp.float32)).max(axis=0), 1e-12) / 448.0
+    return (w.astype(jnp.float32) / scale).astype(E4M3), scale
+
+
+def _w_only(x, wq):
+    values, scale = wq
+    return ((x @ values.astype(x.dtype)).astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def _w8a8(x, wq):
+    values_t, scale = wq  # values [out, in]
+    qx, sx = quantize_rows(x)
+    acc = jax.lax.dot_general(qx, values_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * sx[:, None] * scale).astype(x.dtype)
+
+
+def _transposed(wq):
+    return wq[0].T, wq[1]
+
+
+# name: (compiler options, weight -> operand, product, bytes per weight element)
+BF16 = {"xla": (None, None, jnp.matmul, 2), "cublas": ({"xla_gpu_enable_triton_gemm": False}, None, jnp.matmul, 2)}
+FP8 = {"fp8 w-only": (None, _fp8_columns, _w_only, 1),
+       "fp8 w8a8": (None, lambda w: _transposed(_fp8_columns(w)), _w8a8, 1)}
 COPY_BYTES = 256 << 20
 
 
@@ -35,27 +66,34 @@ def weights(text) -> list[tuple[str, int, int, int]]:
     rows = [("wq", h, q, text.num_layers), ("wk, wv (sliding)", h, kv_local, 2 * local),
             ("wk, wv (full)", h, kv_full, 2 * full), ("wr", h, r, text.num_layers), ("wo", q, h, text.num_layers),
             ("dense gate, up", h, text.dense_intermediate_size, 2 * dense),
-            ("dense down", text.dense_intermediate_size, h, dense)]
+            ("dense down", text.dense_intermediate_size, h, dense), ("unembed (LM head)", h, text.vocab_size, 1)]
     return [w for w in rows if w[3]] + [("q, k, v, r fused (sliding)", h, q + 2 * kv_local + r, 0)]
 
 
-def seconds_per_product(options, xs, ws):
+def seconds_per_product(variant, xs, ws):
     """One program of len(ws) products xs[i] @ ws[i] (distinct inputs, so XLA merges none of them)."""
-    fn = jax.jit(lambda a, b: [a[i] @ w for i, w in enumerate(b)], compiler_options=options)
-    return median_seconds(fn, xs, ws, trials=5, calls=3) / len(ws)
+    options, prepare, product, _ = variant
+    if prepare is not None:
+        ws = [jax.jit(prepare)(w) for w in ws]
+    fn = jax.jit(lambda a, b: [product(a[i], w) for i, w in enumerate(b)], compiler_options=options)
+    seconds = median_seconds(fn, xs, ws, trials=5, calls=3) / len(ws)
+    del ws
+    return seconds
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--fp8", action="store_true", help="also fp8 weights (one scale per output column)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="also write dense_matmuls.md here")
     args = parser.parse_args()
+    variants = {**BF16, **(FP8 if args.fp8 else {})}
     text = preset("bench").text
     read = read_bandwidth(data="normal")
     lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; read bandwidth {read / 1e9:.0f} GB/s",
-             "", "| weight | in x out | per step | rows | " + " | ".join(f"{v} us (of read)" for v in VARIANTS) + " |",
-             "|---|---|---:|---:|" + "---:|" * len(VARIANTS)]
-    step = {(rows, v): 0.0 for rows in args.rows for v in VARIANTS}
+             "", "| weight | in x out | per step | rows | " + " | ".join(f"{v} us (of read)" for v in variants) + " |",
+             "|---|---|---:|---:|" + "---:|" * len(variants)]
+    step = {(rows, v): 0.0 for rows in args.rows for v in variants}
     key = jax.random.key(0)
     for name, n_in, n_out, count in weights(text):
         nbytes = 2 * n_in * n_out
@@ -64,17 +102,17 @@ def main():
         for rows in args.rows:
             xs = jax.random.normal(key, (len(ws), rows, n_in), jnp.bfloat16)
             cells = []
-            for variant, options in VARIANTS.items():
-                seconds = seconds_per_product(options, xs, ws)
-                step[rows, variant] += count * seconds
-                cells.append(f"{seconds * 1e6:.1f} ({nbytes / seconds / read:.2f})")
+            for name_v, variant in variants.items():
+                seconds = seconds_per_product(variant, xs, ws)
+                step[rows, name_v] += count * seconds
+                cells.append(f"{seconds * 1e6:.1f} ({nbytes * variant[3] / 2 / seconds / read:.2f})")
             lines.append(f"| {name} | {n_in} x {n_out} | {count} | {rows} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
         del ws
     lines.append("")
     for rows in args.rows:
         lines.append(f"rows {rows}: one decode step's dense matmuls " + ", ".join(
-            f"{v} {step[rows, v] * 1e3:.3f} ms" for v in VARIANTS))
+            f"{v} {step[rows, v] * 1e3:.3f} ms" for v in variants))
     print("\n".join(lines))
     if args.out:
         with open(os.path.join(args.out, "dense_matmuls.md"), "w") as f:

@@ -189,7 +189,9 @@ def main():
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
                    help="share of the free device memory the KV pool may take")
     p.add_argument("--expert-precision", default="bf16", choices=["bf16", "fp8"],
-                   help="routed experts' weights, as serve.app's flag (fp8: one device)")
+                   help="routed experts' weights, as serve.app's flag")
+    p.add_argument("--dense-precision", default="bf16", choices=["bf16", "fp8"],
+                   help="dense MLPs' and LM head's weights, as serve.app's flag")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     placement = Placement.from_spec(args.mesh)
@@ -212,8 +214,7 @@ def main():
     start = time.perf_counter()
     config = preset(args.preset)
     model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
-    if args.expert_precision == "fp8":
-        model.quantize_routed_experts()
+    model.quantize(args.expert_precision, args.dense_precision)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))

@@ -26,7 +26,7 @@ except ImportError:  # a declared dependency, but loading works without its prog
 from inkling_jax.config import InklingConfig, load_config
 from inkling_jax.hub_source import HubSource
 from inkling_jax.mlp import MoE
-from inkling_jax.model import InklingModel
+from inkling_jax.model import InklingModel, check_precisions
 from inkling_jax.safetensors_io import CheckpointError
 from inkling_jax.sharding import param_shardings
 
@@ -158,7 +158,8 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
-                    mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16"):
+                    mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16",
+                    dense_precision: str = "bf16"):
     """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
@@ -169,9 +170,10 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     expert_precision: "fp8" holds the routed experts in fp8 (`InklingModel.quantize_routed_experts`, for serving).
     Each MoE layer is quantised as soon as its experts are in (a converted checkpoint is restored in parts for
     that), so the devices never hold more than one layer's experts in `dtype`.
+    dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
+    serving), quantised once all weights are in.
     """
-    if expert_precision not in ("bf16", "fp8"):
-        raise ValueError(f"expert_precision must be 'bf16' or 'fp8', not {expert_precision!r}")
+    check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
     path = os.fspath(path)
     config = config or load_config(path)
     model = abstract_model(config, jnp.dtype(dtype))
@@ -188,14 +190,16 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
             routed = {p for batch in experts for p in batch}
             batches = [[p for p in variables if p not in routed]] + experts
         orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled)
-        return model
-    checkpoint = HubSource(path)  # NVFP4 experts are dequantised as they are read
-    rules = hub_layout(config)
-    check_tensor_names(checkpoint, rules, config)
-    check_shapes(checkpoint, rules, variables)
-    if place is None:
-        place = (lambda _, x: jnp.asarray(x)) if mesh is None else (lambda p, x: jax.device_put(x, shardings[p]))
-    fill_variables(checkpoint, rules, variables, place, progress, filled=filled)
+    else:
+        checkpoint = HubSource(path)  # NVFP4 experts are dequantised as they are read
+        rules = hub_layout(config)
+        check_tensor_names(checkpoint, rules, config)
+        check_shapes(checkpoint, rules, variables)
+        if place is None:
+            place = ((lambda _, x: jnp.asarray(x)) if mesh is None
+                     else (lambda p, x: jax.device_put(x, shardings[p])))
+        fill_variables(checkpoint, rules, variables, place, progress, filled=filled)
+    model.quantize(expert_precision, dense_precision)  # the experts are fp8 by now; the dense weights now
     return model
 
 

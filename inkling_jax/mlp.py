@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax import kernels
+from inkling_jax import dense_fp8, kernels
 from inkling_jax.config import TextConfig
 from inkling_jax.layers import normal
 
@@ -20,15 +20,35 @@ def swiglu(gate, up):
 
 
 class DenseMLP(nnx.Module):
+    MATRICES = ("w_gate", "w_up", "w_down")
+
     def __init__(self, hidden: int, width: int, *, dtype, rngs: nnx.Rngs):
         self.w_gate = nnx.Param(normal(rngs, (hidden, width), dtype))
         self.w_up = nnx.Param(normal(rngs, (hidden, width), dtype))
         self.w_down = nnx.Param(normal(rngs, (width, hidden), dtype))
         self.global_scale = nnx.Param(jnp.ones((1,), dtype))
 
+    @property
+    def fp8(self) -> bool:
+        return hasattr(self, "w_gate_fp8")
+
+    def quantize(self) -> None:
+        """Replaces the three matrices by fp8 ones (inkling_jax/dense_fp8.py: `<name>_fp8` values [out, in] and
+        `<name>_out_scale`, one per output column), freeing the originals: for serving (forward only)."""
+        for name in self.MATRICES:
+            values, scale = dense_fp8.quantize(getattr(self, name)[...], transpose=True)
+            delattr(self, name)
+            setattr(self, f"{name}_fp8", nnx.Param(values))
+            setattr(self, f"{name}_out_scale", nnx.Param(scale))
+
+    def _product(self, x, name):
+        if self.fp8:
+            return dense_fp8.matmul(x, getattr(self, f"{name}_fp8")[...], getattr(self, f"{name}_out_scale")[...])
+        return x @ getattr(self, name)[...]
+
     def __call__(self, x, expert_ids=None):
-        h = swiglu(x @ self.w_gate[...], x @ self.w_up[...])
-        return (h @ self.w_down[...]) * self.global_scale[...], None
+        h = swiglu(self._product(x, "w_gate"), self._product(x, "w_up"))
+        return self._product(h, "w_down") * self.global_scale[...], None
 
 
 class MoE(nnx.Module):

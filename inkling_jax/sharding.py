@@ -59,6 +59,8 @@ ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
 LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("embed",), ("vocab", "embed")),
     (("unembed",), ("vocab", "embed")),
+    (("unembed_fp8",), ("vocab", "embed")),  # fp8 LM head (model.quantize_dense): [vocab, hidden] as before
+    (("unembed_out_scale",), ("vocab",)),
     (("wq", "kernel"), ("embed", "q_heads")),
     (("wr", "kernel"), ("embed", "q_heads")),
     (("wk", "kernel"), ("embed", "kv_heads")),
@@ -82,7 +84,11 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("shared_down",), (None, "mlp", "embed")),
     (("input_proj", "kernel"), (None, "embed")),
 ]
-DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
+# The dense MLP's matrices share their names with the MoE's (told apart by rank); their fp8 forms
+# (mlp.DenseMLP.quantize) are [out, in] with one scale per output column.
+DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
+             "w_gate_fp8": ("mlp", "embed"), "w_up_fp8": ("mlp", "embed"), "w_down_fp8": ("embed", "mlp"),
+             "w_gate_out_scale": ("mlp",), "w_up_out_scale": ("mlp",), "w_down_out_scale": ("embed",)}
 
 
 def parse_mesh_spec(spec: str | None) -> dict[str, int]:
@@ -114,7 +120,7 @@ def make_mesh(spec: str | dict[str, int] | None = None, devices: Iterable | None
 def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     """The logical name of each dimension of the parameter at `path`."""
     names = tuple(str(p) for p in path)
-    if names[-1] in DENSE_MLP and ndim == 2:
+    if names[-1] in DENSE_MLP and len(DENSE_MLP[names[-1]]) == ndim:
         return DENSE_MLP[names[-1]]
     if names and names[0] in ("vision", "audio"):
         return ("media",) * ndim

@@ -67,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="routed experts' weights: bf16 (in the model's --dtype, as loaded), or fp8 e4m3 with one scale per "
       "expert and matrix and the activations quantised per row (half the bytes a decode step reads; a few "
       "percent of error per MoE layer)")
+    a("--dense-precision", default="bf16", choices=["bf16", "fp8"],
+      help="the dense MLP layers' and the LM head's weights: bf16 (in --dtype), or fp8 e4m3 with one scale per "
+      "output column and the activations quantised per row (fewer bytes per decode step; the attention "
+      "projections, shared experts and embeddings stay in --dtype)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--no-fuse-projections", action="store_true",
       help="keep the four attention input projections as separate matmuls (by default they are fused into one)")
@@ -112,18 +116,19 @@ def build_service(args: argparse.Namespace) -> Service:
     config = engine_config(args)
     if args.model:
         model = load_pretrained(args.model, dtype=dtype, config=model_config, mesh=placement.mesh,
-                                expert_precision=args.expert_precision)
+                                expert_precision=args.expert_precision, dense_precision=args.dense_precision)
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         description = f"checkpoint {args.model}"
     else:
         model = random_model(model_config, dtype, args.seed)
-        if args.expert_precision == "fp8":
-            model.quantize_routed_experts()
+        model.quantize(args.expert_precision, args.dense_precision)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
+    fp8 = [part for part, flag in (("routed experts", args.expert_precision), ("dense MLPs and LM head",
+                                                                             args.dense_precision)) if flag == "fp8"]
     log.info("model %r: %s; tokenizer %s; %s%s on %s", name, description, tokenizer.name, dtype,
-             ", routed experts fp8" if args.expert_precision == "fp8" else "", placement.devices)
+             f", {' and '.join(fp8)} in fp8" if fp8 else "", placement.devices)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
     try:

@@ -10,8 +10,6 @@ from flax import nnx
 
 from inkling_jax import kernels, preset
 from inkling_jax.mlp import MoE
-from serve.config import EngineConfig
-from serve.engine import Engine
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.sampling import SamplingParams
@@ -64,28 +62,6 @@ def test_quantised_model_logits_stay_close():
     assert changed == sum(not config.text.is_dense(i) for i in range(config.text.num_layers)) > 0
     assert model.quantize_routed_experts() == 0  # already done
     assert 1e-4 < _rel(got, want) < 0.1
-
-
-def test_engine_with_quantised_experts_decodes_the_quantised_models_greedy_tokens():
-    """The serving path (paged cache, prefill then decode steps) on fp8 experts gives the tokens that the model's
-    own full-sequence forward picks greedily."""
-    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
-    model = random_model(config, jnp.float32, seed=1)
-    assert model.quantize_routed_experts() == 1
-    prompt = [3, 14, 15, 92, 65, 35]
-    with kernels.use("jnp", moe="ragged"):
-        want = list(prompt)
-        for _ in range(6):
-            want.append(int(jnp.argmax(model(jnp.asarray([want]))[0, -1])))
-        engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
-                                            chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
-                        eos_token_id=config.eos_token_id)
-        engine.start()
-    try:
-        got = generate(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))[0]
-    finally:
-        engine.shutdown(drain_seconds=0)
-    assert got.token_ids == want[len(prompt):]
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

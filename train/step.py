@@ -73,7 +73,7 @@ class Trainer:
         With LoRA, `adapters` continues given ones (e.g. `lora.load_adapters`); by default they start fresh."""
         quantised = sorted(n for n in params if n.endswith("_fp8"))
         if quantised:
-            raise ValueError(f"{quantised[0]}: this model's routed experts are fp8 (`quantize_routed_experts`), "
+            raise ValueError(f"{quantised[0]}: this model holds fp8 weights (`InklingModel.quantize`), "
                              "which serves but does not train; train from the bf16 weights")
         key = jax.random.PRNGKey(seed)
         if self.lora:

@@ -1,0 +1,117 @@
+"""fp8 dense MLPs and LM head (`InklingModel.quantize_dense`, inkling_jax/dense_fp8.py): the W8A8 product is its
+formula, the bf16 weights are replaced and freed, the logits stay within fp8's error, and the sharded, loaded
+and served forms equal the one-device model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from inkling_jax import dense_fp8, kernels, preset
+from inkling_jax.mlp import DenseMLP
+from pallas_kernels.moe.fp8 import quantize_rows
+from serve.config import EngineConfig
+from serve.engine import Engine
+from serve.offline import generate
+from serve.random_weights import random_model
+from serve.sampling import SamplingParams
+
+TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def test_the_product_is_its_formula_and_stays_close_to_bf16():
+    x = jax.random.normal(jax.random.key(0), (2, 3, 96), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (96, 40), jnp.bfloat16).at[:, 7].set(0)  # [in, out], a zero column
+    values, scale = dense_fp8.quantize(w, transpose=True)
+    assert values.shape == (40, 96) and values.dtype == jnp.float8_e4m3fn and scale.shape == (40,)
+    assert scale[7] == 1.0
+    got = dense_fp8.matmul(x, values, scale)
+    assert got.shape == (2, 3, 40) and got.dtype == jnp.bfloat16
+    qx, sx = quantize_rows(x.reshape(6, 96))
+    formula = (qx.astype(jnp.float32) * sx[:, None]) @ (values.astype(jnp.float32) * scale[:, None]).T
+    np.testing.assert_allclose(np.asarray(got, np.float32).reshape(6, 40), formula, rtol=2e-2, atol=1e-2)
+    assert not np.asarray(got[..., 7]).any()
+    want = x.astype(jnp.float32) @ w.astype(jnp.float32)
+    assert 1e-3 < _rel(got, want) < 0.06  # e4m3's 3 mantissa bits on both operands
+
+
+def test_quantised_model_drops_its_dense_weights_and_its_logits_stay_close():
+    config = preset("tiny")
+    model = random_model(config, jnp.bfloat16)
+    with kernels.use(moe="ragged"):
+        want = model(TOKENS)
+        changed = model.quantize_dense()
+        got = model(TOKENS)
+    assert changed == 3 * len(config.text.dense_layer_ids) + 1  # gate, up, down per dense layer; the LM head
+    assert model.quantize_dense() == 0  # already done
+    dense = [layer.mlp for layer in model.layers if isinstance(layer.mlp, DenseMLP)]
+    assert dense and all(m.fp8 and not hasattr(m, "w_gate") for m in dense)
+    assert not hasattr(model, "unembed") and model.unembed_fp8.get_value().shape == (config.text.vocab_size, 64)
+    assert model.layers[0].attn.wq.kernel.get_value().dtype == jnp.bfloat16  # projections stay
+    assert got.shape == want.shape
+    assert 1e-4 < _rel(got, want) < 0.1
+
+
+@pytest.mark.parametrize("dense_precision", ["bf16", "fp8"])
+def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_precision):
+    """The serving path (paged cache, prefill then decode steps) gives the tokens that the quantised model's own
+    full-sequence forward picks greedily."""
+    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+    model = random_model(config, jnp.float32, seed=1)
+    model.quantize("fp8", dense_precision)
+    assert model.layers[1].mlp.fp8 and model.layers[0].mlp.fp8 == (dense_precision == "fp8")
+    prompt = [3, 14, 15, 92, 65, 35]
+    with kernels.use("jnp", moe="ragged"):
+        want = list(prompt)
+        for _ in range(6):
+            want.append(int(jnp.argmax(model(jnp.asarray([want]))[0, -1])))
+        engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
+                                            chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
+                        eos_token_id=config.eos_token_id)
+        engine.start()
+    try:
+        got = generate(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))[0]
+    finally:
+        engine.shutdown(drain_seconds=0)
+    assert got.token_ids == want[len(prompt):]
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+@pytest.mark.parametrize("spec", ["tensor=2", "fsdp=2,tensor=2,expert=2"])
+def test_quantised_model_on_a_mesh_equals_one_device(spec):
+    """The fp8 values and their scales shard by the table (the dense width and the vocabulary over `tensor`),
+    and the per-row activation scales span the whole row, so the sharded logits equal one device's."""
+    from inkling_jax.sharding import make_mesh, shard_model
+
+    def quantised():
+        model = random_model(preset("tiny"), jnp.float32, seed=2)
+        model.quantize("fp8", "fp8")
+        return model
+
+    with kernels.use("jnp", moe="ragged"):
+        want = nnx.jit(lambda m, t: m(t))(quantised(), TOKENS)
+        model = shard_model(quantised(), make_mesh(spec))
+        assert model.layers[0].mlp.w_gate_fp8.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
+        assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
+        got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_with_fp8_dense_weights_equals_quantising_after(checkpoints):
+    from inkling_jax import load_pretrained
+
+    path, _ = checkpoints("base")
+    direct = load_pretrained(path, progress=False, dense_precision="fp8")
+    after = load_pretrained(path, progress=False)
+    after.quantize_dense()
+    assert direct.unembed_fp8.get_value().dtype == jnp.float8_e4m3fn
+    for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="dense_precision must be one of"):
+        load_pretrained(path, progress=False, dense_precision="int4")
