@@ -20,36 +20,30 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import median_seconds, read_bandwidth
-from inkling_jax import preset
-from pallas_kernels.moe.fp8 import E4M3, quantize_rows
+from inkling_jax import dense_fp8, preset
 
 
-def _fp8_columns(w):
-    """w [in, out] -> (e4m3 [in, out], fp32 scale [out]): one scale per output column."""
-    scale = jnp.maximum(jnp.abs(w.astype(jnp.float32)).max(axis=0), 1e-12) / 448.0
-    return (w.astype(jnp.float32) / scale).astype(E4M3), scale
+def _fp8(w):
+    """w [in, out] -> (e4m3 [out, in], fp32 scale [out]), as the model holds fp8 dense weights."""
+    return dense_fp8.quantize(w, transpose=True)
 
 
-def _w_only(x, wq):
+def _fp8_in_out(w):
+    """The same values stored [in, out], as a bf16 weight is."""
+    values, scale = _fp8(w)
+    return values.T, scale
+
+
+def _weight_only(x, wq):
+    """x @ the fp8 values converted to x's dtype in the program, then the column scales."""
     values, scale = wq
     return ((x @ values.astype(x.dtype)).astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def _w8a8(x, wq):
-    values_t, scale = wq  # values [out, in]
-    qx, sx = quantize_rows(x)
-    acc = jax.lax.dot_general(qx, values_t, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (acc * sx[:, None] * scale).astype(x.dtype)
-
-
-def _transposed(wq):
-    return wq[0].T, wq[1]
-
-
 # name: (compiler options, weight -> operand, product, bytes per weight element)
 BF16 = {"xla": (None, None, jnp.matmul, 2), "cublas": ({"xla_gpu_enable_triton_gemm": False}, None, jnp.matmul, 2)}
-FP8 = {"fp8 w-only": (None, _fp8_columns, _w_only, 1),
-       "fp8 w8a8": (None, lambda w: _transposed(_fp8_columns(w)), _w8a8, 1)}
+FP8 = {"fp8 w-only": (None, _fp8_in_out, _weight_only, 1),
+       "fp8 w8a8": (None, _fp8, lambda x, wq: dense_fp8.matmul(x, *wq), 1)}
 COPY_BYTES = 256 << 20
 
 

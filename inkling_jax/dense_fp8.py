@@ -36,7 +36,3 @@ def matmul(x, values, scale):
     acc = jax.lax.dot_general(qx, values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return (acc * sx[:, None] * scale).astype(x.dtype).reshape(*x.shape[:-1], values.shape[0])
 
-
-def dequantize(values, scale):
-    """-> the fp32 weight [out, in] that (values, scale) stand for."""
-    return values.astype(jnp.float32) * scale[:, None]

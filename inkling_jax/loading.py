@@ -199,7 +199,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
             place = ((lambda _, x: jnp.asarray(x)) if mesh is None
                      else (lambda p, x: jax.device_put(x, shardings[p])))
         fill_variables(checkpoint, rules, variables, place, progress, filled=filled)
-    model.quantize(expert_precision, dense_precision)  # the experts are fp8 by now; the dense weights now
+    model.quantize(expert_precision, dense_precision)  # the experts were quantised layer by layer above
     return model
 
 
