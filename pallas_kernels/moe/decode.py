@@ -7,6 +7,7 @@ read. The results are gathered back to the caller's row order. `in_slabs` withou
 whole row blocks instead: the layout the fp8 kernels (fp8.py) need at every size.
 """
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default
@@ -36,11 +37,12 @@ def _round_up(n, m):
     return -(-n // m) * m
 
 
-def in_slabs(x, group_sizes, row_weights, max_group_rows: int | None, ffn, *, align: int = SLAB_ROWS):
-    """ffn(x_slabs, slab_sizes, row_weight_slabs) run on the slab layout (module doc), its rows gathered back
-    to the order of x: [M, H] in x.dtype. Slabs have max_group_rows rows rounded up to `align` each; with
-    max_group_rows None, each group's own size rounded up (every group then fills whole blocks of `align`
-    rows, at most num_groups * (align - 1) padding rows in all)."""
+def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, align: int = SLAB_ROWS):
+    """ffn(x_slabs, slab_sizes, row_vector_slabs) run on the slab layout (module doc), its rows gathered back
+    to the order of x: [M, N] in the dtype ffn returns. row_vectors: one vector [M] per row of x (the routing
+    weights), or a tuple of them, laid out like x (padding rows get zeros). Slabs have max_group_rows rows
+    rounded up to `align` each; with max_group_rows None, each group's own size rounded up (every group then
+    fills whole blocks of `align` rows, at most num_groups * (align - 1) padding rows in all)."""
     num_rows, num_groups = x.shape[0], group_sizes.shape[0]
     starts, ends = group_bounds(group_sizes, num_rows)
     if max_group_rows is None:
@@ -58,13 +60,13 @@ def in_slabs(x, group_sizes, row_weights, max_group_rows: int | None, ffn, *, al
     src = starts[pg] + padded - slab_starts[pg]
     valid = (padded < slab_ends[pg]) & (src < ends[pg])
     src = jnp.where(valid, src, 0)
-    x_slabs = jnp.where(valid[:, None], x[src], 0)
-    rw_slabs = jnp.where(valid, row_weights[src], 0)
+    x_slabs = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
+    vector_slabs = jax.tree.map(lambda v: jnp.where(valid, v[src], 0), row_vectors)
 
-    y_slabs = ffn(x_slabs, slab_sizes, rw_slabs)
+    y_slabs = ffn(x_slabs, slab_sizes, vector_slabs)
 
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     rg = group_of_rows(ends, num_rows)
     in_group = rows < ends[rg]
     dst = jnp.where(in_group, slab_starts[rg] + rows - starts[rg], 0)
-    return jnp.where(in_group[:, None], y_slabs[dst], 0).astype(x.dtype)
+    return jnp.where(in_group[:, None], y_slabs[dst], jnp.zeros((), y_slabs.dtype))

@@ -104,9 +104,9 @@ def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_r
     configs = configs or KernelConfigs(decode=decode_layout)
     align = max(configs.get(role, E4M3).block_rows for role in ("swiglu", "gmm"))
 
-    def ffn(rows, sizes, row_weights):
-        gate_scale, up_scale, down_scale = _row_scales(experts, sizes, rows.shape[0])
-        qx, sx = quantize_rows(rows)
+    def ffn(qx, sizes, row_vectors):
+        row_weights, sx = row_vectors
+        gate_scale, up_scale, down_scale = _row_scales(experts, sizes, qx.shape[0])
         common = dict(transpose_rhs=True, num_outputs=1, interpret=interpret, out_dtype=x.dtype, mask_rows=False)
         (h,) = matmuls.gmm([qx], [experts.gate, experts.up], sizes, pairs=((0, 0, 0), (0, 1, 1)),
                            epilogue=epilogues.scaled_swiglu, cfg=configs.get("swiglu", E4M3),
@@ -116,7 +116,11 @@ def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_r
                            cfg=configs.get("gmm", E4M3), row_inputs=(sh * down_scale,), **common)
         return y
 
-    return decode.in_slabs(x, group_sizes, row_weights, max_group_rows if decode_layout else None, ffn, align=align)
+    # x is quantised before it is laid out in slabs: the slabs' padding rows (most rows at decode sizes) are then
+    # copied as fp8 and never quantised.
+    qx, sx = quantize_rows(x)
+    return decode.in_slabs(qx, group_sizes, (row_weights, sx), max_group_rows if decode_layout else None, ffn,
+                           align=align)
 
 
 def moe_ffn_fp8_reference(x, experts: Fp8Experts, group_sizes, row_weights, *, width_axis: str | None = None):
