@@ -43,11 +43,6 @@ class Fp8Experts(NamedTuple):
     up_scale: jax.Array
     down_scale: jax.Array
 
-    @property
-    def width(self) -> int:
-        """The (padded) expert width I."""
-        return self.gate.shape[1]
-
 
 def _scale(amax):
     return jnp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(jnp.float32)
