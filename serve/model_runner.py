@@ -24,7 +24,7 @@ from inkling_jax.model import InklingModel
 from serve import cache_rows, memory_plan
 from serve.config import EngineConfig
 from serve.placement import Placement
-from serve.sampler import Sampled
+from serve.sampler import Sampled, unpack_samples
 from serve.scheduler import Chunk
 from serve.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
 
@@ -251,7 +251,7 @@ class ModelRunner:
         chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
         results = {}
         for group, outs, _ in dispatched:
-            host: Sampled = jax.tree.map(lambda *steps: np.concatenate(steps), *jax.device_get(outs))
+            host: Sampled = unpack_samples(np.concatenate(jax.device_get(outs)))
             for chunk, row in zip(group, self._row_index(group)):
                 if chunk.samples:
                     results[chunk.seq.seq_id] = [(int(host.tokens[k, row]), float(host.logprobs[k, row]),
@@ -274,7 +274,7 @@ class ModelRunner:
         rows = self.config.row_bucket(len(group))
         return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
 
-    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple[list[Sampled], object]:
+    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple[list[jax.Array], object]:
         """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples ([steps,
         rows] each) and a decode run's last tokens."""
         rows = self.config.row_bucket(len(group))

@@ -31,7 +31,7 @@ from flax import struct
 
 from serve import cache_rows
 from serve.config import EngineConfig
-from serve.sampler import SamplingBatch, sample
+from serve.sampler import SamplingBatch, pack_samples, sample
 from serve.scheduler import Chunk
 
 
@@ -116,11 +116,12 @@ class StepPrograms:
         logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=jnp.maximum(inp.n_new - 1, 0))
         out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, penalties.counts, full)
         cache = self._rows_out(cache, inp, sub, gather)
-        return cache, penalties.replace(counts=counts), jax.tree.map(lambda x: x[None], out)
+        return cache, penalties.replace(counts=counts), pack_samples(out)[None]
 
     def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
                gather: bool, full: bool):
-        """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R], tokens [R]).
+        """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R, 2 + 2K]
+        (`sampler.pack_samples`), tokens [R]).
         `full`: the sampler with top-k / top-p filters and top logprobs (see `sampler.choose`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
@@ -133,7 +134,7 @@ class StepPrograms:
         params = inp.params.replace(index=inp.params.index + step)
         out, counts = self._sample(logits, penalties, inp, params, active, penalties.counts, full)
         cache = self._rows_out(cache, inp, sub, gather)
-        return cache, penalties.replace(counts=counts), jax.tree.map(lambda x: x[None], out), out.tokens
+        return cache, penalties.replace(counts=counts), pack_samples(out)[None], out.tokens
 
     def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, counts, full):
         """One token per row. Returns the samples and the output-token counts with the active penalised rows'

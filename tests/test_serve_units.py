@@ -15,7 +15,7 @@ from serve.block_manager import BlockManager
 from serve.chat import ChatError, ChatFormat, ChatOutput, format_effort
 from serve.config import EngineConfig
 from serve.protocol import ChatRequest, CompletionRequest
-from serve.sampler import SamplingBatch, sample, top_k_top_p
+from serve.sampler import SamplingBatch, pack_samples, sample, top_k_top_p, unpack_samples
 from serve.sampling import InvalidParams, SamplingParams
 from serve.scheduler import Scheduler
 from serve.sequence import Sequence, Status
@@ -419,6 +419,17 @@ def test_top_k_top_p_keeps_what_the_definition_keeps(digit_bits):
     tied = jnp.asarray([[1.0, 1.0, 1.0, 0.0, -2.0]] * 3)
     kept = np.isfinite(np.asarray(top_k_top_p_at(tied, jnp.asarray([2, 4, 4]), jnp.asarray([1.0, 0.5, 0.95]))))
     assert kept.tolist() == [[True] * 3 + [False] * 2, [True] * 3 + [False] * 2, [True] * 4 + [False]]
+
+
+def test_samples_pack_into_one_array_and_back_exactly():
+    logits = jnp.asarray(RNG.normal(0, 2, (5, 40)), jnp.float32)
+    out = draw(logits, seed=jnp.arange(5))
+    packed = jax.jit(pack_samples)(out)
+    assert packed.dtype == jnp.int32 and packed.shape == (5, 2 + 2 * 3)
+    back = unpack_samples(np.stack([packed, packed]))  # two steps, as a decode run fetches them
+    for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        np.testing.assert_array_equal(getattr(back, name)[1], np.asarray(getattr(out, name)))
+    assert back.top_ids.shape == (2, 5, 3)
 
 
 def test_sampler_draws_follow_the_softmax():
