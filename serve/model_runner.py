@@ -275,8 +275,8 @@ class ModelRunner:
         return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
 
     def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple[list[jax.Array], object]:
-        """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples ([steps,
-        rows] each) and a decode run's last tokens."""
+        """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
+        [1, rows, 2 + 2K], `sampler.pack_samples`) and a decode run's last tokens."""
         rows = self.config.row_bucket(len(group))
         chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
