@@ -100,22 +100,22 @@ def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_r
     align = max(configs.get(role, E4M3).block_rows for role in ("swiglu", "gmm"))
 
     def ffn(qx, sizes, row_vectors):
-        row_weights, sx = row_vectors
-        gate_scale, up_scale, down_scale = _row_scales(experts, sizes, qx.shape[0])
+        row_weights, gate_scale, up_scale, down_scale = row_vectors
         common = dict(transpose_rhs=True, num_outputs=1, interpret=interpret, out_dtype=x.dtype, mask_rows=False)
         (h,) = matmuls.gmm([qx], [experts.gate, experts.up], sizes, pairs=((0, 0, 0), (0, 1, 1)),
                            epilogue=epilogues.scaled_swiglu, cfg=configs.get("swiglu", E4M3),
-                           row_inputs=(row_weights, sx * gate_scale, sx * up_scale), **common)
+                           row_inputs=(row_weights, gate_scale, up_scale), **common)
         qh, sh = quantize_rows(h, width_axis)
         (y,) = matmuls.gmm([qh], [experts.down], sizes, pairs=((0, 0, 0),), epilogue=epilogues.scaled,
                            cfg=configs.get("gmm", E4M3), row_inputs=(sh * down_scale,), **common)
         return y
 
-    # x is quantised before it is laid out in slabs: the slabs' padding rows (most rows at decode sizes) are then
-    # copied as fp8 and never quantised.
+    # x is quantised, and each row's scales are found, before the rows are laid out in slabs: the slabs' padding
+    # rows (most rows at decode sizes) are then copied as fp8 and zero scales, never quantised or searched.
     qx, sx = quantize_rows(x)
-    return decode.in_slabs(qx, group_sizes, (row_weights, sx), max_group_rows if decode_layout else None, ffn,
-                           align=align)
+    gate_scale, up_scale, down_scale = _row_scales(experts, group_sizes, x.shape[0])
+    return decode.in_slabs(qx, group_sizes, (row_weights, sx * gate_scale, sx * up_scale, down_scale),
+                           max_group_rows if decode_layout else None, ffn, align=align)
 
 
 def moe_ffn_fp8_reference(x, experts: Fp8Experts, group_sizes, row_weights, *, width_axis: str | None = None):
