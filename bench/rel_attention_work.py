@@ -42,11 +42,15 @@ def warpgroup_steps(layer: Layer) -> tuple[int, int]:
     return plain * layer.kv_heads * layer.batch, biased * layer.kv_heads * layer.batch
 
 
+def bias_k(layer: Layer) -> int:
+    """K of the A @ Tz product: A is block-diagonal, one d_rel block per token of the warpgroup's tile."""
+    return toeplitz.tokens_per_tile(layer.groups) * layer.d_rel
+
+
 def executed_flops(layer: Layer) -> float:
     plain, biased = warpgroup_steps(layer)
-    bias_k = toeplitz.tokens_per_tile(layer.groups) * layer.d_rel
     per_key = 2 * ROWS * KEYS  # FLOPs per unit of K (or N) in a 64 x 64 product
-    return per_key * (plain * 2 * layer.dim + biased * (2 * layer.dim + bias_k))
+    return per_key * (plain * 2 * layer.dim + biased * (2 * layer.dim + bias_k(layer)))
 
 
 def main():
@@ -58,8 +62,7 @@ def main():
     for name, layer in LAYERS.items():
         plain, biased = warpgroup_steps(layer)
         executed, useful = executed_flops(layer), layer.flops()
-        bias_k = toeplitz.tokens_per_tile(layer.groups) * layer.d_rel
-        print(f"{name}: {plain} plain and {biased} biased warpgroup steps (bias product K = {bias_k}, head_dim "
+        print(f"{name}: {plain} plain and {biased} biased warpgroup steps (bias product K = {bias_k(layer)}, head_dim "
               f"{layer.dim}); executed {executed / 1e12:.3f} TFLOP, {executed / useful:.2f}x the useful "
               f"{useful / 1e12:.3f}")
         ms = args[f"{name}_ms"]
