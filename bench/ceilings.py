@@ -24,6 +24,8 @@ import numpy as np
 
 from flax import nnx
 
+from inkling_jax.mlp import MoE
+
 DATA = ("ones", "normal")
 CALLS = 5
 
@@ -101,8 +103,8 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
         size = var.get_value().nbytes
         if path[-1] == "embed":
             size = batch * text.hidden_size * item
-        elif path[-1] in ("w_gate", "w_up", "w_down", "w_gate_fp8", "w_up_fp8", "w_down_fp8") and (
-                var.get_value().ndim == 3):
+        elif path[-1] in ("w_gate", "w_up", "w_down", *MoE.ROUTED_FP8, *MoE.ROUTED_NVFP4) and (
+                var.get_value().ndim >= 3):  # routed experts (the dense MLP's matrices share names, at rank 2)
             touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** batch)
             size = size * touched / text.num_experts
         total += size

@@ -15,8 +15,8 @@ bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XL
 
     PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU;
                                         --decode-sweep: only a tile sweep of the 32-token decode step, of the
-                                        fp8 experts with --fp8; --fp8 alone: only fp8 experts against bf16,
-                                        decode and prefill forward)
+                                        fp8 or NVFP4 experts with --fp8 / --nvfp4; --quantized: only fp8 and
+                                        NVFP4 experts against bf16, decode and prefill forward)
 """
 
 import dataclasses
@@ -37,6 +37,9 @@ from inkling_jax import kernels
 from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
+from pallas_kernels.moe.kernel_w4 import W4Config, config_for
+from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
+from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 from pallas_kernels.moe.tuning import DECODE, GmmConfig, KernelConfigs, WgradConfig
 
 H, I, LOCAL, SHARED, TOP_K, TOKENS, RAGGED_TOKENS = 6144, 3072, 32, 2, 6, 16384, 2048
@@ -188,74 +191,92 @@ def decode(w):
         print(f"decode {tokens}", json.dumps(row), flush=True)
 
 
-def decode_sweep(w, tokens=32, fp8=False):
-    """Bytes/s of the MoE FFN at the serving engine's 32-row decode step (`moe_ffn_decode`, or with fp8 the fp8
-    experts of `moe_ffn_fp8`) for a few tiles per role (the other role at its default), against the read
-    bandwidth (a jitted sum) measured here."""
+def _expert_bytes(gs, precision):
+    """Bytes of the touched experts' weights: bf16 2 per value, fp8 1, NVFP4 a half plus an f16 scale per 16."""
+    per_value = {"bf16": 2.0, "fp8": 1.0, "nvfp4": 0.5 + 2 / 16}[precision]
+    return int((gs > 0).sum()) * 3 * H * I * per_value
+
+
+def decode_sweep(w, tokens=32, precision="bf16"):
+    """Bytes/s of the MoE FFN at the serving engine's 32-row decode step (`moe_ffn_decode`, `moe_ffn_fp8` or
+    `moe_ffn_nvfp4`) for a few tiles per role (the other role at its default), against the read bandwidth (a
+    jitted sum) measured here."""
     read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
     d = rows_inputs(tokens, seed=tokens)
-    nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * (1 if fp8 else 2)
-    dtype = jnp.float8_e4m3fn if fp8 else jnp.bfloat16
-    base = {role: DECODE[role][jnp.dtype(dtype)] for role in ("swiglu", "gmm")}
-    # (swiglu changes, gmm changes) from the decode defaults
-    if fp8:
-        variants = [({}, {}), ({}, dict(block_n=128, stages=8)), ({}, dict(block_n=128, block_k=256, stages=4)),
-                    (dict(block_n=64, block_k=256, stages=4), {}), (dict(block_n=64, stages=8), {})]
-        q = quantize_experts(*w)
-        run = lambda cfgs: functools.partial(moe_ffn_fp8, experts=q, max_group_rows=tokens,  # noqa: E731
-                                             configs=cfgs)
-        args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
+    nbytes = _expert_bytes(d["gs"], precision)
+    args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
+    if precision == "nvfp4":
+        q = quantize_nvfp4(*w)
+        cases = [(f"W4 {c}", functools.partial(moe_ffn_nvfp4, experts=q, max_group_rows=tokens, cfg=c))
+                 for c in (config_for(tokens), W4Config(block_k=256, stages=4), W4Config(block_k=256, stages=2,
+                           compute_wgs=3), W4Config(block_k=128, stages=3, compute_wgs=3))]
+        # the fp8 experts at their decode tiles, for a ratio measured in the same run
+        cases.append(("fp8 default", functools.partial(moe_ffn_fp8, experts=quantize_experts(*w),
+                                                       max_group_rows=tokens)))
     else:
-        variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
-                    (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
-                    ({}, dict(block_n=128, block_k=128, stages=4))]
-        run = lambda cfgs: functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs)  # noqa: E731
-        args = dict(x=d["x"], w_gate=w[0], w_up=w[1], w_down=w[2], group_sizes=d["gs"], row_weights=d["rw"])
-    cases = [(f"swiglu {sw} gmm {mm}", KernelConfigs(decode=True, swiglu=dataclasses.replace(base["swiglu"], **sw),
-                                                    gmm=dataclasses.replace(base["gmm"], **mm)))
-             for sw, mm in variants]
+        dtype = jnp.float8_e4m3fn if precision == "fp8" else jnp.bfloat16
+        base = {role: DECODE[role][jnp.dtype(dtype)] for role in ("swiglu", "gmm")}
+        # (swiglu changes, gmm changes) from the decode defaults
+        if precision == "fp8":
+            variants = [({}, {}), ({}, dict(block_n=128, stages=8)), ({}, dict(block_n=128, block_k=256, stages=4)),
+                        (dict(block_n=64, block_k=256, stages=4), {}), (dict(block_n=64, stages=8), {})]
+            q = quantize_experts(*w)
+            run = lambda cfgs: functools.partial(moe_ffn_fp8, experts=q, max_group_rows=tokens,  # noqa: E731
+                                                 configs=cfgs)
+        else:
+            variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
+                        (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
+                        ({}, dict(block_n=128, block_k=128, stages=4))]
+            run = lambda cfgs: functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs,  # noqa: E731
+                                                 w_gate=w[0], w_up=w[1], w_down=w[2])
+        cases = [(f"swiglu {sw} gmm {mm}", run(KernelConfigs(decode=True,
+                                                             swiglu=dataclasses.replace(base["swiglu"], **sw),
+                                                             gmm=dataclasses.replace(base["gmm"], **mm))))
+                 for sw, mm in variants]
     sweep = R["decode_sweep"] = {}
-    print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights "
-          f"({'fp8' if fp8 else 'bf16'})", flush=True)
-    for name, cfgs in cases:
-        kernel = jax.jit(run(cfgs))
+    print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights ({precision})",
+          flush=True)
+    for name, f in cases:
+        kernel = jax.jit(f)
         t = guarded(f"decode sweep {name}", lambda: median_seconds(
             lambda: kernel(**args), trials=5, warmup=2, calls=20))
         if t:
             sweep[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read)
             print(f"  {name:45s} {t * 1e6:7.0f} us = {nbytes / t / 1e9:5.0f} GB/s = "
-                  f"{nbytes / t / 1e9 / read:.2f} of read", flush=True)
+                  f"{nbytes / t / 1e9 / read:.2f} of read (of this precision's bytes)", flush=True)
 
 
-def fp8_vs_bf16(w):
-    """fp8 routed experts (pallas_kernels/moe/fp8.py) against bf16 on the same rows: decode steps (bytes of the
-    touched experts' weights per second against the read bandwidth) and the prefill forward (TFLOP/s); the
-    relative L2 difference of the outputs is the fp8 error."""
+def quantized_vs_bf16(w):
+    """fp8 (pallas_kernels/moe/fp8.py) and NVFP4 (nvfp4.py) routed experts against bf16 on the same rows: decode
+    steps (bytes of the touched experts' weights per second against the read bandwidth) and the prefill forward
+    (TFLOP/s); the relative L2 difference of the outputs from bf16's is the quantisation's error."""
     read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
-    q = quantize_experts(*w)
-    table = R["fp8"] = {}
-    for tokens in (1, 8, 32, 64, TOKENS):
+    q8, q4 = quantize_experts(*w), quantize_nvfp4(*w)
+    table = R["quantized"] = {}
+    for tokens in (1, 8, 32, 64, 128, TOKENS):
         d = rows_inputs(tokens, seed=tokens)
         args = (d["x"], d["gs"], d["rw"])
-        bound = tokens if tokens <= 64 else None
-        cases = {"bf16": (jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens) if bound else moe_ffn),
-                          lambda f: f(args[0], *w, *args[1:])),
+        bound = tokens if tokens <= 128 else None
+        cases = {"bf16": (jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens)
+                                  if bound and tokens <= 64 else moe_ffn), lambda f: f(args[0], *w, *args[1:])),
                  "fp8": (jax.jit(functools.partial(moe_ffn_fp8, max_group_rows=bound)),
-                         lambda f: f(args[0], q, *args[1:]))}
+                         lambda f: f(args[0], q8, *args[1:])),
+                 "nvfp4": (jax.jit(functools.partial(moe_ffn_nvfp4, max_group_rows=bound)),
+                           lambda f: f(args[0], q4, *args[1:]))}
         row = table[tokens] = {}
         outs = {}
         for name, (f, call) in cases.items():
-            outs[name] = guarded(f"fp8 {tokens} {name}", lambda: call(f))
-            t = guarded(f"fp8 {tokens} {name} time", lambda: median_seconds(
+            outs[name] = guarded(f"{name} {tokens}", lambda: call(f))
+            t = guarded(f"{name} {tokens} time", lambda: median_seconds(
                 lambda: call(f), trials=5, warmup=2, calls=20 if bound else 3))
             if not t:
                 continue
-            nbytes = int((d["gs"] > 0).sum()) * 3 * H * I * (2 if name == "bf16" else 1)
-            row[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read,
+            row[name] = dict(us=t * 1e6, of_read=_expert_bytes(d["gs"], name) / t / 1e9 / read,
                              TFLOPs=6 * int(d["gs"].sum()) * H * I / t / 1e12)
-        if outs.get("fp8") is not None and outs.get("bf16") is not None:
-            row["fp8_vs_bf16_rel_l2"] = rel(outs["fp8"], outs["bf16"])
-        print(f"fp8 {tokens} tokens", json.dumps(row), flush=True)
+        for name in ("fp8", "nvfp4"):
+            if outs.get(name) is not None and outs.get("bf16") is not None:
+                row[f"{name}_vs_bf16_rel_l2"] = rel(outs[name], outs["bf16"])
+        print(f"quantized {tokens} tokens", json.dumps(row), flush=True)
 
 
 def kernel_sweep(d, w):
@@ -333,11 +354,11 @@ def main():
     try:
         ceilings()
         w = weights()
-        if "--decode-sweep" in sys.argv:  # only the decode tiles (with --dry-run: tiny, on CPU; --fp8: fp8 experts)
-            decode_sweep(w, fp8="--fp8" in sys.argv)
+        if "--decode-sweep" in sys.argv:  # only the decode tiles (with --dry-run: tiny, on CPU)
+            decode_sweep(w, precision=next((p for p in ("fp8", "nvfp4") if f"--{p}" in sys.argv), "bf16"))
             return
-        if "--fp8" in sys.argv:
-            fp8_vs_bf16(w)
+        if "--quantized" in sys.argv:
+            quantized_vs_bf16(w)
             return
         with kernels.use(moe="pallas"):
             d = prefill(w)

@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from inkling_jax import InklingModel, preset  # noqa: E402
+from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.memory_plan import program_bytes  # noqa: E402
@@ -188,9 +189,9 @@ def main():
                    "device. Bytes/s are then compared with the ceilings times the device count")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
                    help="share of the free device memory the KV pool may take")
-    p.add_argument("--expert-precision", default="bf16", choices=["bf16", "fp8"],
+    p.add_argument("--expert-precision", default="bf16", choices=EXPERT_PRECISIONS,
                    help="routed experts' weights, as serve.app's flag")
-    p.add_argument("--dense-precision", default="bf16", choices=["bf16", "fp8"],
+    p.add_argument("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
                    help="dense MLPs' and LM head's weights, as serve.app's flag")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()

@@ -167,7 +167,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     mesh: shard every parameter by the `sharding` table on this mesh (default: one device).
     place: hub directories only: how a host array becomes a device array (default: by `mesh`, else
     `jnp.asarray`).
-    expert_precision: "fp8" holds the routed experts in fp8 (`InklingModel.quantize_routed_experts`, for serving).
+    expert_precision: "fp8" or "nvfp4" holds the routed experts in that format (`InklingModel.quantize_routed_experts`,
+    for serving; an NVFP4 checkpoint's experts are dequantised as read, then quantised again).
     Each MoE layer is quantised as soon as its experts are in (a converted checkpoint is restored in parts for
     that), so the devices never hold more than one layer's experts in `dtype`.
     dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
@@ -181,7 +182,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     shardings = None if mesh is None else param_shardings(model, mesh)
     from inkling_jax import orbax_io  # orbax is imported only when a converted directory is loaded
 
-    filled = _quantize_when_complete(model) if expert_precision == "fp8" else None
+    filled = _quantize_when_complete(model, expert_precision) if expert_precision != "bf16" else None
     if orbax_io.is_converted(path):
         batches = None
         if filled is not None:  # everything but the routed experts, then one MoE layer's experts at a time
@@ -203,9 +204,9 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     return model
 
 
-def _quantize_when_complete(model: InklingModel) -> Callable[[Path], None]:
-    """A callback for each parameter set while loading, that quantises a MoE layer's routed experts once all
-    three are set."""
+def _quantize_when_complete(model: InklingModel, precision: str) -> Callable[[Path], None]:
+    """A callback for each parameter set while loading, that quantises a MoE layer's routed experts to
+    `precision` once all three are set."""
     pending: dict[int, set] = {}
 
     def filled(path: Path) -> None:
@@ -215,7 +216,7 @@ def _quantize_when_complete(model: InklingModel) -> Callable[[Path], None]:
         if isinstance(moe, MoE):
             pending.setdefault(path[1], set()).add(path[-1])
             if len(pending[path[1]]) == 3:
-                moe.quantize_routed_experts()
+                moe.quantize_routed_experts(precision)
     return filled
 
 

@@ -65,6 +65,7 @@ class MoE(nnx.Module):
 
     shared_in_launch: bool = False
     ROUTED_FP8 = ("w_gate_fp8", "w_up_fp8", "w_down_fp8", "w_gate_scale", "w_up_scale", "w_down_scale")
+    ROUTED_NVFP4 = ("w13_nvfp4", "w13_scale", "w13_scale2", "w2_nvfp4", "w2_scale", "w2_scale2")
 
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -85,24 +86,39 @@ class MoE(nnx.Module):
         return self.router_bias.shape[0]
 
     @property
-    def fp8(self) -> bool:
-        """Whether the routed experts are held in fp8 (`quantize_routed_experts`)."""
-        return hasattr(self, "w_gate_fp8")
+    def precision(self) -> str:
+        """How the routed experts are held: "bf16" (as built or loaded), "fp8" or "nvfp4"
+        (`quantize_routed_experts`)."""
+        return "fp8" if hasattr(self, "w_gate_fp8") else "nvfp4" if hasattr(self, "w13_nvfp4") else "bf16"
 
-    def quantize_routed_experts(self) -> None:
+    @property
+    def fp8(self) -> bool:
+        """Whether the routed experts are held in fp8."""
+        return self.precision == "fp8"
+
+    def quantize_routed_experts(self, precision: str = "fp8") -> None:
         """Replaces the routed experts' weights by fp8 ones (pallas_kernels/moe/fp8.py: one scale per expert and
-        matrix, activations quantised per row on the fly), freeing the originals: for serving (forward only)."""
-        experts = _quantize_experts()(self.w_gate[...], self.w_up[...], self.w_down[...])
+        matrix, activations quantised per row on the fly) or NVFP4 ones (pallas_kernels/moe/nvfp4.py: a scale
+        per 16 values, f16 activations), freeing the originals: for serving (forward only). NVFP4 experts run on
+        one device only (`experts` refuses a mesh for them)."""
+        if precision not in ("fp8", "nvfp4"):
+            raise ValueError(f"routed experts are quantised to fp8 or nvfp4, not {precision!r}")
+        experts = _quantizer(precision)(self.w_gate[...], self.w_up[...], self.w_down[...])
         del self.w_gate, self.w_up, self.w_down
-        for name, value in zip(self.ROUTED_FP8, experts):
+        names = self.ROUTED_FP8 if precision == "fp8" else self.ROUTED_NVFP4
+        for name, value in zip(names, experts):
             setattr(self, name, nnx.Param(value))
 
     def routed_experts(self):
-        """(w_gate, w_up, w_down), or an Fp8Experts when quantised."""
-        if self.fp8:
+        """(w_gate, w_up, w_down), or an Fp8Experts / Nvfp4Experts when quantised."""
+        if self.precision == "fp8":
             from pallas_kernels.moe.fp8 import Fp8Experts
 
             return Fp8Experts(*(getattr(self, name)[...] for name in self.ROUTED_FP8))
+        if self.precision == "nvfp4":
+            from pallas_kernels.moe.nvfp4 import Nvfp4Experts
+
+            return Nvfp4Experts(*(getattr(self, name)[...] for name in self.ROUTED_NVFP4))
         return self.w_gate[...], self.w_up[...], self.w_down[...]
 
     def route(self, x, expert_ids=None):
@@ -139,14 +155,18 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32.
 
     x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
-    Fp8Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula); weights [N, k] and
-    shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis is larger than 1,
-    by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides the experts'
-    width, every tensor shard runs its slice of the width and the partial outputs are summed (both in
-    `expert_parallel`).
+    Fp8Experts or Nvfp4Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula);
+    weights [N, k] and shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis
+    is larger than 1, by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides
+    the experts' width, every tensor shard runs its slice of the width and the partial outputs are summed (both
+    in `expert_parallel`). NVFP4 experts run on one device only.
     """
     backend = kernels.moe_backend()
-    shared_in_launch = shared_in_launch and not is_fp8(routed)  # fp8 routed experts: the shared ones stay bf16
+    if mesh is not None and mesh.size > 1 and precision_of(routed) == "nvfp4":
+        raise NotImplementedError("NVFP4 routed experts run on one device only (no expert or tensor parallelism "
+                                  "over them yet); on a mesh, hold them in fp8")
+    # quantised routed experts: the shared ones stay in their own launch, unquantised
+    shared_in_launch = shared_in_launch and precision_of(routed) == "bf16"
     if mesh is not None:
         from inkling_jax import expert_parallel as parallel
 
@@ -163,7 +183,7 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
                   width_axis=None):
     """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
     slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum."""
-    if backend == "dense" and not is_fp8(routed):
+    if backend == "dense" and precision_of(routed) == "bf16":
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
     source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
@@ -219,23 +239,45 @@ def grouped_ffn(backend, num_tokens: int | None = None):
 
 
 @functools.cache
-def _quantize_experts():
-    """The jitted quantiser, made once: compiled once per layer shape and placement, not once per layer."""
-    from pallas_kernels.moe.fp8 import quantize_experts
-
+def _quantizer(precision: str):
+    """The jitted quantiser of a precision, made once: compiled once per layer shape and placement, not once per
+    layer."""
+    if precision == "nvfp4":
+        from pallas_kernels.moe.nvfp4 import quantize_experts
+    else:
+        from pallas_kernels.moe.fp8 import quantize_experts
     return jax.jit(quantize_experts)
 
 
+def precision_of(routed) -> str:
+    """"bf16" for (w_gate, w_up, w_down), "nvfp4" for an Nvfp4Experts, "fp8" for an Fp8Experts (or its six
+    fields as a plain tuple, as inside a shard_map: NVFP4 experts never reach one)."""
+    from pallas_kernels.moe.nvfp4 import Nvfp4Experts
+
+    return "nvfp4" if isinstance(routed, Nvfp4Experts) else "fp8" if len(routed) == 6 else "bf16"
+
+
 def is_fp8(routed) -> bool:
-    return len(routed) == 6  # Fp8Experts: three value arrays and three scales
+    return precision_of(routed) == "fp8"
 
 
 def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
-    """The `grouped_ffn` for `routed`; for fp8 experts, one called with the six fields of an Fp8Experts: the
-    fp8 kernels with the Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py). width_axis: the
-    mesh axis over which the experts' width is split, so that h is quantised with its whole row's scale."""
-    if not is_fp8(routed):
+    """The `grouped_ffn` for `routed`; for quantised experts, one called with the six fields of an Fp8Experts
+    or Nvfp4Experts: their kernels with the Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py,
+    nvfp4.py). width_axis: the mesh axis over which the experts' width is split, so that fp8's h is quantised
+    with its whole row's scale."""
+    precision = precision_of(routed)
+    if precision == "bf16":
         return grouped_ffn(backend, num_tokens)
+    if precision == "nvfp4":
+        from pallas_kernels.moe.nvfp4 import Nvfp4Experts, moe_ffn_nvfp4, moe_ffn_nvfp4_reference
+
+        def ffn4(rows, *args):
+            experts, (group_sizes, row_weights) = Nvfp4Experts(*args[:6]), args[6:]
+            if backend == "pallas":
+                return moe_ffn_nvfp4(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens)
+            return moe_ffn_nvfp4_reference(rows, experts, group_sizes, row_weights)
+        return ffn4
     from pallas_kernels.moe.fp8 import Fp8Experts, moe_ffn_fp8, moe_ffn_fp8_reference
 
     def ffn(rows, *args):

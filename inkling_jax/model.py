@@ -69,13 +69,16 @@ def _layer_forward(layer, x, positions, segment_ids, expert_ids):
     return x, ids
 
 
-PRECISIONS = ("bf16", "fp8")  # of the weights a server may quantise (`InklingModel.quantize`)
+# What a server may quantise the weights to (`InklingModel.quantize`)
+EXPERT_PRECISIONS = ("bf16", "fp8", "nvfp4")
+DENSE_PRECISIONS = ("bf16", "fp8")
 
 
-def check_precisions(**precisions: str) -> None:
-    for name, value in precisions.items():
-        if value not in PRECISIONS:
-            raise ValueError(f"{name} must be one of {PRECISIONS}, not {value!r}")
+def check_precisions(expert_precision: str = "bf16", dense_precision: str = "bf16") -> None:
+    for name, value, allowed in (("expert_precision", expert_precision, EXPERT_PRECISIONS),
+                                 ("dense_precision", dense_precision, DENSE_PRECISIONS)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
 
 
 class InklingModel(nnx.Module):
@@ -99,20 +102,21 @@ class InklingModel(nnx.Module):
         self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
 
     def quantize(self, expert_precision: str = "bf16", dense_precision: str = "bf16") -> None:
-        """For serving: "fp8" holds the routed experts (`quantize_routed_experts`) or the dense MLPs and the LM
-        head (`quantize_dense`) in fp8 from now on; "bf16" leaves them as they are."""
+        """For serving: "fp8" or "nvfp4" holds the routed experts (`quantize_routed_experts`), "fp8" the dense
+        MLPs and the LM head (`quantize_dense`), in that format from now on; "bf16" leaves them as they are."""
         check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
-        if expert_precision == "fp8":
-            self.quantize_routed_experts()
+        if expert_precision != "bf16":
+            self.quantize_routed_experts(expert_precision)
         if dense_precision == "fp8":
             self.quantize_dense()
 
-    def quantize_routed_experts(self) -> int:
-        """Holds every MoE layer's routed experts in fp8 from now on (`MoE.quantize_routed_experts`: half the
-        bytes that a decode step reads, for serving; forward only). Returns the number of layers changed."""
-        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE) and not layer.mlp.fp8]
+    def quantize_routed_experts(self, precision: str = "fp8") -> int:
+        """Holds every MoE layer's routed experts in fp8 or NVFP4 from now on (`MoE.quantize_routed_experts`:
+        fewer bytes for a decode step to read, for serving; forward only). Returns the number of layers
+        changed."""
+        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE) and layer.mlp.precision == "bf16"]
         for moe in moes:
-            moe.quantize_routed_experts()
+            moe.quantize_routed_experts(precision)
         return len(moes)
 
     def quantize_dense(self) -> int:

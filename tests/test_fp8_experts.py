@@ -1,6 +1,7 @@
 """fp8 routed experts in the model (`InklingModel.quantize_routed_experts`): the bf16 weights are replaced and
 freed, routing is unchanged, the outputs stay within fp8's error of the original model, and the Pallas kernels
-(portable, interpret mode on CPU) agree with the jnp formula."""
+(portable, interpret mode on CPU) agree with the jnp formula. The layer and logits tests cover NVFP4 experts too
+(tests/test_nvfp4_experts.py has the rest)."""
 
 import jax
 import jax.numpy as jnp
@@ -20,15 +21,20 @@ def _rel(a, b):
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def _moe_pair():
+def moe_pair(precision="fp8"):
+    """The tiny preset's MoE layer as built, and the same layer with its routed experts quantised."""
     bf16 = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    fp8 = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    fp8.quantize_routed_experts()
-    return bf16, fp8
+    quantised = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    quantised.quantize_routed_experts(precision)
+    return bf16, quantised
+
+
+# the relative error that each format's weights give the routed part on random weights (NVFP4: ~0.17)
+WITHIN = {"fp8": 0.1, "nvfp4": 0.25}
 
 
 def test_quantised_layer_drops_its_bf16_experts():
-    _, fp8 = _moe_pair()
+    _, fp8 = moe_pair()
     assert fp8.fp8 and not hasattr(fp8, "w_gate")
     experts = fp8.routed_experts()
     assert experts.gate.dtype == jnp.float8_e4m3fn and experts.gate_scale.dtype == jnp.float32
@@ -36,32 +42,34 @@ def test_quantised_layer_drops_its_bf16_experts():
     assert fp8.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
 
 
-@pytest.mark.parametrize("tokens", [6, 80])  # decode slabs; row blocks
-def test_quantised_layer_stays_close_and_routes_the_same(tokens):
-    bf16, fp8 = _moe_pair()
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("tokens", [6, 80])  # decode slabs; row blocks (NVFP4: slabs of several sizes)
+def test_quantised_layer_stays_close_and_routes_the_same(tokens, precision):
+    bf16, quantised = moe_pair(precision)
     x = jax.random.normal(jax.random.key(tokens), (tokens, 64), jnp.bfloat16)
     with kernels.use(moe="ragged"):
         want, want_ids = bf16(x)
-        formula, ids = fp8(x)
+        formula, ids = quantised(x)
     np.testing.assert_array_equal(ids, want_ids)
-    assert _rel(formula, want) < 0.1
+    assert _rel(formula, want) < WITHIN[precision]
     with kernels.use(moe="pallas"):
-        kernel, kernel_ids = nnx.jit(lambda m, x: m(x))(fp8, x)
+        kernel, kernel_ids = nnx.jit(lambda m, x: m(x))(quantised, x)
     np.testing.assert_array_equal(kernel_ids, want_ids)
     assert _rel(kernel, formula) < 1e-2
 
 
-def test_quantised_model_logits_stay_close():
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_quantised_model_logits_stay_close(precision):
     config = preset("tiny")
     model = random_model(config, jnp.bfloat16)
     tokens = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
     with kernels.use(moe="ragged"):
         want = model(tokens)
-        changed = model.quantize_routed_experts()
+        changed = model.quantize_routed_experts(precision)
         got = model(tokens)
     assert changed == sum(not config.text.is_dense(i) for i in range(config.text.num_layers)) > 0
-    assert model.quantize_routed_experts() == 0  # already done
-    assert 1e-4 < _rel(got, want) < 0.1
+    assert model.quantize_routed_experts(precision) == 0  # already done
+    assert 1e-4 < _rel(got, want) < WITHIN[precision]
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

@@ -58,6 +58,16 @@ def load_column_vector(ref):
     return _load(ref, plgpu.Layout.WGMMA.reduce(0))
 
 
+def row_vector(ref, interpret: bool):
+    """`load_row_vector`, or under the interpreter (which has no rule for laid-out loads) a plain read."""
+    return ref[...] if interpret else load_row_vector(ref)
+
+
+def column_vector(ref, interpret: bool):
+    """`load_column_vector`, or under the interpreter a plain read."""
+    return ref[...] if interpret else load_column_vector(ref)
+
+
 def as_wgmma_tile(x, interpret: bool):
     """x laid out as a WGMMA accumulator tile when compiled (jax 0.10.2's interpreter has no rule for layout
     casts, and needs none)."""

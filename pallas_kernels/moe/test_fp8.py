@@ -19,19 +19,20 @@ CONFIGS = KernelConfigs(gmm=GmmConfig(block_n=128, block_k=128, stages=3),
                         swiglu=GmmConfig(block_n=64, block_k=128, stages=3))
 
 
-def _operands(group_sizes, rows, seed=0):
+def operands(group_sizes, rows, seed=0, width=WIDTH):
+    """x [rows, HIDDEN], bf16 expert weights (gate, up, down) of the given width, group sizes, routing weights."""
     keys = jax.random.split(jax.random.key(seed), 5)
     g = len(group_sizes)
     x = normal(keys[0], (rows, HIDDEN), jnp.bfloat16)
-    w_gate = normal(keys[1], (g, HIDDEN, WIDTH), jnp.bfloat16, HIDDEN ** -0.5)
-    w_up = normal(keys[2], (g, HIDDEN, WIDTH), jnp.bfloat16, HIDDEN ** -0.5)
-    w_down = normal(keys[3], (g, WIDTH, HIDDEN), jnp.bfloat16, WIDTH ** -0.5)
+    w_gate = normal(keys[1], (g, HIDDEN, width), jnp.bfloat16, HIDDEN ** -0.5)
+    w_up = normal(keys[2], (g, HIDDEN, width), jnp.bfloat16, HIDDEN ** -0.5)
+    w_down = normal(keys[3], (g, width, HIDDEN), jnp.bfloat16, width ** -0.5)
     row_weights = jax.random.uniform(keys[4], (rows,), jnp.float32)
     return x, (w_gate, w_up, w_down), jnp.asarray(group_sizes, jnp.int32), row_weights
 
 
 def test_quantisation_error_is_within_e4m3_rounding():
-    x, weights, _, _ = _operands(GROUP_SIZES, ROWS)
+    x, weights, _, _ = operands(GROUP_SIZES, ROWS)
     experts = quantize_experts(*weights)
     assert experts.gate.shape == (5, 256, HIDDEN) and experts.down.shape == (5, HIDDEN, 256)
     for w, deq, scale in zip(weights, dequantize_experts(experts), experts[3:]):
@@ -47,7 +48,7 @@ def test_quantisation_error_is_within_e4m3_rounding():
 
 
 def test_fp8_ffn_matches_its_formula_row_blocked():
-    x, weights, sizes, row_weights = _operands(GROUP_SIZES, ROWS)
+    x, weights, sizes, row_weights = operands(GROUP_SIZES, ROWS)
     experts = quantize_experts(*weights)
     got = jax.jit(lambda *a: moe_ffn_fp8(*a, configs=CONFIGS))(x, experts, sizes, row_weights)
     want = moe_ffn_fp8_reference(x, experts, sizes, row_weights)
@@ -58,7 +59,7 @@ def test_fp8_ffn_matches_its_formula_row_blocked():
 
 def test_fp8_ffn_matches_its_formula_in_the_decode_layout():
     sizes = (3, 0, 9, 1, 5)  # 18 rows: a decode step's top-k copies
-    x, weights, sizes, row_weights = _operands(sizes, 20, seed=1)
+    x, weights, sizes, row_weights = operands(sizes, 20, seed=1)
     experts = quantize_experts(*weights)
     got = jax.jit(lambda *a: moe_ffn_fp8(*a, max_group_rows=20))(x, experts, sizes, row_weights)
     want = moe_ffn_fp8_reference(x, experts, sizes, row_weights)
@@ -67,7 +68,7 @@ def test_fp8_ffn_matches_its_formula_in_the_decode_layout():
 
 
 def test_fp8_formula_stays_close_to_the_bf16_ffn():
-    x, weights, sizes, row_weights = _operands(GROUP_SIZES, ROWS)
+    x, weights, sizes, row_weights = operands(GROUP_SIZES, ROWS)
     used = int(sizes.sum())
     fp8 = moe_ffn_fp8_reference(x, quantize_experts(*weights), sizes, row_weights)
     bf16 = reference.moe_ffn(x.astype(jnp.float32), *(w.astype(jnp.float32) for w in weights), sizes, row_weights)
@@ -78,7 +79,7 @@ def test_fp8_formula_stays_close_to_the_bf16_ffn():
 def test_padded_layout_leaves_no_row_block_straddling_two_experts():
     """The fp8 kernels skip the masking of such blocks (no 8-bit select in Mosaic GPU): the layout must not make
     any, and the rows must come back in place."""
-    x, _, sizes, row_weights = _operands(GROUP_SIZES, ROWS)
+    x, _, sizes, row_weights = operands(GROUP_SIZES, ROWS)
     seen = {}
 
     def ffn(rows, slab_sizes, rws):

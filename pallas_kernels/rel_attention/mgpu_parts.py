@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.moe import mgpu
+from pallas_kernels.moe.mgpu import column_vector, row_vector  # noqa: F401 (the kernels call them as parts.*)
 from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import NEG, Geometry
 
@@ -24,16 +25,6 @@ def iota(axis: int, columns: int, interpret: bool):
     if interpret:
         return lax.broadcasted_iota(jnp.int32, (ROWS, columns), axis)
     return plgpu.broadcasted_iota(jnp.int32, (ROWS, columns), axis, layout=plgpu.Layout.WGMMA)
-
-
-def row_vector(ref, interpret: bool):
-    """A [64] vector from SMEM that broadcasts along a tile's columns (one value per row)."""
-    return ref[...] if interpret else mgpu.load_row_vector(ref)
-
-
-def column_vector(ref, interpret: bool):
-    """A [64] vector from SMEM that broadcasts along a tile's rows (one value per column)."""
-    return ref[...] if interpret else mgpu.load_column_vector(ref)
 
 
 def accumulate(acc, lhs, rhs_smem, lhs_smem):

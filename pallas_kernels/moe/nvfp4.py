@@ -1,0 +1,159 @@
+"""NVFP4 routed experts for serving: the SwiGLU MoE FFN as W4A16 grouped matmuls (kernel_w4.py) on Hopper.
+
+Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
+`kernel_w4.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
+an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 the decode kernels run as
+fast as fp8's (bench/results/moe.md), not faster, and a prefill at 2.5x fp8's time. The format is NVFP4's
+(inkling_jax/nvfp4.py, spec section 5.2): per expert and matrix a global fp32 scale2, per 16 input values an
+e4m3 block scale, per value an e2m1 code:
+
+    W[g] = code * block_scale * scale2[g]
+    h = row_weight * silu(s2_13[g] * (x @ W_gate[g]^T)) * (s2_13[g] * (x @ W_up[g]^T))     (gate and up share
+    y = s2_2[g] * (h @ W_down[g]^T)                                                         w13's scale2)
+
+x and h are rounded to f16 before their products. Rows run in the slab layout of decode.in_slabs, feature-major.
+`moe_ffn_nvfp4_reference` is that formula in jnp (the CPU path of the model and the tests' contract). Forward only.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._common import interpret_default
+from pallas_kernels.moe import decode, kernel_w4, ops
+from pallas_kernels.moe.groups import group_of_rows
+from pallas_kernels.moe.kernel_w4 import BLOCK, PAIR, ROWS, SCALE_FACTOR, W4Config, w4_gmm
+
+E2M1_MAX, E4M3_MAX = 6.0, 448.0
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 magnitudes 0 .5 1 1.5 2 3 4 6
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+WIDTH_MULTIPLE = 128  # the expert width: whole tiles of 2 x 64 output rows (gate/up) and whole k steps (down)
+SLAB_ALIGN = kernel_w4.N_ALIGN  # decode slabs: the step's token bound rounded up to this (the kernels' N)
+PREFILL_SLAB = 128  # tokens per slab without a bound
+
+
+class Nvfp4Experts(NamedTuple):
+    """G experts in the kernel layout (kernel_w4.py): w13 packed uint8 [G, 2 I, H / 2] (gate and up rows in
+    groups of 64), w2 packed [G, H, I / 2]; their scales f16 [G, K / 16, rows / 64, matrices, 64] (block scale
+    times 64) and scale2 fp32 [G]."""
+    w13: jax.Array
+    w13_scale: jax.Array
+    w13_scale2: jax.Array
+    w2: jax.Array
+    w2_scale: jax.Array
+    w2_scale2: jax.Array
+
+
+def quantize_matrices(w):
+    """w [G, M, rows, K] (M matrices sharing one scale2 per expert, [out, in] each) -> e2m1 codes uint8
+    [G, M, rows, K], e4m3 block scales [G, M, rows, K / 16] and fp32 scale2 [G], as inkling_jax/nvfp4.quantize
+    rounds them (nearest e2m1 value, ties to the smaller)."""
+    w = w.astype(jnp.float32)
+    g, m, rows, k = w.shape
+    blocks = w.reshape(g, m, rows, k // BLOCK, BLOCK)
+    amax = jnp.abs(w).max(axis=(1, 2, 3))
+    scale2 = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0)
+    exact = jnp.abs(blocks).max(-1) / (E2M1_MAX * scale2[:, None, None, None])
+    scale = jnp.minimum(exact, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    step = scale.astype(jnp.float32)[..., None] * scale2[:, None, None, None, None]
+    scaled = jnp.where(step > 0, jnp.abs(blocks) / jnp.where(step > 0, step, 1.0), 0.0)
+    magnitude = sum((scaled > t).astype(jnp.uint8) for t in _E2M1_MIDPOINTS)
+    codes = magnitude | jnp.where(blocks < 0, 8, 0).astype(jnp.uint8)
+    return codes.reshape(w.shape), scale, scale2.astype(jnp.float32)
+
+
+def layout(codes, scale):
+    """Codes [G, M, rows, K] and e4m3 scales [G, M, rows, K / 16] -> (packed uint8 [G, M rows, K / 2], f16 scales
+    [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout."""
+    g, m, rows, k = codes.shape
+    by_group = codes.reshape(g, m, rows // ROWS, ROWS, k).transpose(0, 2, 1, 3, 4).reshape(g, m * rows, k)
+    pairs = by_group.reshape(g, m * rows, k // PAIR, 2, BLOCK)
+    packed = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, m * rows, k // 2)
+    scales = scale.astype(jnp.float16) * jnp.float16(SCALE_FACTOR)
+    scales = scales.reshape(g, m, rows // ROWS, ROWS, k // BLOCK).transpose(0, 4, 2, 1, 3)
+    return packed, scales
+
+
+def quantize_experts(w_gate, w_up, w_down) -> Nvfp4Experts:
+    """w_gate, w_up [G, H, I], w_down [G, I, H] (any float dtype) -> Nvfp4Experts, the width padded with zeros
+    (the padded SwiGLU columns are silu(0) * 0 = 0)."""
+    w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down, WIDTH_MULTIPLE)
+    codes, scale, scale2 = quantize_matrices(jnp.stack([w_gate, w_up], 1).transpose(0, 1, 3, 2))
+    w13, w13_scale = layout(codes, scale)
+    codes, scale, scale2_down = quantize_matrices(w_down.transpose(0, 2, 1)[:, None])
+    w2, w2_scale = layout(codes, scale)
+    return Nvfp4Experts(w13, w13_scale, scale2, w2, w2_scale, scale2_down)
+
+
+def dequantize(packed, scales, scale2, matrices: int):
+    """The fp32 weights [G, matrices, rows, K] that kernel-layout tensors stand for."""
+    g, mrows, half_k = packed.shape
+    rows, k = mrows // matrices, 2 * half_k
+    table = jnp.asarray(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), jnp.float32)
+    pairs = packed.reshape(g, mrows, k // PAIR, BLOCK)
+    values = table[jnp.stack([pairs & 0x0F, pairs >> 4], axis=-2)].reshape(g, rows // ROWS, matrices, ROWS, k)
+    values = values.transpose(0, 2, 1, 3, 4).reshape(g, matrices, rows, k // BLOCK, BLOCK)
+    block = scales.astype(jnp.float32).transpose(0, 3, 2, 4, 1).reshape(g, matrices, rows, k // BLOCK)
+    values = values * (block / SCALE_FACTOR)[..., None] * scale2[:, None, None, None, None]
+    return values.reshape(g, matrices, rows, k)
+
+
+def _row_scale2(experts: Nvfp4Experts, group_sizes, num_rows):
+    g = group_of_rows(jnp.cumsum(group_sizes), num_rows)
+    return experts.w13_scale2[g], experts.w2_scale2[g]
+
+
+def _swiglu(accs, cols):
+    gate, up = (a * jax.lax.broadcast_in_dim(cols[1], a.shape, (1,)) for a in accs)
+    return gate * jax.nn.sigmoid(gate) * up * jax.lax.broadcast_in_dim(cols[0], gate.shape, (1,))
+
+
+def _scaled(accs, cols):
+    return accs[0] * jax.lax.broadcast_in_dim(cols[0], accs[0].shape, (1,))
+
+
+def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_group_rows: int | None = None,
+                  interpret: bool | None = None, cfg: W4Config | None = None):
+    """The module doc's y for rows x [M, H] sorted by expert, as two W4A16 kernels; [M, H] in x.dtype, zeros past
+    sum(group_sizes). With max_group_rows (static: a bound on every group's size, the step's token count) each
+    touched expert is one slab of that many tokens rounded up to SLAB_ALIGN; without it (or above PREFILL_SLAB)
+    each group is cut into slabs of PREFILL_SLAB tokens. Untouched experts are never read."""
+    interpret = interpret_default() if interpret is None else interpret
+    if max_group_rows is not None and max_group_rows > PREFILL_SLAB:
+        max_group_rows = None  # prefill sizes: slabs of PREFILL_SLAB tokens, a group's rows over several
+    slab = PREFILL_SLAB if max_group_rows is None else -(-max_group_rows // SLAB_ALIGN) * SLAB_ALIGN
+    cfg = cfg or kernel_w4.config_for(slab)
+    s13, s2 = _row_scale2(experts, group_sizes, x.shape[0])
+
+    def ffn(x_slabs, slab_sizes, row_vectors):
+        num_slabs = x_slabs.shape[0] // slab
+        used = jnp.cumsum(slab_sizes) // slab  # each group's slabs end here
+        slab_group = group_of_rows(used, num_slabs)
+        slab_fill = (jnp.arange(num_slabs) < used[-1]).astype(jnp.int32)
+        rw, scale13, scale2 = (v.reshape(num_slabs, slab) for v in row_vectors)
+        x_t = x_slabs.reshape(num_slabs, slab, -1).transpose(0, 2, 1).astype(jnp.float16)
+        common = dict(slab_group=slab_group, slab_rows=slab_fill, cfg=cfg, interpret=interpret)
+        h_t = w4_gmm(x_t, experts.w13, experts.w13_scale, col_vectors=(rw, scale13), matrices=2,
+                     epilogue=_swiglu, out_dtype=jnp.float16, **common)
+        y_t = w4_gmm(h_t, experts.w2, experts.w2_scale, col_vectors=(scale2,), matrices=1, epilogue=_scaled,
+                     out_dtype=x.dtype, **common)
+        return y_t.transpose(0, 2, 1).reshape(num_slabs * slab, -1)
+
+    return decode.in_slabs(x, group_sizes, (row_weights, s13, s2), max_group_rows, ffn, align=slab)
+
+
+def moe_ffn_nvfp4_reference(x, experts: Nvfp4Experts, group_sizes, row_weights):
+    """The module doc's formula in jnp on the dequantised weights (fp32 products of the f16-rounded operands);
+    same contract as `moe_ffn_nvfp4`."""
+    w13 = dequantize(experts.w13, experts.w13_scale, jnp.ones_like(experts.w13_scale2), 2)
+    w2 = dequantize(experts.w2, experts.w2_scale, jnp.ones_like(experts.w2_scale2), 1)[:, 0]
+    s13, s2 = _row_scale2(experts, group_sizes, x.shape[0])
+
+    def mm(a, w):
+        a = a.astype(jnp.float16).astype(jnp.float32)
+        return jax.lax.ragged_dot(a, w.transpose(0, 2, 1), group_sizes, precision=jax.lax.Precision.HIGHEST)
+
+    gate, up = mm(x, w13[:, 0]) * s13[:, None], mm(x, w13[:, 1]) * s13[:, None]
+    h = gate * jax.nn.sigmoid(gate) * up * row_weights.astype(jnp.float32)[:, None]
+    return (mm(h, w2) * s2[:, None]).astype(x.dtype)

@@ -1,0 +1,73 @@
+"""NVFP4 routed experts (nvfp4.py, kernel_w4.py): the layout and quantiser against inkling_jax/nvfp4.py's, and
+the W4A16 kernels against their jnp formula in both slab layouts. On CPU the Mosaic GPU kernels run in Pallas'
+GPU interpreter; on a GPU compiled. Shapes: 3 output-row tiles and 3+ k steps, an empty group, a group spread
+over several slabs, rows past sum(group_sizes), an expert width that needs padding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inkling_jax import nvfp4 as checkpoint_format
+from pallas_kernels.moe.kernel_w4 import W4Config, f16_planes
+from pallas_kernels.moe.nvfp4 import (dequantize, layout, moe_ffn_nvfp4, moe_ffn_nvfp4_reference,
+                                      quantize_experts, quantize_matrices)
+from pallas_kernels.moe.test_fp8 import operands
+from pallas_kernels.moe.test_moe import normal, rel_err
+
+WIDTH = 300  # pads to 384; it and HIDDEN (384): 3 tiles of 128 output rows and 6 k steps of 64 each
+CFG = W4Config(block_k=64, stages=2)
+
+
+def test_f16_planes_give_every_e2m1_value_over_64():
+    codes = np.arange(256, dtype=np.uint8)
+    low, high = (np.asarray(p, np.float32) for p in f16_planes(jnp.asarray(codes)))
+    table = np.concatenate([checkpoint_format.E2M1_VALUES, -checkpoint_format.E2M1_VALUES])
+    np.testing.assert_array_equal(low * 64, table[codes & 0x0F])
+    np.testing.assert_array_equal(high * 64, table[codes >> 4])
+
+
+def test_quantiser_and_layout_match_the_checkpoint_format():
+    w = np.array(normal(jax.random.key(1), (3, 2, 128, 64), jnp.float32))
+    w[1] = 0.0  # an all-zero expert
+    codes, scale, scale2 = quantize_matrices(jnp.asarray(w))
+    packed_ref, scale_ref, scale2_ref = checkpoint_format.quantize(w.reshape(3, 256, 64))
+    np.testing.assert_allclose(np.asarray(scale2), scale2_ref, rtol=2e-7)  # XLA may divide by a reciprocal
+    np.testing.assert_array_equal(np.asarray(scale, np.float32).reshape(3, 256, 4), scale_ref.astype(np.float32))
+    np.testing.assert_array_equal(checkpoint_format.pack(np.asarray(codes).reshape(3, 256, 64)), packed_ref)
+    packed, scales = layout(codes, scale)
+    want = checkpoint_format.dequantize(packed_ref, scale_ref, scale2_ref).reshape(w.shape)
+    np.testing.assert_allclose(np.asarray(dequantize(packed, scales, scale2, 2)), want, rtol=2e-7)
+
+
+def test_a_dequantised_checkpoint_quantises_back_to_its_values():
+    """The loader dequantises an NVFP4 checkpoint's experts as it reads them; quantising those again must give
+    the same weights (codes may differ only in the sign of zero)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((3, 128, 96)) * np.exp(rng.standard_normal((3, 128, 1)))).astype(np.float32)
+    values = checkpoint_format.dequantize(*checkpoint_format.quantize(w))
+    codes, scale, scale2 = quantize_matrices(jnp.asarray(values)[:, None])
+    again = dequantize(*layout(codes, scale), scale2, 1)[:, 0]
+    np.testing.assert_array_equal(np.asarray(again), values)
+
+
+def _operands(group_sizes, rows):
+    x, weights, sizes, row_weights = operands(group_sizes, rows, width=WIDTH)
+    return x, quantize_experts(*weights), sizes, row_weights
+
+
+def _check(group_sizes, rows, max_group_rows):
+    x, experts, sizes, row_weights = _operands(group_sizes, rows)
+    got = jax.jit(lambda *a: moe_ffn_nvfp4(*a, max_group_rows=max_group_rows, cfg=CFG))(
+        x, experts, sizes, row_weights)
+    want = moe_ffn_nvfp4_reference(x, experts, sizes, row_weights)
+    used = int(sizes.sum())
+    assert rel_err(got[:used], want[:used]) < 1e-2
+    assert np.all(np.asarray(got[used:], np.float32) == 0)
+
+
+def test_nvfp4_ffn_matches_its_formula_in_decode_slabs():
+    _check((3, 0, 9, 1, 5), 20, max_group_rows=9)
+
+
+def test_nvfp4_ffn_matches_its_formula_in_prefill_slabs():
+    _check((130, 0, 7, 140), 280, max_group_rows=None)
