@@ -174,15 +174,16 @@ def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, t
     assert got.token_ids == want[len(prompt):]
 
 
-def test_training_refuses_a_model_with_fp8_experts():
+@pytest.mark.parametrize("precision,name", [("fp8", r"w_\w+_fp8"), ("nvfp4", r"w13_nvfp4")])
+def test_training_refuses_a_model_with_quantised_experts(precision, name):
     from inkling_jax.sharding import make_mesh
     from train.state import model_params
     from train.step import Trainer
 
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
     model = random_model(config, jnp.float32)
-    model.quantize_routed_experts()
-    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.w_\w+_fp8: .* serves but does not train"):
+    model.quantize_routed_experts(precision)
+    with pytest.raises(ValueError, match=rf"layers\.1\.mlp\.{name}: .* serves but does not train"):
         Trainer(config, make_mesh(None, jax.devices()[:1])).init(model_params(model))
 
 

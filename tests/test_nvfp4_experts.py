@@ -71,3 +71,4 @@ def test_a_mesh_is_refused():
     shard_model(moe, make_mesh("tensor=2"))
     with pytest.raises(NotImplementedError, match="NVFP4"):
         moe(jnp.ones((4, 64), jnp.bfloat16))
+

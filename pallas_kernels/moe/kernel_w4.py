@@ -11,7 +11,8 @@ owns 64 output rows and one fp32 accumulator [64, N] per matrix (gate and up: tw
 
 On the H200 (bench/results/moe.md) the 32-token decode step reads its 1.2 GB of NVFP4 experts at 0.47 of the
 read bandwidth: as fast as the fp8 kernels read their 1.9 GB, not faster. Neither more compute warpgroups nor
-fewer live registers moved it; what bounds it is not yet profiled.
+fewer live registers moved it; what bounds it is not yet profiled. At N = 32 every weight costs 32 multiply-adds
+(for ~6 real tokens per expert), 0.20 PFLOP/s of small m64n32k16 wgmmas: slabs of 16 tokens would halve that.
 
 Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
 each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
