@@ -99,8 +99,7 @@ class MoE(nnx.Module):
     def quantize_routed_experts(self, precision: str = "fp8") -> None:
         """Replaces the routed experts' weights by fp8 ones (pallas_kernels/moe/fp8.py: one scale per expert and
         matrix, activations quantised per row on the fly) or NVFP4 ones (pallas_kernels/moe/nvfp4.py: a scale
-        per 16 values, f16 activations), freeing the originals: for serving (forward only). NVFP4 experts run on
-        one device only (`experts` refuses a mesh for them)."""
+        per 16 values, f16 activations), freeing the originals: for serving (forward only)."""
         if precision not in ("fp8", "nvfp4"):
             raise ValueError(f"routed experts are quantised to fp8 or nvfp4, not {precision!r}")
         experts = _quantizer(precision)(self.w_gate[...], self.w_up[...], self.w_down[...])
@@ -159,12 +158,9 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     weights [N, k] and shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis
     is larger than 1, by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides
     the experts' width, every tensor shard runs its slice of the width and the partial outputs are summed (both
-    in `expert_parallel`). NVFP4 experts run on one device only.
+    in `expert_parallel`).
     """
     backend = kernels.moe_backend()
-    if mesh is not None and mesh.size > 1 and precision_of(routed) == "nvfp4":
-        raise NotImplementedError("NVFP4 routed experts run on one device only (no expert or tensor parallelism "
-                                  "over them yet); on a mesh, hold them in fp8")
     # quantised routed experts: the shared ones stay in their own launch, unquantised
     shared_in_launch = shared_in_launch and precision_of(routed) == "bf16"
     if mesh is not None:
@@ -250,15 +246,21 @@ def _quantizer(precision: str):
 
 
 def precision_of(routed) -> str:
-    """"bf16" for (w_gate, w_up, w_down), "nvfp4" for an Nvfp4Experts, "fp8" for an Fp8Experts (or its six
-    fields as a plain tuple, as inside a shard_map: NVFP4 experts never reach one)."""
+    """"fp8" for an Fp8Experts, "nvfp4" for an Nvfp4Experts, "bf16" for (w_gate, w_up, w_down)."""
+    from pallas_kernels.moe.fp8 import Fp8Experts
     from pallas_kernels.moe.nvfp4 import Nvfp4Experts
 
-    return "nvfp4" if isinstance(routed, Nvfp4Experts) else "fp8" if len(routed) == 6 else "bf16"
+    return "fp8" if isinstance(routed, Fp8Experts) else "nvfp4" if isinstance(routed, Nvfp4Experts) else "bf16"
 
 
-def is_fp8(routed) -> bool:
-    return precision_of(routed) == "fp8"
+def as_experts(precision: str, arrays):
+    """The routed experts of `precision` from their arrays in order (a shard_map hands them over as a tuple)."""
+    from pallas_kernels.moe.fp8 import Fp8Experts
+    from pallas_kernels.moe.nvfp4 import Nvfp4Experts
+
+    if precision == "bf16":
+        return tuple(arrays)
+    return {"fp8": Fp8Experts, "nvfp4": Nvfp4Experts}[precision](*arrays)
 
 
 def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):

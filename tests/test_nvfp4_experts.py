@@ -1,6 +1,6 @@
 """NVFP4 routed experts in the model (`InklingModel.quantize_routed_experts("nvfp4")`): the bf16 weights are
-replaced and freed, an NVFP4 checkpoint keeps its values through loading, bad precision names and a mesh are
-refused. Routing, closeness and the kernels against the formula: tests/test_fp8_experts.py, for both formats."""
+replaced and freed, an NVFP4 checkpoint keeps its values through loading, bad precision names are refused.
+Routing, closeness, the kernels against the formula and meshes: tests/test_fp8_experts.py, for both formats."""
 
 import functools
 
@@ -61,14 +61,3 @@ def test_precision_names_are_checked():
         model.quantize("fp4")
     with pytest.raises(ValueError, match="dense_precision"):
         model.quantize(dense_precision="nvfp4")
-
-
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
-def test_a_mesh_is_refused():
-    from inkling_jax.sharding import make_mesh, shard_model
-
-    _, moe = moe_pair("nvfp4")
-    shard_model(moe, make_mesh("tensor=2"))
-    with pytest.raises(NotImplementedError, match="NVFP4"):
-        moe(jnp.ones((4, 64), jnp.bfloat16))
-
