@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from inkling_jax.mlp import (as_experts, expert_ffn, grouped_rows, local_experts, precision_of, shared_dense,
-                             with_shared_rows)
+from inkling_jax.mlp import expert_ffn, grouped_rows, local_experts, precision_of, shared_dense, with_shared_rows
 from inkling_jax.sharding import RULES, axes_of, spec_for
 
 AXIS = RULES["experts"]
@@ -41,8 +40,12 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
     split in whole groups of 64 output columns (their gate and up rows interleave by 64)."""
     n = mesh.shape[WIDTH_AXIS]
     precision = precision_of(routed)
-    routed_width = {"fp8": lambda: routed.gate.shape[1],  # fp8 values are K-minor
-                    "nvfp4": lambda: routed.w13.shape[1] // 2}.get(precision, lambda: routed[2].shape[1])()
+    if precision == "fp8":
+        routed_width = routed.gate.shape[1]  # fp8 values are K-minor
+    elif precision == "nvfp4":
+        routed_width = routed.w13.shape[1] // 2  # gate and up rows
+    else:
+        routed_width = routed[2].shape[1]
     grain = 64 if precision == "nvfp4" else 1
     return WIDTH_AXIS if n > 1 and routed_width % (n * grain) == 0 and shared[2].shape[1] % n == 0 else None
 
@@ -52,15 +55,12 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
     """`mlp.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
     width = width_axis(mesh, routed, shared)
 
-    precision = precision_of(routed)
-
     def shard(x, ids, wts, shared_wts, routed, shared):
-        routed = as_experts(precision, routed)
         out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch, width_axis=width)
         return _sum_width(out, width)
 
-    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, precision)(
-        x, expert_ids, weights, shared_weights, tuple(routed), tuple(shared))
+    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, routed)(
+        x, expert_ids, weights, shared_weights, routed, tuple(shared))
 
 
 def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
@@ -79,10 +79,8 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
 
     tokens = _tokens_spec(mesh, x.shape[0])
     split = AXIS in axes_of(tokens[0])  # each shard holds its own tokens
-    precision = precision_of(routed)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
-        routed = as_experts(precision, routed)
         num_local, (num_tokens, top_k) = routed[0].shape[0], ids.shape
         me = jax.lax.axis_index(AXIS)
         if split:
@@ -128,16 +126,18 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         out = _sum_width(out, width)
         return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
-    return _shard_map(shard, mesh, tokens, width, precision)(x, expert_ids, weights, shared_weights,
-                                                             tuple(routed), tuple(shared))
+    return _shard_map(shard, mesh, tokens, width, routed)(x, expert_ids, weights, shared_weights, routed,
+                                                          tuple(shared))
 
 
-def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, precision: str = "bf16"):
+def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts):
     """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) laid out as
     `tokens` (`_tokens_spec`); routed experts over `expert`; the routed and the shared width over `width`
-    (w_gate / w_up columns, w_down rows) unless None. The routed experts' arrays are those of `precision`:
-    an Fp8Experts (values K-minor, then one scale per expert and matrix) or an Nvfp4Experts (pallas_kernels/moe/
-    nvfp4.py: packed rows [out, in / 2] and block scales [in / 16, out / 64, matrices, 64] per expert)."""
+    (w_gate / w_up columns, w_down rows) unless None. The routed experts are specified by the form of
+    `routed_experts` and reach `shard` in it: (w_gate, w_up, w_down), an Fp8Experts (values K-minor, then one
+    scale per expert and matrix) or an Nvfp4Experts (pallas_kernels/moe/nvfp4.py: packed rows [out, in / 2] and
+    block scales [in / 16, out / 64, matrices, 64] per expert)."""
+    precision = precision_of(routed_experts)
 
     def stack(experts):
         return P(experts, None, width), P(experts, None, width), P(experts, width, None)
@@ -150,6 +150,7 @@ def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, precision: str =
         w13, w13_scale = P(experts, width, None), P(experts, None, width, None, None)
         w2, w2_scale = P(experts, None, width), P(experts, width, None, None, None)
         routed = (w13, w13_scale, P(experts), w2, w2_scale, P(experts))
+    routed = jax.tree.unflatten(jax.tree.structure(routed_experts), routed)  # the specs in the experts' form
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
                          in_specs=(tokens, tokens, tokens, tokens, routed, stack(None)))
 

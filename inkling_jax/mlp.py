@@ -93,7 +93,7 @@ class MoE(nnx.Module):
 
     @property
     def fp8(self) -> bool:
-        """Whether the routed experts are held in fp8."""
+        """Whether the routed experts are held in fp8 (as `DenseMLP.fp8` tells of its matrices)."""
         return self.precision == "fp8"
 
     def quantize_routed_experts(self, precision: str = "fp8") -> None:
@@ -253,16 +253,6 @@ def precision_of(routed) -> str:
     return "fp8" if isinstance(routed, Fp8Experts) else "nvfp4" if isinstance(routed, Nvfp4Experts) else "bf16"
 
 
-def as_experts(precision: str, arrays):
-    """The routed experts of `precision` from their arrays in order (a shard_map hands them over as a tuple)."""
-    from pallas_kernels.moe.fp8 import Fp8Experts
-    from pallas_kernels.moe.nvfp4 import Nvfp4Experts
-
-    if precision == "bf16":
-        return tuple(arrays)
-    return {"fp8": Fp8Experts, "nvfp4": Nvfp4Experts}[precision](*arrays)
-
-
 def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
     """The `grouped_ffn` for `routed`; for quantised experts, one called with the six fields of an Fp8Experts
     or Nvfp4Experts: their kernels with the Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py,
@@ -271,23 +261,21 @@ def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str |
     precision = precision_of(routed)
     if precision == "bf16":
         return grouped_ffn(backend, num_tokens)
-    if precision == "nvfp4":
-        from pallas_kernels.moe.nvfp4 import Nvfp4Experts, moe_ffn_nvfp4, moe_ffn_nvfp4_reference
+    if precision == "fp8":
+        from pallas_kernels.moe.fp8 import Fp8Experts as form, moe_ffn_fp8 as kernel, moe_ffn_fp8_reference as formula
 
-        def ffn4(rows, *args):
-            experts, (group_sizes, row_weights) = Nvfp4Experts(*args[:6]), args[6:]
-            if backend == "pallas":
-                return moe_ffn_nvfp4(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens)
-            return moe_ffn_nvfp4_reference(rows, experts, group_sizes, row_weights)
-        return ffn4
-    from pallas_kernels.moe.fp8 import Fp8Experts, moe_ffn_fp8, moe_ffn_fp8_reference
+        extra = dict(width_axis=width_axis)
+    else:
+        from pallas_kernels.moe.nvfp4 import (Nvfp4Experts as form, moe_ffn_nvfp4 as kernel,
+                                              moe_ffn_nvfp4_reference as formula)
+
+        extra = {}
 
     def ffn(rows, *args):
-        experts, (group_sizes, row_weights) = Fp8Experts(*args[:6]), args[6:]
+        experts, (group_sizes, row_weights) = form(*args[:6]), args[6:]
         if backend == "pallas":
-            return moe_ffn_fp8(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens,
-                               width_axis=width_axis)
-        return moe_ffn_fp8_reference(rows, experts, group_sizes, row_weights, width_axis=width_axis)
+            return kernel(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens, **extra)
+        return formula(rows, experts, group_sizes, row_weights, **extra)
     return ffn
 
 

@@ -21,19 +21,20 @@ def swiglu(accs, rows, *, keep_preactivations: bool):
     return [h, gate, up] if keep_preactivations else [h]
 
 
-def _per_row(v, shape):
-    return lax.broadcast_in_dim(v, shape, (0,))
+def _broadcast(v, shape, axis: int):
+    return lax.broadcast_in_dim(v, shape, (axis,))
 
 
-def scaled(accs, rows):
-    """acc * scale per row (fp8 operands: the row's activation scale times its expert's weight scale)."""
-    return [accs[0] * _per_row(rows[0], accs[0].shape)]
+def scaled(accs, vectors, *, axis: int = 0):
+    """acc * scale per row (fp8 operands: the row's activation scale times its expert's weight scale), or per
+    column with axis=1 (kernel_w4's tiles, whose columns are tokens)."""
+    return [accs[0] * _broadcast(vectors[0], accs[0].shape, axis)]
 
 
-def scaled_swiglu(accs, rows):
-    """swiglu of the gate and up accumulators, each first multiplied by its scale per row: rows are (routing
-    weight, gate scale, up scale)."""
+def scaled_swiglu(accs, vectors, *, axis: int = 0):
+    """swiglu of the gate and up accumulators, each first multiplied by its scale per row (per column with
+    axis=1): vectors are (routing weight, gate scale, up scale)."""
     gate, up = accs
-    weight, gate_scale, up_scale = (_per_row(r, gate.shape) for r in rows)
+    weight, gate_scale, up_scale = (_broadcast(v, gate.shape, axis) for v in vectors)
     gate, up = gate * gate_scale, up * up_scale
     return [gate * jax.nn.sigmoid(gate) * up * weight]

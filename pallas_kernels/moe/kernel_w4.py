@@ -138,7 +138,8 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
       scales: f16 [G, K / 16, out_rows / 64, matrices, 64].
       slab_group: int32 [S] the expert of each slab; slab_rows: int32 [S] its tokens (0: the slab is skipped).
       col_vectors: fp32 [S, N] arrays handed to the epilogue as [N] vectors of the tile's slab.
-      epilogue: (list of fp32 accumulators [64, N], list of column vectors [N]) -> one output tile [64, N].
+      epilogue: (list of fp32 accumulators [64, N], list of column vectors [N]) -> [one output tile [64, N]]
+        (epilogues.py's, with axis=1).
     Returns:
       out_dtype [S, out_rows, N].
     """
@@ -222,7 +223,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                         for i in range(len(col_refs)):
                             plgpu.barrier_wait(col_barriers.at[wg * n_cols + i])
                             cols.append(mgpu.column_vector(col_smem.at[wg, i], interpret))
-                        out = epilogue([a[...] for a in accs], cols)
+                        (out,) = epilogue([a[...] for a in accs], cols)
                         row0 = slab * out_rows + block * tile_rows + wg * ROWS
                         mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(row0, ROWS)], 0)
 

@@ -15,13 +15,14 @@ x and h are rounded to f16 before their products. Rows run in the slab layout of
 `moe_ffn_nvfp4_reference` is that formula in jnp (the CPU path of the model and the tests' contract). Forward only.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default
-from pallas_kernels.moe import decode, kernel_w4, ops
+from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
 from pallas_kernels.moe.groups import group_of_rows
 from pallas_kernels.moe.kernel_w4 import BLOCK, PAIR, ROWS, SCALE_FACTOR, W4Config, w4_gmm
 
@@ -105,12 +106,8 @@ def _row_scale2(experts: Nvfp4Experts, group_sizes, num_rows):
 
 
 def _swiglu(accs, cols):
-    gate, up = (a * jax.lax.broadcast_in_dim(cols[1], a.shape, (1,)) for a in accs)
-    return gate * jax.nn.sigmoid(gate) * up * jax.lax.broadcast_in_dim(cols[0], gate.shape, (1,))
-
-
-def _scaled(accs, cols):
-    return accs[0] * jax.lax.broadcast_in_dim(cols[0], accs[0].shape, (1,))
+    """cols: (routing weight, scale2) per token; gate and up share w13's scale2."""
+    return epilogues.scaled_swiglu(accs, (cols[0], cols[1], cols[1]), axis=1)
 
 
 def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_group_rows: int | None = None,
@@ -136,7 +133,8 @@ def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_gro
         common = dict(slab_group=slab_group, slab_rows=slab_fill, cfg=cfg, interpret=interpret)
         h_t = w4_gmm(x_t, experts.w13, experts.w13_scale, col_vectors=(rw, scale13), matrices=2,
                      epilogue=_swiglu, out_dtype=jnp.float16, **common)
-        y_t = w4_gmm(h_t, experts.w2, experts.w2_scale, col_vectors=(scale2,), matrices=1, epilogue=_scaled,
+        y_t = w4_gmm(h_t, experts.w2, experts.w2_scale, col_vectors=(scale2,), matrices=1,
+                     epilogue=functools.partial(epilogues.scaled, axis=1),
                      out_dtype=x.dtype, **common)
         return y_t.transpose(0, 2, 1).reshape(num_slabs * slab, -1)
 
