@@ -207,12 +207,12 @@ def decode_sweep(w, tokens=32, precision="bf16"):
     args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
     if precision == "nvfp4":
         q = quantize_nvfp4(*w)
-        cases = [(f"W4 {c}", functools.partial(moe_ffn_nvfp4, experts=q, max_group_rows=tokens, cfg=c))
+        cases = [(f"W4 {c}", "nvfp4", functools.partial(moe_ffn_nvfp4, experts=q, max_group_rows=tokens, cfg=c))
                  for c in (config_for(tokens), W4Config(block_k=256, stages=4), W4Config(block_k=256, stages=2,
                            compute_wgs=3), W4Config(block_k=128, stages=3, compute_wgs=3))]
         # the fp8 experts at their decode tiles, for a ratio measured in the same run
-        cases.append(("fp8 default", functools.partial(moe_ffn_fp8, experts=quantize_experts(*w),
-                                                       max_group_rows=tokens)))
+        cases.append(("fp8 default", "fp8", functools.partial(moe_ffn_fp8, experts=quantize_experts(*w),
+                                                              max_group_rows=tokens)))
     else:
         dtype = jnp.float8_e4m3fn if precision == "fp8" else jnp.bfloat16
         base = {role: DECODE[role][jnp.dtype(dtype)] for role in ("swiglu", "gmm")}
@@ -229,21 +229,22 @@ def decode_sweep(w, tokens=32, precision="bf16"):
                         ({}, dict(block_n=128, block_k=128, stages=4))]
             run = lambda cfgs: functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs,  # noqa: E731
                                                  w_gate=w[0], w_up=w[1], w_down=w[2])
-        cases = [(f"swiglu {sw} gmm {mm}", run(KernelConfigs(decode=True,
+        cases = [(f"swiglu {sw} gmm {mm}", precision, run(KernelConfigs(decode=True,
                                                              swiglu=dataclasses.replace(base["swiglu"], **sw),
                                                              gmm=dataclasses.replace(base["gmm"], **mm))))
                  for sw, mm in variants]
     sweep = R["decode_sweep"] = {}
     print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights ({precision})",
           flush=True)
-    for name, f in cases:
+    for name, case_precision, f in cases:
         kernel = jax.jit(f)
         t = guarded(f"decode sweep {name}", lambda: median_seconds(
             lambda: kernel(**args), trials=5, warmup=2, calls=20))
         if t:
-            sweep[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read)
-            print(f"  {name:45s} {t * 1e6:7.0f} us = {nbytes / t / 1e9:5.0f} GB/s = "
-                  f"{nbytes / t / 1e9 / read:.2f} of read (of this precision's bytes)", flush=True)
+            case_bytes = _expert_bytes(d["gs"], case_precision)
+            sweep[name] = dict(us=t * 1e6, of_read=case_bytes / t / 1e9 / read)
+            print(f"  {name:45s} {t * 1e6:7.0f} us = {case_bytes / t / 1e9:5.0f} GB/s = "
+                  f"{case_bytes / t / 1e9 / read:.2f} of read (of its own bytes)", flush=True)
 
 
 def quantized_vs_bf16(w):
