@@ -15,7 +15,8 @@ bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XL
 
     PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU;
                                         --decode-sweep: only a tile sweep of the 32-token decode step, of the
-                                        fp8 or NVFP4 experts with --fp8 / --nvfp4; --quantized: only fp8 and
+                                        fp8 experts with --fp8; with --nvfp4 a slab sweep of NVFP4 experts at
+                                        8, 32 and 128 tokens against fp8; --quantized: only fp8 and
                                         NVFP4 experts against bf16, decode and prefill forward)
 """
 
@@ -27,6 +28,10 @@ import signal
 import sys
 import time
 
+DRY = "--dry-run" in sys.argv  # tiny shapes, to check the script's plumbing on CPU
+if DRY:  # Mosaic GPU's interpreter blocks XLA CPU threads in its barriers: on a 2-core machine it needs more
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,14 +42,12 @@ from inkling_jax import kernels
 from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
-from pallas_kernels.moe.kernel_w4 import W4Config, config_for
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 from pallas_kernels.moe.tuning import DECODE, GmmConfig, KernelConfigs, WgradConfig
 
 H, I, LOCAL, SHARED, TOP_K, TOKENS, RAGGED_TOKENS = 6144, 3072, 32, 2, 6, 16384, 2048
 CEIL_COPY, CEIL_MM = 1 << 30, 8192
-DRY = "--dry-run" in sys.argv  # tiny shapes, to check the script's plumbing on CPU
 if DRY:
     H, I, TOKENS, RAGGED_TOKENS, CEIL_COPY, CEIL_MM = 256, 128, 64, 32, 1 << 20, 256
 START = time.perf_counter()
@@ -197,54 +200,70 @@ def _expert_bytes(gs, precision):
     return int((gs > 0).sum()) * 3 * H * I * per_value
 
 
+def _time_decode(name, f, args, nbytes, read, into):
+    kernel = jax.jit(f)
+    reps = dict(trials=1, warmup=1, calls=1) if DRY else dict(trials=5, warmup=2, calls=20)  # DRY: interpreted
+    t = guarded(f"decode sweep {name}", lambda: median_seconds(lambda: kernel(**args), **reps))
+    if t:
+        into[name] = dict(us=t * 1e6, of_read=nbytes / t / 1e9 / read)
+        print(f"  {name:45s} {t * 1e6:7.0f} us = {nbytes / t / 1e9:5.0f} GB/s = {nbytes / t / 1e9 / read:.2f} of read "
+              "(of its own bytes)", flush=True)
+    return t
+
+
+def nvfp4_slab_sweep(w, read):
+    """The NVFP4 FFN (`moe_ffn_nvfp4`) at decode steps of 8, 32 and 128 tokens with slabs of several widths
+    (the kernels' N), against the fp8 FFN on the same rows."""
+    q4, q8 = quantize_nvfp4(*w), quantize_experts(*w)
+    sweep = R["decode_sweep"] = {}
+    for tokens, slabs in ((8, (16,)), (32, (16, 32)), (128, (16, 32, 64, 128))):
+        d = rows_inputs(tokens, seed=tokens)
+        args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
+        print(f"decode {tokens} tokens (largest group {int(d['gs'][:LOCAL].max())}): "
+              f"{_expert_bytes(d['gs'], 'nvfp4') / 1e9:.2f} GB of NVFP4 weights", flush=True)
+        fp8 = _time_decode(f"{tokens} fp8", functools.partial(moe_ffn_fp8, experts=q8, max_group_rows=tokens), args,
+                           _expert_bytes(d["gs"], "fp8"), read, sweep)
+        for slab in slabs:
+            t = _time_decode(f"{tokens} W4 slab {slab}", functools.partial(
+                moe_ffn_nvfp4, experts=q4, max_group_rows=tokens, slab=slab), args,
+                _expert_bytes(d["gs"], "nvfp4"), read, sweep)
+            if t and fp8:
+                sweep[f"{tokens} W4 slab {slab}"]["of_fp8_time"] = t / fp8
+                print(f"  {'':45s} {t / fp8:.2f} of fp8's time", flush=True)
+
+
 def decode_sweep(w, tokens=32, precision="bf16"):
-    """Bytes/s of the MoE FFN at the serving engine's 32-row decode step (`moe_ffn_decode`, `moe_ffn_fp8` or
-    `moe_ffn_nvfp4`) for a few tiles per role (the other role at its default), against the read bandwidth (a
-    jitted sum) measured here."""
+    """Bytes/s of the MoE FFN at the serving engine's 32-row decode step (`moe_ffn_decode` or `moe_ffn_fp8`) for a
+    few tiles per role (the other role at its default), against the read bandwidth (a jitted sum) measured here;
+    NVFP4: `nvfp4_slab_sweep`."""
     read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
+    if precision == "nvfp4":
+        return nvfp4_slab_sweep(w, read)
     d = rows_inputs(tokens, seed=tokens)
     nbytes = _expert_bytes(d["gs"], precision)
     args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
-    if precision == "nvfp4":
-        q = quantize_nvfp4(*w)
-        cases = [(f"W4 {c}", "nvfp4", functools.partial(moe_ffn_nvfp4, experts=q, max_group_rows=tokens, cfg=c))
-                 for c in (config_for(tokens), W4Config(block_k=256, stages=4), W4Config(block_k=256, stages=2,
-                           compute_wgs=3), W4Config(block_k=128, stages=3, compute_wgs=3))]
-        # the fp8 experts at their decode tiles, for a ratio measured in the same run
-        cases.append(("fp8 default", "fp8", functools.partial(moe_ffn_fp8, experts=quantize_experts(*w),
-                                                              max_group_rows=tokens)))
+    dtype = jnp.float8_e4m3fn if precision == "fp8" else jnp.bfloat16
+    base = {role: DECODE[role][jnp.dtype(dtype)] for role in ("swiglu", "gmm")}
+    # (swiglu changes, gmm changes) from the decode defaults
+    if precision == "fp8":
+        variants = [({}, {}), ({}, dict(block_n=128, stages=8)), ({}, dict(block_n=128, block_k=256, stages=4)),
+                    (dict(block_n=64, block_k=256, stages=4), {}), (dict(block_n=64, stages=8), {})]
+        q = quantize_experts(*w)
+        run = lambda cfgs: functools.partial(moe_ffn_fp8, experts=q, max_group_rows=tokens,  # noqa: E731
+                                             configs=cfgs)
     else:
-        dtype = jnp.float8_e4m3fn if precision == "fp8" else jnp.bfloat16
-        base = {role: DECODE[role][jnp.dtype(dtype)] for role in ("swiglu", "gmm")}
-        # (swiglu changes, gmm changes) from the decode defaults
-        if precision == "fp8":
-            variants = [({}, {}), ({}, dict(block_n=128, stages=8)), ({}, dict(block_n=128, block_k=256, stages=4)),
-                        (dict(block_n=64, block_k=256, stages=4), {}), (dict(block_n=64, stages=8), {})]
-            q = quantize_experts(*w)
-            run = lambda cfgs: functools.partial(moe_ffn_fp8, experts=q, max_group_rows=tokens,  # noqa: E731
-                                                 configs=cfgs)
-        else:
-            variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
-                        (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
-                        ({}, dict(block_n=128, block_k=128, stages=4))]
-            run = lambda cfgs: functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs,  # noqa: E731
-                                                 w_gate=w[0], w_up=w[1], w_down=w[2])
-        cases = [(f"swiglu {sw} gmm {mm}", precision, run(KernelConfigs(decode=True,
-                                                             swiglu=dataclasses.replace(base["swiglu"], **sw),
-                                                             gmm=dataclasses.replace(base["gmm"], **mm))))
-                 for sw, mm in variants]
+        variants = [({}, {}), (dict(block_n=64, stages=8), dict(block_n=128, stages=8)),  # the earlier defaults
+                    (dict(stages=4), {}), (dict(block_k=128, stages=2), {}), ({}, dict(stages=5)),
+                    ({}, dict(block_n=128, block_k=128, stages=4))]
+        run = lambda cfgs: functools.partial(moe_ffn_decode, max_group_rows=tokens, configs=cfgs,  # noqa: E731
+                                             w_gate=w[0], w_up=w[1], w_down=w[2])
     sweep = R["decode_sweep"] = {}
     print(f"read {read:.0f} GB/s; decode {tokens} tokens: {nbytes / 1e9:.2f} GB of expert weights ({precision})",
           flush=True)
-    for name, case_precision, f in cases:
-        kernel = jax.jit(f)
-        t = guarded(f"decode sweep {name}", lambda: median_seconds(
-            lambda: kernel(**args), trials=5, warmup=2, calls=20))
-        if t:
-            case_bytes = _expert_bytes(d["gs"], case_precision)
-            sweep[name] = dict(us=t * 1e6, of_read=case_bytes / t / 1e9 / read)
-            print(f"  {name:45s} {t * 1e6:7.0f} us = {case_bytes / t / 1e9:5.0f} GB/s = "
-                  f"{case_bytes / t / 1e9 / read:.2f} of read (of its own bytes)", flush=True)
+    for sw, mm in variants:
+        cfgs = KernelConfigs(decode=True, swiglu=dataclasses.replace(base["swiglu"], **sw),
+                             gmm=dataclasses.replace(base["gmm"], **mm))
+        _time_decode(f"swiglu {sw} gmm {mm}", run(cfgs), args, nbytes, read, sweep)
 
 
 def quantized_vs_bf16(w):

@@ -115,6 +115,16 @@ class HubSource:
         rows = self.checkpoint.shape(name)[0]
         return self.decode(name, 0, rows, self.read_rows(name, 0, rows))
 
+    def read_packed(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """An NVFP4 tensor as stored: (packed uint8 [E, rows, cols / 2], e4m3 scale [E, rows, cols / 16], scale2
+        fp32 [E])."""
+        group = self.groups[name]
+        parts = []
+        for part, dtype in ((name, np.uint8), (f"{name}.scale", ml_dtypes.float8_e4m3fn)):
+            shape = tuple(self.checkpoint.shape(part))
+            parts.append(self.read_rows(part, 0, shape[0]).view(dtype).reshape(shape))
+        return parts[0], parts[1], group.scale2
+
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """The stored bytes of rows [start, stop) of a tensor, as uint8."""
         st = self.checkpoint.file_of(name)

@@ -33,6 +33,7 @@ from inkling_jax.sharding import param_shardings
 log = logging.getLogger(__name__)
 ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")  # a MoE layer's parameters that expert_precision="fp8" quantises
 
+PACKED_KINDS = ("packed_gate_up", "packed_down")
 Path = tuple  # a parameter's path in the module tree, e.g. ("layers", 3, "attn", "wq", "kernel")
 
 # Tensors some checkpoints carry that this model has no use for (SGLang skips the same ones).
@@ -43,7 +44,7 @@ IGNORED_PREFIXES = ("model.audio.decoder.", "model.audio.logits_processor.")
 class Rule:
     """How one hub tensor becomes one or two parameters, and back."""
 
-    kind: str  # copy | linear | conv | interleaved | experts_down
+    kind: str  # copy | linear | conv | interleaved | experts_down, or for NVFP4 as stored: packed_gate_up | packed_down
     targets: tuple[Path, ...]
 
     def hub_shape(self, target_shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -56,7 +57,12 @@ class Rule:
             "experts_down": lambda: (s[0], s[2], s[1]),  # [E, I, H] <- [E, H, I]
         }[self.kind]()
 
-    def to_model(self, x: np.ndarray) -> list[np.ndarray]:
+    def to_model(self, x) -> list[np.ndarray]:
+        """x: the hub tensor, or for the packed kinds the (packed, scale, scale2) HubSource.read_packed gives."""
+        if self.kind in PACKED_KINDS:
+            from pallas_kernels.moe.nvfp4 import from_checkpoint
+
+            return list(from_checkpoint(*x, gate_up=self.kind == "packed_gate_up"))
         if self.kind == "copy":
             return [x]
         if self.kind == "linear":
@@ -147,9 +153,34 @@ def hub_layout(config: InklingConfig) -> dict[str, Rule]:
     return rules
 
 
-def abstract_model(config: InklingConfig, dtype) -> InklingModel:
-    """The module tree with shapes and dtypes only (no memory), to be filled by a loader."""
-    return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+def abstract_model(config: InklingConfig, dtype, nvfp4_layers=()) -> InklingModel:
+    """The module tree with shapes and dtypes only (no memory), to be filled by a loader; the MoE layers in
+    nvfp4_layers hold their routed experts in NVFP4."""
+    def build():
+        model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0))
+        for i in nvfp4_layers:
+            model.layers[i].mlp.quantize_routed_experts("nvfp4")
+        return model
+    return nnx.eval_shape(build)
+
+
+def packed_moe_layers(checkpoint: HubSource, model: InklingModel) -> list[int]:
+    """The MoE layers whose two routed-expert matrices the checkpoint stores packed in NVFP4."""
+    def packed(i):
+        prefix = f"model.llm.layers.{i}.mlp.experts"
+        return {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} <= set(checkpoint.groups)
+    return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE) and packed(i)]
+
+
+def packed_expert_rules(layers: list[int]) -> dict[str, Rule]:
+    """Rules that take those layers' packed experts into NVFP4 experts as they are stored (codes and scales
+    unchanged: no dequantise and quantise again)."""
+    rules, names = {}, MoE.ROUTED_NVFP4
+    for i in layers:
+        prefix, mlp = f"model.llm.layers.{i}.mlp.experts", ("layers", i, "mlp")
+        rules[f"{prefix}.w13_weight"] = Rule("packed_gate_up", tuple(mlp + (n,) for n in names[:3]))
+        rules[f"{prefix}.w2_weight"] = Rule("packed_down", tuple(mlp + (n,) for n in names[3:]))
+    return rules
 
 
 def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
@@ -168,7 +199,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     place: hub directories only: how a host array becomes a device array (default: by `mesh`, else
     `jnp.asarray`).
     expert_precision: "fp8" or "nvfp4" holds the routed experts in that format (`InklingModel.quantize_routed_experts`,
-    for serving; an NVFP4 checkpoint's experts are dequantised as read, then quantised again).
+    for serving). With "nvfp4", the experts an NVFP4 checkpoint stores packed are taken as they are stored
+    (`packed_expert_rules`); otherwise they are dequantised as they are read.
     Each MoE layer is quantised as soon as its experts are in (a converted checkpoint is restored in parts for
     that), so the devices never hold more than one layer's experts in `dtype`.
     dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
@@ -179,11 +211,21 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     config = config or load_config(path)
     model = abstract_model(config, jnp.dtype(dtype))
     variables = model_variables(model)
-    shardings = None if mesh is None else param_shardings(model, mesh)
     from inkling_jax import orbax_io  # orbax is imported only when a converted directory is loaded
 
+    checkpoint = None if orbax_io.is_converted(path) else HubSource(path)
+    if checkpoint is not None:  # NVFP4 experts are dequantised as they are read, unless taken as stored
+        rules = hub_layout(config)
+        check_tensor_names(checkpoint, rules, config)
+        check_shapes(checkpoint, rules, variables)
+        packed = packed_moe_layers(checkpoint, model) if expert_precision == "nvfp4" else []
+        if packed:
+            model = abstract_model(config, jnp.dtype(dtype), nvfp4_layers=packed)
+            variables = model_variables(model)
+            rules.update(packed_expert_rules(packed))
+    shardings = None if mesh is None else param_shardings(model, mesh)
     filled = _quantize_when_complete(model, expert_precision) if expert_precision != "bf16" else None
-    if orbax_io.is_converted(path):
+    if checkpoint is None:
         batches = None
         if filled is not None:  # everything but the routed experts, then one MoE layer's experts at a time
             experts = [[("layers", i, "mlp", name) for name in ROUTED_EXPERTS]
@@ -192,10 +234,6 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
             batches = [[p for p in variables if p not in routed]] + experts
         orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled)
     else:
-        checkpoint = HubSource(path)  # NVFP4 experts are dequantised as they are read
-        rules = hub_layout(config)
-        check_tensor_names(checkpoint, rules, config)
-        check_shapes(checkpoint, rules, variables)
         if place is None:
             place = ((lambda _, x: jnp.asarray(x)) if mesh is None
                      else (lambda p, x: jax.device_put(x, shardings[p])))
@@ -229,7 +267,8 @@ def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx
     for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress):
         rule = rules[name]
         try:
-            arrays = rule.to_model(np.asarray(checkpoint.read(name)))
+            stored = checkpoint.read_packed(name) if rule.kind in PACKED_KINDS else np.asarray(checkpoint.read(name))
+            arrays = rule.to_model(stored)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{checkpoint.path_of(name)}: cannot read tensor {name}: {e}") from None
         for target, array in zip(rule.targets, arrays):

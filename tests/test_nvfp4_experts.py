@@ -1,8 +1,7 @@
 """NVFP4 routed experts in the model (`InklingModel.quantize_routed_experts("nvfp4")`): the bf16 weights are
-replaced and freed, an NVFP4 checkpoint keeps its values through loading, bad precision names are refused.
+replaced and freed, an NVFP4 checkpoint's packed experts load as stored (onto a mesh too), bad precision names
+are refused.
 Routing, closeness, the kernels against the formula and meshes: tests/test_fp8_experts.py, for both formats."""
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,33 +25,67 @@ def test_quantised_layer_drops_its_bf16_experts():
     assert nvfp4.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
 
 
-def test_an_nvfp4_checkpoint_loads_into_nvfp4_experts_with_its_own_values(checkpoints, tmp_path):
-    """The NVFP4 repo's packed experts are dequantised as they are read and quantised back layer by layer:
-    the same experts as quantising after a full-precision load; those stored in NVFP4 keep their own values."""
-    from inkling_jax import load_pretrained, nvfp4
+@pytest.fixture(scope="module")
+def nvfp4_source(checkpoints, tmp_path_factory):
+    """A tiny checkpoint in the NVFP4 repo's layout (routed experts of layers 3.. packed)."""
+    from inkling_jax import nvfp4
 
-    source = tmp_path / "nvfp4"
+    source = tmp_path_factory.mktemp("nvfp4") / "model"
     assert nvfp4.quantize_checkpoint(checkpoints("base")[0], str(source))
-    direct = load_pretrained(source, progress=False, expert_precision="nvfp4")
-    after = load_pretrained(source, progress=False)
-    # the release stores the experts of layers 3.. in NVFP4 (the earlier ones are bf16 there, and lose precision)
-    moes = [layer.mlp for i, layer in enumerate(after.layers)
-            if isinstance(layer.mlp, MoE) and i >= nvfp4.FIRST_QUANTISED_LAYER]
-    assert moes
-    read = [(m.w_gate[...], m.w_up[...], m.w_down[...]) for m in moes]
+    return source
+
+
+def test_an_nvfp4_checkpoint_loads_into_nvfp4_experts_as_stored(nvfp4_source, monkeypatch):
+    """The NVFP4 repo's packed experts become NVFP4 experts with their stored codes and scales, never
+    dequantised; the experts it stores in bf16 are quantised after loading as from any checkpoint."""
+    from inkling_jax import hub_source, load_pretrained, nvfp4
+    from inkling_jax.safetensors_io import HubCheckpoint
+
+    source = nvfp4_source
+    after = load_pretrained(source, progress=False)  # packed experts dequantised as read
+    read = {i: (layer.mlp.w_gate[...], layer.mlp.w_up[...], layer.mlp.w_down[...])
+            for i, layer in enumerate(after.layers) if isinstance(layer.mlp, MoE)}
     after.quantize_routed_experts("nvfp4")
-    for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
-        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    for moe, (gate, up, down) in zip(moes, read):
-        experts = moe.routed_experts()
+    monkeypatch.setattr(hub_source.nvfp4, "dequantize", lambda *a: pytest.fail("a packed tensor was dequantised"))
+    direct = load_pretrained(source, progress=False, expert_precision="nvfp4")
+
+    stored = HubCheckpoint(str(source))
+    packed_layers = [i for i in read if i >= nvfp4.FIRST_QUANTISED_LAYER]
+    assert packed_layers and len(packed_layers) < len(read)  # the release keeps layer 2's experts in bf16
+    for i, (gate, up, down) in read.items():
+        got, requantised = direct.layers[i].mlp.routed_experts(), after.layers[i].mlp.routed_experts()
+        if i not in packed_layers:
+            for a, b in zip(got, requantised):
+                assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+            continue
+        prefix = f"model.llm.layers.{i}.mlp.experts"
+        np.testing.assert_array_equal(got.w13_scale2, stored.read(f"{prefix}.w13_weight.scale2"))
+        np.testing.assert_array_equal(got.w2_scale2, stored.read(f"{prefix}.w2_weight.scale2"))
         width = gate.shape[2]
-        w13 = dequantize(experts.w13, experts.w13_scale, experts.w13_scale2, 2)
-        w2 = dequantize(experts.w2, experts.w2_scale, experts.w2_scale2, 1)[:, 0]
-        # equal up to scale2, which XLA may compute with a reciprocal (1 ulp from numpy's division)
-        same = functools.partial(np.testing.assert_allclose, rtol=3e-7, atol=0)
-        same(w13[:, 0, :width], np.asarray(gate).transpose(0, 2, 1))
-        same(w13[:, 1, :width], np.asarray(up).transpose(0, 2, 1))
-        same(w2[:, :, :width], np.asarray(down).transpose(0, 2, 1))
+        w13 = dequantize(got.w13, got.w13_scale, got.w13_scale2, 2)
+        w2 = dequantize(got.w2, got.w2_scale, got.w2_scale2, 1)[:, 0]
+        np.testing.assert_array_equal(w13[:, 0, :width], np.asarray(gate).transpose(0, 2, 1))
+        np.testing.assert_array_equal(w13[:, 1, :width], np.asarray(up).transpose(0, 2, 1))
+        np.testing.assert_array_equal(w2[:, :, :width], np.asarray(down).transpose(0, 2, 1))
+        assert not np.any(w13[:, :, width:]) and not np.any(w2[:, :, width:])
+
+    tokens = jnp.arange(1, 13, dtype=jnp.int32)[None]
+    want = after(tokens)  # the same weights, each packed tensor's scales factored differently
+    np.testing.assert_allclose(direct(tokens), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_packed_experts_load_straight_into_their_shards(nvfp4_source):
+    from inkling_jax import load_pretrained, nvfp4
+    from inkling_jax.sharding import make_mesh
+
+    one = load_pretrained(nvfp4_source, progress=False, expert_precision="nvfp4")
+    sharded = load_pretrained(nvfp4_source, progress=False, expert_precision="nvfp4",
+                              mesh=make_mesh("tensor=2,expert=4"))
+    moe = sharded.layers[nvfp4.FIRST_QUANTISED_LAYER].mlp
+    assert moe.w13_nvfp4.get_value().sharding.spec[:2] == ("expert", "tensor")
+    for a, b in zip(jax.tree.leaves(nnx.state(one, nnx.Param)), jax.tree.leaves(nnx.state(sharded, nnx.Param))):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_precision_names_are_checked():

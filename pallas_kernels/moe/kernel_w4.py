@@ -9,10 +9,11 @@ registers before its products (`f16_planes`; compiled, the same steps in PTX on 
 cross HBM and SMEM at 4 bits. A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup
 owns 64 output rows and one fp32 accumulator [64, N] per matrix (gate and up: two).
 
-On the H200 (bench/results/moe.md) the 32-token decode step reads its 1.2 GB of NVFP4 experts at 0.47 of the
-read bandwidth: as fast as the fp8 kernels read their 1.9 GB, not faster. Neither more compute warpgroups nor
-fewer live registers moved it; what bounds it is not yet profiled. At N = 32 every weight costs 32 multiply-adds
-(for ~6 real tokens per expert), 0.20 PFLOP/s of small m64n32k16 wgmmas: slabs of 16 tokens would halve that.
+On the H200 (bench/results/moe.md) the 32-token decode step reads its 1.2 GB of NVFP4 experts at 0.49 of the
+read bandwidth, in slabs of 16 tokens: 0.95 of the fp8 kernels' time for 0.63 of their bytes. Timed with parts
+of the work cut out (wrong outputs), the conversion to f16 costs ~0.17 of the time and the block-scale multiply
+~0.10; without either the kernel still reads at only 0.63-0.66 of the read bandwidth, and halving N (32 -> 16
+tokens) saved 5%. So neither the ALU work nor the wgmmas' size is the main bound; no profile was taken.
 
 Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
 each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
@@ -45,9 +46,10 @@ SMEM_BYTES = 225 * 1024  # what a CTA may take, less barriers and alignment
 # x_t tiles [K, N], N-major: a 32-byte swizzle, so that each wgmma contracts 16 rows (one NVFP4 block) with a
 # [64, 16] register operand (Mosaic takes K in groups of one swizzle span)
 X_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-# Tokens per slab are a multiple of this: a slab's fp32 column vectors then fill whole 128-byte SMEM rows, as
-# their TMA copies need (16 tokens failed with a misaligned address on the H200)
-N_ALIGN = 32
+N_ALIGN = 16  # tokens per slab are a multiple of this (the wgmma's N, and one 32-byte swizzle span of f16)
+# A slab's fp32 column vectors land in SMEM rows of at least this many values, 128 bytes: their TMA copies need
+# rows that start 128-byte aligned (16-value rows failed with a misaligned address on the H200)
+COL_ROW = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +185,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
 
         scratch = dict(out_smem=plgpu.SMEM((wgs, 2, ROWS, n), out_dtype,
                                            transforms=mgpu.tile_transforms(n, out_dtype)),
-                       col_smem=plgpu.SMEM((wgs, n_cols, n), jnp.float32),
+                       col_smem=plgpu.SMEM((wgs, n_cols, max(n, COL_ROW)), jnp.float32),
                        col_barriers=plgpu.Barrier(num_barriers=wgs * n_cols))
         if interpret:  # jax 0.10.2's interpreter takes the wgmma's left operand from SMEM only
             scratch["a_smem"] = plgpu.SMEM((wgs, ROWS, BLOCK), jnp.float16,
@@ -216,13 +218,13 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                 def context(run):
                     def with_accs(*accs):
                         for i, c in enumerate(col_refs):
-                            plgpu.copy_gmem_to_smem(c.at[pl.ds(slab * n, n)], col_smem.at[wg, i],
+                            plgpu.copy_gmem_to_smem(c.at[pl.ds(slab * n, n)], col_smem.at[wg, i, pl.ds(0, n)],
                                                     col_barriers.at[wg * n_cols + i])
                         run(accs)
                         cols = []
                         for i in range(len(col_refs)):
                             plgpu.barrier_wait(col_barriers.at[wg * n_cols + i])
-                            cols.append(mgpu.column_vector(col_smem.at[wg, i], interpret))
+                            cols.append(mgpu.column_vector(col_smem.at[wg, i, pl.ds(0, n)], interpret))
                         (out,) = epilogue([a[...] for a in accs], cols)
                         row0 = slab * out_rows + block * tile_rows + wg * ROWS
                         mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(row0, ROWS)], 0)

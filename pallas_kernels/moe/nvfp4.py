@@ -2,8 +2,9 @@
 
 Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
 `kernel_w4.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
-an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 the decode kernels run as
-fast as fp8's (bench/results/moe.md), not faster, and a prefill at 2.5x fp8's time. The format is NVFP4's
+an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
+decode kernels take 0.84-0.99 of fp8's time (8 to 128 tokens), not the 0.63 the bytes allow, and a prefill 2.5x
+fp8's. The format is NVFP4's
 (inkling_jax/nvfp4.py, spec section 5.2): per expert and matrix a global fp32 scale2, per 16 input values an
 e4m3 block scale, per value an e2m1 code:
 
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
@@ -30,8 +32,11 @@ E2M1_MAX, E4M3_MAX = 6.0, 448.0
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 magnitudes 0 .5 1 1.5 2 3 4 6
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 WIDTH_MULTIPLE = 128  # the expert width: whole tiles of 2 x 64 output rows (gate/up) and whole k steps (down)
-SLAB_ALIGN = kernel_w4.N_ALIGN  # decode slabs: the step's token bound rounded up to this (the kernels' N)
-PREFILL_SLAB = 128  # tokens per slab without a bound
+PREFILL_SLAB = 128  # tokens per slab without a bound, or above this one
+# Tokens per slab for decode steps, by the step's bound: a group of more tokens takes several slabs. On the H200
+# (bench/results/moe.md, 2026-12-01) 32 tokens took 580 us in slabs of 16 against 621 us in one slab of 32 per
+# expert, and 128 tokens 741 us in slabs of 32 against 789 (64), 1072 (one of 128) and 1158 (16)
+DECODE_SLABS = ((32, 16), (PREFILL_SLAB, 32))  # (largest bound, slab tokens)
 
 
 class Nvfp4Experts(NamedTuple):
@@ -66,14 +71,34 @@ def quantize_matrices(w):
 
 def layout(codes, scale):
     """Codes [G, M, rows, K] and e4m3 scales [G, M, rows, K / 16] -> (packed uint8 [G, M rows, K / 2], f16 scales
-    [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout."""
+    [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout (NumPy arrays in, NumPy arrays out)."""
     g, m, rows, k = codes.shape
     by_group = codes.reshape(g, m, rows // ROWS, ROWS, k).transpose(0, 2, 1, 3, 4).reshape(g, m * rows, k)
     pairs = by_group.reshape(g, m * rows, k // PAIR, 2, BLOCK)
     packed = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, m * rows, k // 2)
-    scales = scale.astype(jnp.float16) * jnp.float16(SCALE_FACTOR)
+    scales = scale.astype(np.float16) * np.float16(SCALE_FACTOR)
     scales = scales.reshape(g, m, rows // ROWS, ROWS, k // BLOCK).transpose(0, 4, 2, 1, 3)
     return packed, scales
+
+
+def from_checkpoint(packed, scale, scale2, *, gate_up: bool):
+    """One routed-experts matrix as an NVFP4 checkpoint stores it (inkling_jax/nvfp4.py: packed uint8 [G, rows,
+    K / 2] with the even column in the low nibble, e4m3 `scale` [G, rows, K / 16], fp32 `scale2` [G]) -> its three
+    Nvfp4Experts fields, the same codes and scales (no requantisation), the width padded with zeros as
+    `quantize_experts` pads it. gate_up: the checkpoint's w13, rows 2i gate and 2i + 1 up (-> w13, w13_scale,
+    w13_scale2); else w2 [G, H, I / 2] (-> w2, w2_scale, w2_scale2). NumPy in, NumPy out."""
+    packed, scale = np.asarray(packed), np.asarray(scale)
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[:-1] + (-1,))
+    g, rows, k = codes.shape
+    if gate_up:  # [G, 2, I, K]; pad I
+        codes, scale = (a.reshape(g, rows // 2, 2, -1).transpose(0, 2, 1, 3) for a in (codes, scale))
+        pads = [(0, 0), (0, 0), (0, -(rows // 2) % WIDTH_MULTIPLE), (0, 0)]
+        codes, scale = np.pad(codes, pads), np.pad(scale, pads)
+    else:  # [G, 1, H, I]; pad I, the contraction
+        pad = -k % WIDTH_MULTIPLE
+        codes = np.pad(codes[:, None], [(0, 0)] * 3 + [(0, pad)])
+        scale = np.pad(scale[:, None], [(0, 0)] * 3 + [(0, pad // BLOCK)])
+    return (*layout(codes, scale), np.asarray(scale2, np.float32))
 
 
 def quantize_experts(w_gate, w_up, w_down) -> Nvfp4Experts:
@@ -110,16 +135,22 @@ def _swiglu(accs, cols):
     return epilogues.scaled_swiglu(accs, (cols[0], cols[1], cols[1]), axis=1)
 
 
+def slab_tokens(max_group_rows: int | None) -> int:
+    """Tokens per slab (the kernels' N) for a step whose groups hold at most max_group_rows tokens (None: any)."""
+    if max_group_rows is None:
+        return PREFILL_SLAB
+    return next((slab for bound, slab in DECODE_SLABS if max_group_rows <= bound), PREFILL_SLAB)
+
+
 def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_group_rows: int | None = None,
-                  interpret: bool | None = None, cfg: W4Config | None = None):
+                  slab: int | None = None, interpret: bool | None = None, cfg: W4Config | None = None):
     """The module doc's y for rows x [M, H] sorted by expert, as two W4A16 kernels; [M, H] in x.dtype, zeros past
-    sum(group_sizes). With max_group_rows (static: a bound on every group's size, the step's token count) each
-    touched expert is one slab of that many tokens rounded up to SLAB_ALIGN; without it (or above PREFILL_SLAB)
-    each group is cut into slabs of PREFILL_SLAB tokens. Untouched experts are never read."""
+    sum(group_sizes). Each group's tokens are cut into slabs of `slab` tokens (static; default `slab_tokens`),
+    a group that fits in one (max_group_rows <= slab: max_group_rows is a static bound on every group's size,
+    such as the step's token count) taking exactly one. Untouched experts are never read."""
     interpret = interpret_default() if interpret is None else interpret
-    if max_group_rows is not None and max_group_rows > PREFILL_SLAB:
-        max_group_rows = None  # prefill sizes: slabs of PREFILL_SLAB tokens, a group's rows over several
-    slab = PREFILL_SLAB if max_group_rows is None else -(-max_group_rows // SLAB_ALIGN) * SLAB_ALIGN
+    slab = slab or slab_tokens(max_group_rows)
+    one_slab_each = max_group_rows if max_group_rows is not None and max_group_rows <= slab else None
     cfg = cfg or kernel_w4.config_for(slab)
     s13, s2 = _row_scale2(experts, group_sizes, x.shape[0])
 
@@ -138,7 +169,7 @@ def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_gro
                      out_dtype=x.dtype, **common)
         return y_t.transpose(0, 2, 1).reshape(num_slabs * slab, -1)
 
-    return decode.in_slabs(x, group_sizes, (row_weights, s13, s2), max_group_rows, ffn, align=slab)
+    return decode.in_slabs(x, group_sizes, (row_weights, s13, s2), one_slab_each, ffn, align=slab)
 
 
 def moe_ffn_nvfp4_reference(x, experts: Nvfp4Experts, group_sizes, row_weights):

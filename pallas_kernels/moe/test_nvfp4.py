@@ -55,9 +55,9 @@ def _operands(group_sizes, rows):
     return x, quantize_experts(*weights), sizes, row_weights
 
 
-def _check(group_sizes, rows, max_group_rows):
+def _check(group_sizes, rows, max_group_rows, slab=None):
     x, experts, sizes, row_weights = _operands(group_sizes, rows)
-    got = jax.jit(lambda *a: moe_ffn_nvfp4(*a, max_group_rows=max_group_rows, cfg=CFG))(
+    got = jax.jit(lambda *a: moe_ffn_nvfp4(*a, max_group_rows=max_group_rows, slab=slab, cfg=CFG))(
         x, experts, sizes, row_weights)
     want = moe_ffn_nvfp4_reference(x, experts, sizes, row_weights)
     used = int(sizes.sum())
@@ -71,3 +71,7 @@ def test_nvfp4_ffn_matches_its_formula_in_decode_slabs():
 
 def test_nvfp4_ffn_matches_its_formula_in_prefill_slabs():
     _check((130, 0, 7, 140), 280, max_group_rows=None)
+
+
+def test_nvfp4_ffn_matches_its_formula_in_slabs_of_16_tokens():
+    _check((3, 0, 40, 1, 21), 70, max_group_rows=40, slab=16)
