@@ -1,7 +1,8 @@
-"""NVFP4 routed experts (nvfp4.py, kernel_w4.py): the layout and quantiser against inkling_jax/nvfp4.py's, and
-the W4A16 kernels against their jnp formula in both slab layouts. On CPU the Mosaic GPU kernels run in Pallas'
-GPU interpreter; on a GPU compiled. Shapes: 3 output-row tiles and 3+ k steps, an empty group, a group spread
-over several slabs, rows past sum(group_sizes), an expert width that needs padding."""
+"""NVFP4 routed experts (nvfp4.py, kernel_w4.py): the layout and quantiser against inkling_jax/nvfp4.py's, a
+checkpoint's packed tensors in the kernel layout, and the W4A16 kernels against their jnp formula in the slab
+layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU compiled. Shapes: 3 output-row
+tiles and 3+ k steps, an empty group, a group spread over several slabs, rows past sum(group_sizes), an expert
+width that needs padding."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
 from pallas_kernels.moe.kernel_w4 import W4Config, f16_planes
-from pallas_kernels.moe.nvfp4 import (dequantize, layout, moe_ffn_nvfp4, moe_ffn_nvfp4_reference,
+from pallas_kernels.moe.nvfp4 import (dequantize, from_checkpoint, layout, moe_ffn_nvfp4, moe_ffn_nvfp4_reference,
                                       quantize_experts, quantize_matrices)
 from pallas_kernels.moe.test_fp8 import operands
 from pallas_kernels.moe.test_moe import normal, rel_err
@@ -48,6 +49,22 @@ def test_a_dequantised_checkpoint_quantises_back_to_its_values():
     codes, scale, scale2 = quantize_matrices(jnp.asarray(values)[:, None])
     again = dequantize(*layout(codes, scale), scale2, 1)[:, 0]
     np.testing.assert_array_equal(np.asarray(again), values)
+
+
+def test_checkpoint_tensors_take_the_kernel_layout_with_their_own_values():
+    """An NVFP4 checkpoint's w13 (gate/up rows interleaved) and w2, packed, in the kernel layout without
+    requantising: the same values, the width (80) padded with zeros to 128."""
+    rng = np.random.default_rng(2)
+    w13, w2 = rng.standard_normal((3, 160, 128)), rng.standard_normal((3, 128, 80))
+    stored13, stored2 = checkpoint_format.quantize(w13), checkpoint_format.quantize(w2)
+    got13 = np.asarray(dequantize(*from_checkpoint(*stored13, gate_up=True), 2))
+    got2 = np.asarray(dequantize(*from_checkpoint(*stored2, gate_up=False), 1))[:, 0]
+    want13, want2 = checkpoint_format.dequantize(*stored13), checkpoint_format.dequantize(*stored2)
+    np.testing.assert_array_equal(got13[:, 0, :80], want13[:, 0::2])
+    np.testing.assert_array_equal(got13[:, 1, :80], want13[:, 1::2])
+    np.testing.assert_array_equal(got2[:, :, :80], want2)
+    assert not got13[:, :, 80:].any() and not got2[:, :, 80:].any()
+    np.testing.assert_array_equal(from_checkpoint(*stored2, gate_up=False)[2], stored2[2])
 
 
 def _operands(group_sizes, rows):
