@@ -3,10 +3,9 @@
 Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
 `kernel_w4.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
 an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
-decode kernels take 0.84-0.99 of fp8's time (8 to 128 tokens), not the 0.63 the bytes allow, and a prefill 2.5x
-fp8's. The format is NVFP4's
-(inkling_jax/nvfp4.py, spec section 5.2): per expert and matrix a global fp32 scale2, per 16 input values an
-e4m3 block scale, per value an e2m1 code:
+decode kernels take 0.84-0.99 of fp8's time (8 to 128 tokens), not the 0.63 the bytes allow, and a first version
+took 2.5x fp8's time on a 16k-token prefill. The format is NVFP4's (inkling_jax/nvfp4.py, spec section 5.2): per
+expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale, per value an e2m1 code:
 
     W[g] = code * block_scale * scale2[g]
     h = row_weight * silu(s2_13[g] * (x @ W_gate[g]^T)) * (s2_13[g] * (x @ W_up[g]^T))     (gate and up share
@@ -71,7 +70,7 @@ def quantize_matrices(w):
 
 def layout(codes, scale):
     """Codes [G, M, rows, K] and e4m3 scales [G, M, rows, K / 16] -> (packed uint8 [G, M rows, K / 2], f16 scales
-    [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout (NumPy arrays in, NumPy arrays out)."""
+    [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout; NumPy arrays (on the host) or jax arrays."""
     g, m, rows, k = codes.shape
     by_group = codes.reshape(g, m, rows // ROWS, ROWS, k).transpose(0, 2, 1, 3, 4).reshape(g, m * rows, k)
     pairs = by_group.reshape(g, m * rows, k // PAIR, 2, BLOCK)
