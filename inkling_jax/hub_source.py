@@ -102,13 +102,8 @@ class HubSource:
         st = self.checkpoint.file_of(name)
         if name not in self.groups:
             return raw.view(st.dtype(name)).reshape((stop - start,) + self.shape(name)[1:])
-        group = self.groups[name]
         packed = raw.reshape((stop - start,) + tuple(self.checkpoint.shape(name))[1:])
-        scale_name = f"{name}.scale"
-        scale_rows = self.checkpoint.shape(scale_name)
-        scale = self.read_rows(scale_name, start, stop).view(ml_dtypes.float8_e4m3fn).reshape(
-            (stop - start,) + tuple(scale_rows)[1:])
-        return nvfp4.dequantize(packed, scale, group.scale2[start:stop])
+        return nvfp4.dequantize(packed, self._block_scales(name, start, stop), self.groups[name].scale2[start:stop])
 
     def read(self, name: str) -> np.ndarray:
         """The whole dense tensor (for models small enough to hold)."""
@@ -118,12 +113,15 @@ class HubSource:
     def read_packed(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """An NVFP4 tensor as stored: (packed uint8 [E, rows, cols / 2], e4m3 scale [E, rows, cols / 16], scale2
         fp32 [E])."""
-        group = self.groups[name]
-        parts = []
-        for part, dtype in ((name, np.uint8), (f"{name}.scale", ml_dtypes.float8_e4m3fn)):
-            shape = tuple(self.checkpoint.shape(part))
-            parts.append(self.read_rows(part, 0, shape[0]).view(dtype).reshape(shape))
-        return parts[0], parts[1], group.scale2
+        shape = tuple(self.checkpoint.shape(name))
+        packed = self.read_rows(name, 0, shape[0]).reshape(shape)
+        return packed, self._block_scales(name, 0, shape[0]), self.groups[name].scale2
+
+    def _block_scales(self, name: str, start: int, stop: int) -> np.ndarray:
+        """The e4m3 block scales of rows [start, stop) of an NVFP4 tensor."""
+        scale = f"{name}.scale"
+        rows = self.read_rows(scale, start, stop).view(ml_dtypes.float8_e4m3fn)
+        return rows.reshape((stop - start,) + tuple(self.checkpoint.shape(scale))[1:])
 
     def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """The stored bytes of rows [start, stop) of a tensor, as uint8."""
