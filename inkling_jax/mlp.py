@@ -66,6 +66,7 @@ class MoE(nnx.Module):
     shared_in_launch: bool = False
     ROUTED_FP8 = ("w_gate_fp8", "w_up_fp8", "w_down_fp8", "w_gate_scale", "w_up_scale", "w_down_scale")
     ROUTED_NVFP4 = ("w13_nvfp4", "w13_scale", "w13_scale2", "w2_nvfp4", "w2_scale", "w2_scale2")
+    ROUTED_QUANTISED = {"fp8": ROUTED_FP8, "nvfp4": ROUTED_NVFP4}  # the parameters each format's experts are in
 
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -89,7 +90,7 @@ class MoE(nnx.Module):
     def precision(self) -> str:
         """How the routed experts are held: "bf16" (as built or loaded), "fp8" or "nvfp4"
         (`quantize_routed_experts`)."""
-        return "fp8" if hasattr(self, "w_gate_fp8") else "nvfp4" if hasattr(self, "w13_nvfp4") else "bf16"
+        return next((p for p, names in self.ROUTED_QUANTISED.items() if hasattr(self, names[0])), "bf16")
 
     @property
     def fp8(self) -> bool:
@@ -100,25 +101,19 @@ class MoE(nnx.Module):
         """Replaces the routed experts' weights by fp8 ones (pallas_kernels/moe/fp8.py: one scale per expert and
         matrix, activations quantised per row on the fly) or NVFP4 ones (pallas_kernels/moe/nvfp4.py: a scale
         per 16 values, f16 activations), freeing the originals: for serving (forward only)."""
-        if precision not in ("fp8", "nvfp4"):
+        if precision not in self.ROUTED_QUANTISED:
             raise ValueError(f"routed experts are quantised to fp8 or nvfp4, not {precision!r}")
         experts = _quantizer(precision)(self.w_gate[...], self.w_up[...], self.w_down[...])
         del self.w_gate, self.w_up, self.w_down
-        names = self.ROUTED_FP8 if precision == "fp8" else self.ROUTED_NVFP4
-        for name, value in zip(names, experts):
+        for name, value in zip(self.ROUTED_QUANTISED[precision], experts):
             setattr(self, name, nnx.Param(value))
 
     def routed_experts(self):
         """(w_gate, w_up, w_down), or an Fp8Experts / Nvfp4Experts when quantised."""
-        if self.precision == "fp8":
-            from pallas_kernels.moe.fp8 import Fp8Experts
-
-            return Fp8Experts(*(getattr(self, name)[...] for name in self.ROUTED_FP8))
-        if self.precision == "nvfp4":
-            from pallas_kernels.moe.nvfp4 import Nvfp4Experts
-
-            return Nvfp4Experts(*(getattr(self, name)[...] for name in self.ROUTED_NVFP4))
-        return self.w_gate[...], self.w_up[...], self.w_down[...]
+        precision = self.precision
+        if precision == "bf16":
+            return self.w_gate[...], self.w_up[...], self.w_down[...]
+        return _expert_forms()[precision](*(getattr(self, name)[...] for name in self.ROUTED_QUANTISED[precision]))
 
     def route(self, x, expert_ids=None):
         """x [N, hidden] -> (routed weights [N, k], expert ids [N, k], shared weights [N, S]), all fp32.
@@ -245,12 +240,17 @@ def _quantizer(precision: str):
     return jax.jit(quantize_experts)
 
 
-def precision_of(routed) -> str:
-    """"fp8" for an Fp8Experts, "nvfp4" for an Nvfp4Experts, "bf16" for (w_gate, w_up, w_down)."""
+def _expert_forms() -> dict:
+    """precision -> the NamedTuple that routed experts in it travel in (pallas_kernels/moe, imported on use)."""
     from pallas_kernels.moe.fp8 import Fp8Experts
     from pallas_kernels.moe.nvfp4 import Nvfp4Experts
 
-    return "fp8" if isinstance(routed, Fp8Experts) else "nvfp4" if isinstance(routed, Nvfp4Experts) else "bf16"
+    return {"fp8": Fp8Experts, "nvfp4": Nvfp4Experts}
+
+
+def precision_of(routed) -> str:
+    """"fp8" for an Fp8Experts, "nvfp4" for an Nvfp4Experts, "bf16" for (w_gate, w_up, w_down)."""
+    return next((p for p, form in _expert_forms().items() if isinstance(routed, form)), "bf16")
 
 
 def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
