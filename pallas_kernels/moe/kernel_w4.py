@@ -9,11 +9,12 @@ registers before its products (`f16_planes`; compiled, the same steps in PTX on 
 cross HBM and SMEM at 4 bits. A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup
 owns 64 output rows and one fp32 accumulator [64, N] per matrix (gate and up: two).
 
-On the H200 (bench/results/moe.md) the 32-token decode step reads its 1.2 GB of NVFP4 experts at 0.49 of the
-read bandwidth, in slabs of 16 tokens: 0.95 of the fp8 kernels' time for 0.63 of their bytes. Timed with parts
-of the work cut out (wrong outputs), the conversion to f16 costs ~0.17 of the time and the block-scale multiply
-~0.10; without either the kernel still reads at only 0.63-0.66 of the read bandwidth, and halving N (32 -> 16
-tokens) saved 5%. So neither the ALU work nor the wgmmas' size is the main bound; no profile was taken.
+On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
+0.53 of the read bandwidth in slabs of 16 tokens. Mosaic GPU's in-kernel profiler showed the compute warpgroups
+busy in their steps ~0.9 of the time, 3.1 us a step against ~1.4 us for its bytes at the read bandwidth: the
+compute warpgroups bound the kernel, not the TMA stream. Each wgmma call brings a fence and a commit, so the
+blocks of a step go to one call per matrix (`blocks_per_wgmma`): 577 -> 533 us at 32 tokens, 739 -> 662 us at
+128. Issuing all of a step's conversions before its wgmmas was slower (639 us).
 
 Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
 each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
@@ -57,6 +58,7 @@ class W4Config:
     block_k: int = 256  # K values per pipeline step: 128 packed bytes per row, one 128-byte swizzle span
     stages: int = 3
     compute_wgs: int = 2
+    blocks_per_wgmma: int = 16  # NVFP4 blocks (16 K values each) per wgmma call: its fence and commit are shared
 
 
 def f16_planes(packed):
@@ -130,6 +132,35 @@ def _planes_in_registers(packed):
     return planes(packed)
 
 
+def _along_k(planes):
+    """[64, 16] f16 operands in the WGMMA layout -> one [64, 16 len(planes)], the planes' columns in order (the
+    layout holds 8 columns per register tile, so this only renumbers registers)."""
+    layout = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK * len(planes)), jnp.float16, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout,) * len(planes), return_type=out)
+    def cat(ctx, *arrays):
+        del ctx
+        registers = np.concatenate([a.registers for a in arrays], axis=1)
+        return mosaic_gpu.FragmentedArray(_registers=registers, _layout=arrays[0].layout, _is_signed=None)
+
+    return cat(*planes)
+
+
+def _multiply(acc, planes, x_rows, a_smem):
+    """acc += [planes along K] @ x_rows, as one wgmma call: one fence and one commit for all its instructions
+    (a call per 16-value block cost the H200 ~100 cycles each, more than its tensor-core work). a_smem: None
+    when compiled; under jax 0.10.2's interpreter, which takes the left operand from SMEM only, a [64, 16]
+    buffer that each plane passes through."""
+    if a_smem is None:
+        plgpu.wgmma(acc, _along_k(planes), x_rows)
+        return
+    for i, a in enumerate(planes):
+        a_smem[...] = a
+        plgpu.commit_smem()
+        plgpu.wgmma(acc, a_smem, x_rows.at[pl.ds(BLOCK * i, BLOCK)])
+
+
 def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: int, epilogue, out_dtype,
            cfg: W4Config, interpret: bool):
     """Runs the kernel.
@@ -154,7 +185,8 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
     if out_rows % (wgs * ROWS):
         wgs = 1
     tile_rows = wgs * ROWS
-    if half_k * 2 != k or k % bk or bk % PAIR or out_rows % tile_rows or n % N_ALIGN:
+    per_call = min(cfg.blocks_per_wgmma, bk // BLOCK)
+    if half_k * 2 != k or k % bk or bk % PAIR or out_rows % tile_rows or n % N_ALIGN or (bk // BLOCK) % per_call:
         raise ValueError(f"bad W4 shapes: x_t {x_t.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups")
     nk, nblocks = k // bk, out_rows // tile_rows
     out_dtype = jnp.dtype(out_dtype)
@@ -200,18 +232,18 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                 def step(_, w_smem, s_smem, x_smem, accs):
                     for m in range(matrices):
                         codes = w_smem.at[pl.ds((wg * matrices + m) * ROWS, ROWS)][...]
+                        planes = []
                         for q in range(bk // PAIR):  # 16 bytes of each row at a time: few live registers
                             piece = codes[:, BLOCK * q:BLOCK * (q + 1)]
-                            planes = f16_planes(piece) if interpret else _planes_in_registers(piece)
-                            for half, plane in enumerate(planes):
+                            for half, plane in enumerate(f16_planes(piece) if interpret else
+                                                         _planes_in_registers(piece)):
                                 b = 2 * q + half  # the NVFP4 block within the step
                                 scale = mgpu.row_vector(s_smem.at[b, wg, m], interpret)
-                                a = plane * lax.broadcast_in_dim(scale, (ROWS, BLOCK), (0,))
-                                if interpret:
-                                    a_smem[wg] = a
-                                    plgpu.commit_smem()
-                                    a = a_smem.at[wg]
-                                plgpu.wgmma(accs[m], a, x_smem.at[pl.ds(BLOCK * b, BLOCK)])
+                                planes.append(plane * lax.broadcast_in_dim(scale, (ROWS, BLOCK), (0,)))
+                                if len(planes) == per_call:
+                                    x_rows = x_smem.at[pl.ds(BLOCK * (b + 1 - per_call), BLOCK * per_call)]
+                                    _multiply(accs[m], planes, x_rows, None if a_smem is None else a_smem.at[wg])
+                                    planes = []
                     plgpu.wgmma_wait(0)
                     return accs
 

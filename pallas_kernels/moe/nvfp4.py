@@ -34,8 +34,10 @@ WIDTH_MULTIPLE = 128  # the expert width: whole tiles of 2 x 64 output rows (gat
 PREFILL_SLAB = 128  # tokens per slab without a bound, or above this one
 # Tokens per slab for decode steps, by the step's bound: a group of more tokens takes several slabs. On the H200
 # (bench/results/moe.md, 2026-12-01) 32 tokens took 580 us in slabs of 16 against 621 us in one slab of 32 per
-# expert, and 128 tokens 741 us in slabs of 32 against 789 (64), 1072 (one of 128) and 1158 (16)
-DECODE_SLABS = ((32, 16), (PREFILL_SLAB, 32))  # (largest bound, slab tokens)
+# expert, and 128 tokens 741 us in slabs of 32 against 789 (64), 1072 (one of 128) and 1158 (16). The bound of
+# the 32-token slabs leaves room above 128 because the server's all-rows decode step has max_num_seqs + 1 rows
+# (129 by default), which a bound of 128 sent to 128-token slabs
+DECODE_SLABS = ((32, 16), (160, 32))  # (largest bound, slab tokens)
 
 
 class Nvfp4Experts(NamedTuple):

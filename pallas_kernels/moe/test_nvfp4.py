@@ -4,14 +4,16 @@ layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU 
 tiles and 3+ k steps, an empty group, a group spread over several slabs, rows past sum(group_sizes), an expert
 width that needs padding."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
 from pallas_kernels.moe.kernel_w4 import W4Config, f16_planes
-from pallas_kernels.moe.nvfp4 import (dequantize, from_checkpoint, layout, moe_ffn_nvfp4, moe_ffn_nvfp4_reference,
-                                      quantize_experts, quantize_matrices)
+from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
+                                      moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
 from pallas_kernels.moe.test_fp8 import operands
 from pallas_kernels.moe.test_moe import normal, rel_err
 
@@ -72,9 +74,9 @@ def _operands(group_sizes, rows):
     return x, quantize_experts(*weights), sizes, row_weights
 
 
-def _check(group_sizes, rows, max_group_rows, slab=None):
+def _check(group_sizes, rows, max_group_rows, slab=None, cfg=CFG):
     x, experts, sizes, row_weights = _operands(group_sizes, rows)
-    got = jax.jit(lambda *a: moe_ffn_nvfp4(*a, max_group_rows=max_group_rows, slab=slab, cfg=CFG))(
+    got = jax.jit(lambda *a: moe_ffn_nvfp4(*a, max_group_rows=max_group_rows, slab=slab, cfg=cfg))(
         x, experts, sizes, row_weights)
     want = moe_ffn_nvfp4_reference(x, experts, sizes, row_weights)
     used = int(sizes.sum())
@@ -90,5 +92,10 @@ def test_nvfp4_ffn_matches_its_formula_in_prefill_slabs():
     _check((130, 0, 7, 140), 280, max_group_rows=None)
 
 
-def test_nvfp4_ffn_matches_its_formula_in_slabs_of_16_tokens():
-    _check((3, 0, 40, 1, 21), 70, max_group_rows=40, slab=16)
+def test_nvfp4_ffn_matches_its_formula_in_slabs_of_16_tokens_and_two_blocks_per_wgmma_call():
+    _check((3, 0, 40, 1, 21), 70, max_group_rows=40, slab=16, cfg=dataclasses.replace(CFG, blocks_per_wgmma=2))
+
+
+def test_the_all_rows_decode_step_of_a_128_sequence_server_takes_decode_slabs():
+    # a server with 128 slots decodes 129 rows at once (a scratch row): those groups are decode-sized
+    assert slab_tokens(129) < PREFILL_SLAB == slab_tokens(None)
