@@ -94,6 +94,7 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
                 first, mixed = first_ref[mi], mixed_ref[mi]
                 row0 = mi * bm + wg * wm
 
+                @mgpu.profiled("step")
                 def step(idx, *args):
                     *tiles, accs = args
                     lhs_tiles = [t.at[pl.ds(wg * wm, wm)] for t in tiles[:n_lhs]]
@@ -113,6 +114,19 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
                     plgpu.wgmma_wait(0)
                     return accs
 
+                @mgpu.profiled("epilogue")
+                def finish(accs):
+                    rows = []
+                    for i in range(len(row_refs)):
+                        plgpu.barrier_wait(row_barriers.at[wg * n_rows + i])
+                        rows.append(mgpu.load_row_vector(row_smem.at[wg, i]))
+                    outs = epilogue([a[...] for a in accs], rows)
+                    counter = 0
+                    for out_ref, val in zip(out_refs, outs):
+                        for c in range(0, bn, cfg.epi_n):
+                            dst = out_ref.at[pl.ds(row0, wm), pl.ds(ni * bn + c, cfg.epi_n)]
+                            counter = mgpu.store_tile(val[:, c:c + cfg.epi_n], out_smem.at[wg], dst, counter)
+
                 def context(run):
                     def with_accs(*accs):
                         # Row vectors reach registers through SMEM; their copies overlap the main loop.
@@ -120,16 +134,7 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
                             plgpu.copy_gmem_to_smem(r.at[pl.ds(row0, wm)], row_smem.at[wg, i],
                                                     row_barriers.at[wg * n_rows + i])
                         run(accs)
-                        rows = []
-                        for i in range(len(row_refs)):
-                            plgpu.barrier_wait(row_barriers.at[wg * n_rows + i])
-                            rows.append(mgpu.load_row_vector(row_smem.at[wg, i]))
-                        outs = epilogue([a[...] for a in accs], rows)
-                        counter = 0
-                        for out_ref, val in zip(out_refs, outs):
-                            for c in range(0, bn, cfg.epi_n):
-                                dst = out_ref.at[pl.ds(row0, wm), pl.ds(ni * bn + c, cfg.epi_n)]
-                                counter = mgpu.store_tile(val[:, c:c + cfg.epi_n], out_smem.at[wg], dst, counter)
+                        finish(accs)
 
                     pl.run_scoped(with_accs, *[plgpu.ACC((wm, bn), jnp.float32) for _ in range(n_acc)])
 

@@ -10,11 +10,11 @@ cross HBM and SMEM at 4 bits. A tile is (slab, block of `compute_wgs` x 64 outpu
 owns 64 output rows and one fp32 accumulator [64, N] per matrix (gate and up: two).
 
 On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
-0.53 of the read bandwidth in slabs of 16 tokens. Mosaic GPU's in-kernel profiler showed the compute warpgroups
-busy in their steps ~0.9 of the time, 3.1 us a step against ~1.4 us for its bytes at the read bandwidth: the
-compute warpgroups bound the kernel, not the TMA stream. Each wgmma call brings a fence and a commit, so the
-blocks of a step go to one call per matrix (`blocks_per_wgmma`): 577 -> 533 us at 32 tokens, 739 -> 662 us at
-128. Issuing all of a step's conversions before its wgmmas was slower (639 us).
+0.53 of the read bandwidth in slabs of 16 tokens. An in-kernel profile (mgpu.py) put the compute warpgroups
+inside their pipeline steps 0.81-0.89 of the time, with ~0.15 us waits between steps: the compute warpgroups
+bound the kernel, not the TMA stream. Each wgmma call brings a fence and a commit, so a step's blocks go to one
+call per matrix (`blocks_per_wgmma`): 577 -> 533 us at 32 tokens, 739 -> 662 us at 128. Issuing all of a step's
+conversions before its wgmmas was slower (639 us).
 
 Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
 each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
@@ -43,7 +43,6 @@ ROWS = 64  # output rows per compute warpgroup (the wgmma M)
 BLOCK = 16  # K values per NVFP4 block scale (and per wgmma k-step)
 PAIR = 2 * BLOCK  # K values per 16 packed bytes: a low-nibble block and a high-nibble block
 SCALE_FACTOR = 64.0  # the e4m3 bits built from an e2m1 code stand for its value times 2**-6
-SMEM_BYTES = 225 * 1024  # what a CTA may take, less barriers and alignment
 # x_t tiles [K, N], N-major: a 32-byte swizzle, so that each wgmma contracts 16 rows (one NVFP4 block) with a
 # [64, 16] register operand (Mosaic takes K in groups of one swizzle span)
 X_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
@@ -80,7 +79,8 @@ def config_for(n: int) -> W4Config:
     # per step (two matrices, the larger case): packed codes, f16 block scales, the x tile
     stage = (ROWS * cfg.block_k + 16 * cfg.block_k) * cfg.compute_wgs + 2 * cfg.block_k * n
     fixed = cfg.compute_wgs * 2 * ROWS * n * 2 + 4096
-    return dataclasses.replace(cfg, stages=max(2, min(4, (SMEM_BYTES - fixed) // stage)))
+    budget = mgpu.smem_budget(cfg.compute_wgs + 1)
+    return dataclasses.replace(cfg, stages=max(2, min(4, (budget - fixed) // stage)))
 
 
 def _planes_in_registers(packed):
@@ -229,6 +229,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
             def tile(info):
                 slab, block = lax.div(info.index[0], nblocks), lax.rem(info.index[0], nblocks)
 
+                @mgpu.profiled("step")
                 def step(_, w_smem, s_smem, x_smem, accs):
                     for m in range(matrices):
                         codes = w_smem.at[pl.ds((wg * matrices + m) * ROWS, ROWS)][...]
@@ -247,19 +248,23 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                     plgpu.wgmma_wait(0)
                     return accs
 
+                @mgpu.profiled("epilogue")
+                def finish(accs):
+                    cols = []
+                    for i in range(len(col_refs)):
+                        plgpu.barrier_wait(col_barriers.at[wg * n_cols + i])
+                        cols.append(mgpu.column_vector(col_smem.at[wg, i, pl.ds(0, n)], interpret))
+                    (out,) = epilogue([a[...] for a in accs], cols)
+                    row0 = slab * out_rows + block * tile_rows + wg * ROWS
+                    mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(row0, ROWS)], 0)
+
                 def context(run):
                     def with_accs(*accs):
                         for i, c in enumerate(col_refs):
                             plgpu.copy_gmem_to_smem(c.at[pl.ds(slab * n, n)], col_smem.at[wg, i, pl.ds(0, n)],
                                                     col_barriers.at[wg * n_cols + i])
                         run(accs)
-                        cols = []
-                        for i in range(len(col_refs)):
-                            plgpu.barrier_wait(col_barriers.at[wg * n_cols + i])
-                            cols.append(mgpu.column_vector(col_smem.at[wg, i, pl.ds(0, n)], interpret))
-                        (out,) = epilogue([a[...] for a in accs], cols)
-                        row0 = slab * out_rows + block * tile_rows + wg * ROWS
-                        mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(row0, ROWS)], 0)
+                        finish(accs)
 
                     pl.run_scoped(with_accs, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in range(matrices)])
 

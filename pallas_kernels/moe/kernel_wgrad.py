@@ -73,6 +73,7 @@ def tgmm_kernel(lhs, rhs, blocks: GroupRowBlocks, *, k_minor: bool, cfg: WgradCo
                 kb, nb = plgpu.planar_snake(lin, (nkb, nnb), 1, cfg.grid_tile_width)
                 first, start, end = first_ref[g], start_ref[g], end_ref[g]
 
+                @mgpu.profiled("step")
                 def step(idx, lhs_tile, rhs_tile, acc):
                     row0 = (first + idx[0]) * br
                     if k_minor:

@@ -2,9 +2,16 @@
 
 On CPU the kernels run in Pallas's Mosaic-GPU interpret mode, which simulates the warpgroups, SMEM, TMA and
 barriers, so the tests run the same kernel code as the H200.
+
+In-kernel profiles: with PALLAS_MGPU_PROFILE_DIR set, the MoE kernels compiled afterwards record the start and
+end of their named ranges (`profiled`: each pipeline step, each epilogue) per warpgroup with Mosaic GPU's
+profiler, and every call writes a trace file there (`bench/mgpu_profile.py DIR` summarises them). The records
+cost a few cycles each and PROFILE_RANGES x 16 bytes of SMEM per warpgroup, which the stage counts make room for.
 """
 
+import functools
 import inspect
+import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +27,9 @@ except ImportError:  # jax 0.10.2 has it only under _src
 INTERPRET_SMS = 2
 # Registers kept by the TMA-issuing warpgroup (the rest go to the compute warpgroups).
 MEMORY_REGISTERS = 40
+SMEM_BYTES = 225 * 1024  # what a CTA's buffers may take on Hopper (227 KiB), less barriers and alignment
+PROFILE_DIR_ENV = "PALLAS_MGPU_PROFILE_DIR"
+PROFILE_RANGES = 320  # named ranges each warpgroup may record per call (a decode kernel's steps fit)
 _LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters and (
     inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty)
 
@@ -33,8 +43,32 @@ def num_sms(interpret: bool) -> int:
     return INTERPRET_SMS if interpret else jax.devices()[0].core_count
 
 
+def profile_dir() -> str:
+    return os.environ.get(PROFILE_DIR_ENV, "")
+
+
 def compiler_params():
-    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+    profile = {}
+    if profile_dir():
+        os.makedirs(profile_dir(), exist_ok=True)
+        profile = dict(profile_space=PROFILE_RANGES, profile_dir=profile_dir())
+    return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile)
+
+
+def smem_budget(warpgroups: int) -> int:
+    """SMEM bytes a kernel's buffers may take: less the profiler's records (4 words per range) when profiling."""
+    return SMEM_BYTES - (16 * PROFILE_RANGES * warpgroups if profile_dir() else 0)
+
+
+def profiled(name: str):
+    """Makes each call of a kernel-body function a range named `name` in in-kernel profiles (a no-op otherwise)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def named(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return named
+    return wrap
 
 
 def tile_transforms(minor: int, dtype) -> tuple:

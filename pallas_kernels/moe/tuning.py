@@ -10,8 +10,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-SMEM_BYTES = 227 * 1024
-_SMEM_SLACK = 2 * 1024  # barriers and alignment
+from pallas_kernels.moe import mgpu
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +96,7 @@ class KernelConfigs:
 def fit_stages(cfg, stage_bytes: int, fixed_bytes: int):
     """Lowers `stages` until the pipeline buffers plus the epilogue buffers fit in SMEM."""
     stages = cfg.stages
-    while stages > 2 and stages * stage_bytes + fixed_bytes > SMEM_BYTES - _SMEM_SLACK:
+    while stages > 2 and stages * stage_bytes + fixed_bytes > mgpu.smem_budget(cfg.compute_wgs + 1):
         stages -= 1
     return dataclasses.replace(cfg, stages=stages)
 
