@@ -16,7 +16,8 @@ bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XL
     PYTHONPATH=. python bench/moe.py   (writes $OUT/moe_bench.json when OUT is set; --dry-run: tiny, on CPU;
                                         --decode-sweep: only a tile sweep of the 32-token decode step, of the
                                         fp8 experts with --fp8; with --nvfp4 a slab sweep of NVFP4 experts at
-                                        8, 32 and 128 tokens against fp8; --quantized: only fp8 and
+                                        8, 32 and 128 tokens (--steps=32,128: some) against fp8;
+                                        --quantized: only fp8 and
                                         NVFP4 experts against bf16, decode and prefill forward)
 """
 
@@ -42,6 +43,7 @@ from inkling_jax import kernels
 from inkling_jax.mlp import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
+from pallas_kernels.moe.kernel_w4 import config_for as config_for_w4
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 from pallas_kernels.moe.tuning import DECODE, GmmConfig, KernelConfigs, WgradConfig
@@ -211,24 +213,31 @@ def _time_decode(name, f, args, nbytes, read, into):
     return t
 
 
-def nvfp4_slab_sweep(w, read):
-    """The NVFP4 FFN (`moe_ffn_nvfp4`) at decode steps of 8, 32 and 128 tokens with slabs of several widths
-    (the kernels' N), against the fp8 FFN on the same rows."""
+# NVFP4 decode cases per step size: (tokens per slab, NVFP4 blocks per wgmma call), the defaults first. The
+# others are the alternatives measured on the H200 (bench/results/moe.md): each case compiles for ~50 s there.
+NVFP4_CASES = {8: ((16, 16),), 32: ((16, 16), (16, 1)), 128: ((32, 16), (32, 1), (128, 16))}
+
+
+def nvfp4_slab_sweep(w, read, steps=tuple(NVFP4_CASES)):
+    """The NVFP4 FFN (`moe_ffn_nvfp4`) at decode steps of `steps` tokens (of NVFP4_CASES), with the slab widths
+    (the kernels' N) and wgmma grouping there, against the fp8 FFN on the same rows."""
     q4, q8 = quantize_nvfp4(*w), quantize_experts(*w)
     sweep = R["decode_sweep"] = {}
-    for tokens, slabs in ((8, (16,)), (32, (16, 32)), (128, (16, 32, 64, 128))):
+    for tokens in steps:
         d = rows_inputs(tokens, seed=tokens)
         args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
         print(f"decode {tokens} tokens (largest group {int(d['gs'][:LOCAL].max())}): "
               f"{_expert_bytes(d['gs'], 'nvfp4') / 1e9:.2f} GB of NVFP4 weights", flush=True)
         fp8 = _time_decode(f"{tokens} fp8", functools.partial(moe_ffn_fp8, experts=q8, max_group_rows=tokens), args,
                            _expert_bytes(d["gs"], "fp8"), read, sweep)
-        for slab in slabs:
-            t = _time_decode(f"{tokens} W4 slab {slab}", functools.partial(
-                moe_ffn_nvfp4, experts=q4, max_group_rows=tokens, slab=slab), args,
+        for slab, per_call in NVFP4_CASES[tokens]:
+            name = f"{tokens} W4 slab {slab}, {per_call} blocks/wgmma"
+            cfg = dataclasses.replace(config_for_w4(slab), blocks_per_wgmma=per_call)
+            t = _time_decode(name, functools.partial(
+                moe_ffn_nvfp4, experts=q4, max_group_rows=tokens, slab=slab, cfg=cfg), args,
                 _expert_bytes(d["gs"], "nvfp4"), read, sweep)
             if t and fp8:
-                sweep[f"{tokens} W4 slab {slab}"]["of_fp8_time"] = t / fp8
+                sweep[name]["of_fp8_time"] = t / fp8
                 print(f"  {'':45s} {t / fp8:.2f} of fp8's time", flush=True)
 
 
@@ -238,7 +247,8 @@ def decode_sweep(w, tokens=32, precision="bf16"):
     NVFP4: `nvfp4_slab_sweep`."""
     read = R["read_GBps"] = read_bandwidth(CEIL_COPY, data="normal") / 1e9
     if precision == "nvfp4":
-        return nvfp4_slab_sweep(w, read)
+        steps = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--steps=")), None)
+        return nvfp4_slab_sweep(w, read, *([tuple(int(t) for t in steps.split(","))] if steps else []))
     d = rows_inputs(tokens, seed=tokens)
     nbytes = _expert_bytes(d["gs"], precision)
     args = dict(x=d["x"], group_sizes=d["gs"], row_weights=d["rw"])
