@@ -149,9 +149,9 @@ def _along_k(planes):
 
 def _multiply(acc, planes, x_rows, a_smem):
     """acc += [planes along K] @ x_rows, as one wgmma call: one fence and one commit for all its instructions
-    (a call per 16-value block cost the H200 ~100 cycles each, more than its tensor-core work). a_smem: None
-    when compiled; under jax 0.10.2's interpreter, which takes the left operand from SMEM only, a [64, 16]
-    buffer that each plane passes through."""
+    (against a call per plane: 577 -> 533 us for the H200's 32-token step). a_smem: None when compiled; under
+    jax 0.10.2's interpreter, which takes the left operand from SMEM only, a [64, 16] buffer that each plane
+    passes through."""
     if a_smem is None:
         plgpu.wgmma(acc, _along_k(planes), x_rows)
         return
@@ -234,7 +234,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                     for m in range(matrices):
                         codes = w_smem.at[pl.ds((wg * matrices + m) * ROWS, ROWS)][...]
                         planes = []
-                        for q in range(bk // PAIR):  # 16 bytes of each row at a time: few live registers
+                        for q in range(bk // PAIR):  # 16 bytes of each row at a time
                             piece = codes[:, BLOCK * q:BLOCK * (q + 1)]
                             for half, plane in enumerate(f16_planes(piece) if interpret else
                                                          _planes_in_registers(piece)):

@@ -36,7 +36,7 @@ PREFILL_SLAB = 128  # tokens per slab without a bound, or above this one
 # (bench/results/moe.md, 2026-12-01) 32 tokens took 580 us in slabs of 16 against 621 us in one slab of 32 per
 # expert, and 128 tokens 741 us in slabs of 32 against 789 (64), 1072 (one of 128) and 1158 (16). The bound of
 # the 32-token slabs leaves room above 128 because the server's all-rows decode step has max_num_seqs + 1 rows
-# (129 by default), which a bound of 128 sent to 128-token slabs
+# (129 for bench/serve.py's 128 sequences), which a bound of 128 sent to 128-token slabs
 DECODE_SLABS = ((32, 16), (160, 32))  # (largest bound, slab tokens)
 
 

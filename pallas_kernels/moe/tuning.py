@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from pallas_kernels.moe import mgpu
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
     """Row-blocked grouped matmul: out tile = (compute_wgs * wg_rows) x block_n per accumulator."""
