@@ -1,4 +1,5 @@
-"""bench/mgpu_profile.py on a made-up in-kernel trace: the shares, step lengths and gaps it reports."""
+"""bench/mgpu_profile.py on a made-up in-kernel trace (the shares, step lengths and gaps it reports), and the
+switch that makes the MoE kernels record one."""
 
 import json
 
@@ -25,3 +26,15 @@ def test_a_compute_warpgroup_s_steps_waits_and_tile_gap(tmp_path):
     assert s["warpgroups"] == 1 and s["span_us"] == 14
     assert s["busy"]["step"] == pytest.approx(9 / 14) and s["busy"]["epilogue"] == pytest.approx(1 / 14)
     assert (s["step_p50_us"], s["wait_p50_us"], s["tile_gap_p50_us"], s["steps_per_warpgroup"]) == (3, 1, 2, 3)
+
+
+def test_the_profile_switch_turns_on_the_profiler_and_makes_room_in_smem(tmp_path, monkeypatch):
+    from pallas_kernels.moe import mgpu
+
+    off_budget = mgpu.smem_budget(3)
+    assert mgpu.compiler_params().profile_space == 0
+    monkeypatch.setenv(mgpu.PROFILE_DIR_ENV, str(tmp_path / "prof"))
+    params = mgpu.compiler_params()
+    assert (params.profile_space, params.profile_dir) == (mgpu.PROFILE_RANGES, str(tmp_path / "prof"))
+    assert (tmp_path / "prof").is_dir()
+    assert mgpu.smem_budget(3) == off_budget - 3 * 16 * mgpu.PROFILE_RANGES
