@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from inkling_jax.mlp import expert_ffn, grouped_rows, local_experts, precision_of, shared_dense, with_shared_rows
-from inkling_jax.sharding import RULES, axes_of, spec_for
+from inkling_jax.mlp import (MoE, expert_ffn, grouped_rows, local_experts, precision_of, shared_dense,
+                             with_shared_rows)
+from inkling_jax.sharding import RULES, axes_of, logical_axes, spec_for
 
 AXIS = RULES["experts"]
 WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the shared ones' ("mlp") alike
@@ -37,17 +38,13 @@ WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the 
 def width_axis(mesh: Mesh, routed, shared) -> str | None:
     """`tensor` when the mesh has one and it divides the routed and the shared width (split alike, so the
     stacks `shared_in_launch` concatenates line up), else None: every shard holds whole experts. NVFP4 experts
-    split in whole groups of 64 output columns (their gate and up rows interleave by 64)."""
+    split in whole groups of 64 output columns (their w13 holds gate and up rows in turns of 64: 128 rows)."""
     n = mesh.shape[WIDTH_AXIS]
-    precision = precision_of(routed)
-    if precision == "fp8":
-        routed_width = routed.gate.shape[1]  # fp8 values are K-minor
-    elif precision == "nvfp4":
-        routed_width = routed.w13.shape[1] // 2  # gate and up rows
-    else:
-        routed_width = routed[2].shape[1]
-    grain = 64 if precision == "nvfp4" else 1
-    return WIDTH_AXIS if n > 1 and routed_width % (n * grain) == 0 and shared[2].shape[1] % n == 0 else None
+    # the dimension `_shard_map` splits, of w_gate, w_gate_fp8 or w13_nvfp4
+    name, first = _routed_names(routed)[0], routed[0]
+    split = first.shape[logical_axes(("mlp", name), first.ndim).index("expert_mlp")]
+    grain = 2 * 64 if precision_of(routed) == "nvfp4" else 1
+    return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared[2].shape[1] % n == 0 else None
 
 
 def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
@@ -59,7 +56,7 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch, width_axis=width)
         return _sum_width(out, width)
 
-    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, routed)(
+    return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, routed, shared)(
         x, expert_ids, weights, shared_weights, routed, tuple(shared))
 
 
@@ -126,33 +123,31 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         out = _sum_width(out, width)
         return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
-    return _shard_map(shard, mesh, tokens, width, routed)(x, expert_ids, weights, shared_weights, routed,
-                                                          tuple(shared))
+    return _shard_map(shard, mesh, tokens, width, routed, shared)(x, expert_ids, weights, shared_weights, routed,
+                                                                  tuple(shared))
 
 
-def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts):
+def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts, shared_experts):
     """shard(x, ids, weights, shared_weights, routed, shared) over `mesh`: tokens (and the output) laid out as
-    `tokens` (`_tokens_spec`); routed experts over `expert`; the routed and the shared width over `width`
-    (w_gate / w_up columns, w_down rows) unless None. The routed experts are specified by the form of
-    `routed_experts` and reach `shard` in it: (w_gate, w_up, w_down), an Fp8Experts (values K-minor, then one
-    scale per expert and matrix) or an Nvfp4Experts (pallas_kernels/moe/nvfp4.py: packed rows [out, in / 2] and
-    block scales [in / 16, out / 64, matrices, 64] per expert)."""
-    precision = precision_of(routed_experts)
+    `tokens` (`_tokens_spec`). The experts' weights are laid out by sharding's table for their parameter names
+    (`logical_axes`): routed experts over `expert`, the routed and the shared width over `width` unless None,
+    every other dimension whole. The routed experts reach `shard` in the form of `routed_experts`: (w_gate, w_up,
+    w_down), an Fp8Experts or an Nvfp4Experts."""
+    over = {"experts": AXIS if mesh.shape[AXIS] > 1 else None, "expert_mlp": width, "mlp": width}
 
-    def stack(experts):
-        return P(experts, None, width), P(experts, None, width), P(experts, width, None)
+    def specs(names, arrays):
+        return tuple(P(*(over.get(axis) for axis in logical_axes(("mlp", name), a.ndim)))
+                     for name, a in zip(names, arrays))
 
-    experts = AXIS if mesh.shape[AXIS] > 1 else None
-    routed = stack(experts)
-    if precision == "fp8":
-        routed = tuple(P(e, k, n) for e, n, k in routed) + (P(experts),) * 3
-    elif precision == "nvfp4":
-        w13, w13_scale = P(experts, width, None), P(experts, None, width, None, None)
-        w2, w2_scale = P(experts, None, width), P(experts, width, None, None, None)
-        routed = (w13, w13_scale, P(experts), w2, w2_scale, P(experts))
+    routed = specs(_routed_names(routed_experts), routed_experts)
     routed = jax.tree.unflatten(jax.tree.structure(routed_experts), routed)  # the specs in the experts' form
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
-                         in_specs=(tokens, tokens, tokens, tokens, routed, stack(None)))
+                         in_specs=(tokens, tokens, tokens, tokens, routed, specs(MoE.SHARED, shared_experts)))
+
+
+def _routed_names(routed) -> tuple[str, ...]:
+    """The MoE parameter names of routed experts in the form `routed` is in."""
+    return MoE.ROUTED_QUANTISED.get(precision_of(routed), MoE.ROUTED_BF16)
 
 
 def _tokens_spec(mesh: Mesh, num_tokens: int) -> P:

@@ -31,7 +31,7 @@ from inkling_jax.safetensors_io import CheckpointError
 from inkling_jax.sharding import param_shardings
 
 log = logging.getLogger(__name__)
-ROUTED_EXPERTS = ("w_gate", "w_up", "w_down")  # a MoE layer's parameters that expert_precision="fp8" quantises
+ROUTED_EXPERTS = MoE.ROUTED_BF16  # a MoE layer's parameters that expert_precision quantises
 
 PACKED_KINDS = ("packed_gate_up", "packed_down")
 Path = tuple  # a parameter's path in the module tree, e.g. ("layers", 3, "attn", "wq", "kernel")

@@ -64,9 +64,11 @@ class MoE(nnx.Module):
     """
 
     shared_in_launch: bool = False
+    ROUTED_BF16 = ("w_gate", "w_up", "w_down")
     ROUTED_FP8 = ("w_gate_fp8", "w_up_fp8", "w_down_fp8", "w_gate_scale", "w_up_scale", "w_down_scale")
     ROUTED_NVFP4 = ("w13_nvfp4", "w13_scale", "w13_scale2", "w2_nvfp4", "w2_scale", "w2_scale2")
     ROUTED_QUANTISED = {"fp8": ROUTED_FP8, "nvfp4": ROUTED_NVFP4}  # the parameters each format's experts are in
+    SHARED = ("shared_gate", "shared_up", "shared_down")
 
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
