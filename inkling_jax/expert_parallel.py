@@ -38,12 +38,13 @@ WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the 
 def width_axis(mesh: Mesh, routed, shared) -> str | None:
     """`tensor` when the mesh has one and it divides the routed and the shared width (split alike, so the
     stacks `shared_in_launch` concatenates line up), else None: every shard holds whole experts. NVFP4 experts
-    split in whole groups of 64 output columns (their w13 holds gate and up rows in turns of 64: 128 rows)."""
+    split in whole groups of 64 output columns (their w13 holds gate and up rows in turns of 64: 2 of its row
+    groups)."""
     n = mesh.shape[WIDTH_AXIS]
     # the dimension `_shard_map` splits, of w_gate, w_gate_fp8 or w13_nvfp4
     name, first = _routed_names(routed)[0], routed[0]
     split = first.shape[logical_axes(("mlp", name), first.ndim).index("expert_mlp")]
-    grain = 2 * 64 if precision_of(routed) == "nvfp4" else 1
+    grain = 2 if precision_of(routed) == "nvfp4" else 1
     return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared[2].shape[1] % n == 0 else None
 
 

@@ -79,10 +79,10 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("w_gate_scale",), ("experts",)),
     (("w_up_scale",), ("experts",)),
     (("w_down_scale",), ("experts",)),
-    (("w13_nvfp4",), ("experts", "expert_mlp", None)),  # NVFP4 routed experts (pallas_kernels/moe/nvfp4.py)
+    (("w13_nvfp4",), ("experts", "expert_mlp", None, None, None)),  # NVFP4 routed experts (pallas_kernels/moe/nvfp4.py)
     (("w13_scale",), ("experts", None, "expert_mlp", None, None)),
     (("w13_scale2",), ("experts",)),
-    (("w2_nvfp4",), ("experts", None, "expert_mlp")),
+    (("w2_nvfp4",), ("experts", None, "expert_mlp", None, None)),
     (("w2_scale",), ("experts", "expert_mlp", None, None, None)),
     (("w2_scale2",), ("experts",)),
     (("shared_gate",), (None, "embed", "mlp")),

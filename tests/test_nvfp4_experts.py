@@ -20,8 +20,8 @@ def test_quantised_layer_drops_its_bf16_experts():
     _, nvfp4 = moe_pair("nvfp4")
     assert nvfp4.precision == "nvfp4" and not nvfp4.fp8 and not hasattr(nvfp4, "w_gate")
     experts = nvfp4.routed_experts()
-    assert experts.w13.dtype == jnp.uint8 and experts.w13.shape == (8, 256, 32)  # gate and up, width padded to 128
-    assert experts.w2.shape == (8, 64, 64) and experts.w2_scale2.dtype == jnp.float32
+    assert experts.w13.dtype == jnp.uint8 and experts.w13.shape == (8, 4, 2, 8, 128)  # gate and up, width padded to 128
+    assert experts.w2.shape == (8, 1, 4, 8, 128) and experts.w2_scale2.dtype == jnp.float32
     assert nvfp4.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
 
 

@@ -6,21 +6,31 @@ Slabs hold one expert's tokens each (decode.in_slabs), feature-major: x_t [slabs
 wgmma's left operand, which may live in registers: per k step the memory warpgroup brings a tile of packed e2m1
 codes and their f16 block scales into SMEM by TMA, and each compute warpgroup turns its rows into f16 in
 registers before its products (`f16_planes`; compiled, the same steps in PTX on 32-bit words), so the weights
-cross HBM and SMEM at 4 bits. A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup
-owns 64 output rows and one fp32 accumulator [64, N] per matrix (gate and up: two).
+cross HBM and SMEM at 4 bits; each thread loads a piece's codes as 8 bytes at once (the packed layout below).
+A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup owns 64 output rows and one
+fp32 accumulator [64, N] per matrix (gate and up: two).
 
 On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
-0.53 of the read bandwidth in slabs of 16 tokens. An in-kernel profile (mgpu.py) put the compute warpgroups
-inside their pipeline steps 0.81-0.89 of the time, with ~0.15 us waits between steps: the compute warpgroups
-bound the kernel, not the TMA stream. Each wgmma call brings a fence and a commit, so a step's blocks go to one
-call per matrix (`blocks_per_wgmma`): 577 -> 533 us at 32 tokens, 739 -> 662 us at 128. Issuing all of a step's
-conversions before its wgmmas was slower (639 us).
+0.67 of the read bandwidth in slabs of 16 tokens (432 us). The compute warpgroups bound the kernel, not the TMA
+stream: an in-kernel profile (mgpu.py) put them inside their pipeline steps 0.81-0.89 of the time, with ~0.15 us
+waits between steps, and a step's work is instructions (gate/up, per thread: 32 words of codes to convert,
+128 f16x2 scale multiplies). What took time out, in order:
+- one wgmma call per matrix and step (`blocks_per_wgmma`), not one per NVFP4 block, each call bringing a fence
+  and a commit: 577 -> 533 us at 32 tokens, 739 -> 662 us at 128;
+- codes stored in the order the threads hold them (`to_units`): loading the row-major pieces in the WGMMA
+  layout took 2-byte loads and about as many repacking instructions again (the gate/up kernel's PTX: 64
+  `ld.shared.v2.b8`, 130 `cvt.u32.u16`, 96 `prmt` per step): 531 -> 432 us at 32 tokens, 656 -> 552 at 128.
+Tried and slower: all of a step's conversions before its wgmmas (639 us against 573); the conversion by
+rotations and masks only (no `cvt`, 11 integer instructions per 8 codes against 9 and 4 `cvt`: 590 us against
+533), which suggests that the integer pipe, not the conversion unit, is the scarce one (not profiled).
 
 Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
 each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
 nibble. So columns 16q..16q+15 of the low-nibble plane are one NVFP4 block (K 32q..32q+15) and of the high plane
 the next one: each [64, 16] piece is one wgmma k-step with one scale per row, and its right operand is 16
-consecutive rows of x_t. Scales: f16 [G, K / 16, out_rows / 64, matrices, 64], the e4m3 block scale times 64.
+consecutive rows of x_t. In memory each [64, 16] piece is one 1024-byte unit, its bytes in the order the
+compute warpgroup's threads hold them (`to_units`), so that a thread loads its 8 bytes of a piece at once.
+Scales: f16 [G, K / 16, out_rows / 64, matrices, 64], the e4m3 block scale times 64.
 """
 
 import dataclasses
@@ -35,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import llvm
+from jaxlib.mlir.dialects import llvm, vector
 
 from pallas_kernels.moe import mgpu
 
@@ -47,6 +57,9 @@ SCALE_FACTOR = 64.0  # the e4m3 bits built from an e2m1 code stand for its value
 # [64, 16] register operand (Mosaic takes K in groups of one swizzle span)
 X_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 N_ALIGN = 16  # tokens per slab are a multiple of this (the wgmma's N, and one 32-byte swizzle span of f16)
+# Packed codes reach SMEM in units of 64 rows x 32 K values (16 bytes a row), each unit's 1024 bytes ordered so
+# that each thread of a compute warpgroup finds the 8 bytes its WGMMA registers hold at 8 x its index (`to_units`)
+UNIT_SHAPE = (8, 128)  # a unit's bytes as a TMA box (each box dimension is at most 256 elements)
 # A slab's fp32 column vectors land in SMEM rows of at least this many values, 128 bytes: their TMA copies need
 # rows that start 128-byte aligned (16-value rows failed with a misaligned address on the H200)
 COL_ROW = 32
@@ -83,21 +96,49 @@ def config_for(n: int) -> W4Config:
     return dataclasses.replace(cfg, stages=max(2, min(4, (budget - fixed) // stage)))
 
 
-def _planes_in_registers(packed):
-    """`f16_planes` for a compiled kernel: packed [64, C] uint8 in the WGMMA layout -> two f16 [64, C] arrays in
-    the same layout, from PTX on 32-bit words (four bytes, eight codes, per pair of 2-byte registers). Mosaic's
-    own lowering of those ops (16-bit lanes, one element at a time) left the H200 kernel ALU-bound at 0.31 of the
-    read bandwidth."""
-    layout = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct(packed.shape, jnp.float16, layout=layout)
+def to_units(packed):
+    """Packed bytes [..., rows, K / 2] (rows a multiple of 64; row-major, as the module doc lays them out) -> the
+    kernel's units [..., rows / 64, K / 32, 8, 128]; NumPy or jax arrays. Thread 32 warp + 4 i + j of a compute
+    warpgroup holds rows r = 16 warp + i and r + 8, columns c = 2 j and c + 1 of each 8-column half of a [64, 16]
+    piece; its 8 bytes sit at 8 x its index, as two words (one per half): (r, c), (r, c + 1), (r + 8, c),
+    (r + 8, c + 1)."""
+    *lead, rows, half_k = packed.shape
+    n = len(lead)
+    t = packed.reshape(*lead, rows // ROWS, 4, 2, 8, half_k // BLOCK, 2, 4, 2)
+    group, warp, row_half, i, unit, half, j, byte = range(n, n + 8)
+    t = t.transpose(*range(n), group, unit, warp, i, j, half, row_half, byte)
+    return t.reshape(*lead, rows // ROWS, half_k // BLOCK, *UNIT_SHAPE)
 
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=(out, out))
-    def planes(ctx, codes):
+
+def from_units(units):
+    """The inverse of `to_units`: [..., rows / 64, K / 32, 8, 128] -> [..., rows, K / 2]."""
+    *lead, groups, num_units, _, _ = units.shape
+    n = len(lead)
+    t = units.reshape(*lead, groups, num_units, 4, 8, 4, 2, 2, 2)
+    group, unit, warp, i, j, half, row_half, byte = range(n, n + 8)
+    t = t.transpose(*range(n), group, warp, row_half, i, unit, half, j, byte)
+    return t.reshape(*lead, groups * ROWS, num_units * BLOCK)
+
+
+def _planes_in_registers(unit_ref):
+    """`f16_planes` of a unit in SMEM for a compiled kernel: each thread loads its 8 bytes at once (two 32-bit
+    words, eight codes each) and turns them into the f16 registers of the two [64, 16] planes in the WGMMA layout.
+    Loading the pieces row-major in the WGMMA layout instead took 2-byte loads and as many repacking instructions
+    again before the conversion. Mosaic's own lowering of the conversion (16-bit lanes, one element at a time)
+    left the H200 kernel ALU-bound at 0.31 of the read bandwidth, hence the PTX on 32-bit words."""
+    layout = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float16, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(out, out))
+    def planes(ctx, ref):
         del ctx
         i32 = ir.IntegerType.get_signless(32)
         f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-        flat = codes.registers.reshape(-1)
-        low, high = np.empty_like(flat), np.empty_like(flat)
+        (chunk,) = mosaic_gpu.FragmentedArray.load_strided(ref, is_signed=False, vec_size=8).registers.reshape(-1)
+        words = mgpu_utils.bitcast(chunk, ir.VectorType.get((2,), i32))
+        wgmma_layout = mosaic_gpu.WGMMA_LAYOUT
+        shape = wgmma_layout.registers_shape((ROWS, BLOCK))
+        low, high = np.empty(4, dtype=object), np.empty(4, dtype=object)
         # x: 8 codes. low bytes: ((x & 0x07) << 2) | ((x & 0x08) << 4); high: ((x >> 2) & 0x1c) | (x & 0x80);
         # each pair of e4m3 bytes -> one f16x2 (cvt keeps the lower byte in the lower half)
         ptx = """{
@@ -120,16 +161,15 @@ def _planes_in_registers(packed):
           cvt.rn.f16x2.e4m3x2 $3, h1;
         }"""
         struct = llvm.StructType.get_literal([i32] * 4)
-        for j in range(0, flat.size, 2):
-            word = mgpu_utils.bitcast(mgpu_utils.vector_concat([flat[j], flat[j + 1]]), i32)
+        for half in range(2):  # word `half`: columns 8 half + c, + 1 of rows r, r + 8 (registers 2 half, + 1)
+            word = vector.extract(words, [], [half])
             res = llvm.inline_asm(struct, [word], ptx, "=r,=r,=r,=r,r", has_side_effects=False)
             parts = [mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), f16x2) for i in range(4)]
-            low[j], low[j + 1], high[j], high[j + 1] = parts
-        shape = codes.registers.shape
-        return tuple(mosaic_gpu.FragmentedArray(_registers=r.reshape(shape), _layout=codes.layout, _is_signed=None)
+            low[2 * half], low[2 * half + 1], high[2 * half], high[2 * half + 1] = parts
+        return tuple(mosaic_gpu.FragmentedArray(_registers=r.reshape(shape), _layout=wgmma_layout, _is_signed=None)
                      for r in (low, high))
 
-    return planes(packed)
+    return planes(unit_ref)
 
 
 def _along_k(planes):
@@ -167,7 +207,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
 
     Args:
       x_t: f16 [S, K, N]: slab s's tokens, feature-major (N a multiple of N_ALIGN).
-      packed: uint8 [G, matrices * out_rows, K / 2] in the module doc's layout.
+      packed: uint8 [G, matrices * out_rows / 64, K / 32, 8, 128]: the module doc's layout in `to_units`.
       scales: f16 [G, K / 16, out_rows / 64, matrices, 64].
       slab_group: int32 [S] the expert of each slab; slab_rows: int32 [S] its tokens (0: the slab is skipped).
       col_vectors: fp32 [S, N] arrays handed to the epilogue as [N] vectors of the tile's slab.
@@ -177,8 +217,8 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
       out_dtype [S, out_rows, N].
     """
     num_slabs, k, n = x_t.shape
-    groups, packed_rows, half_k = packed.shape
-    out_rows = packed_rows // matrices
+    groups, row_groups, num_units = packed.shape[:3]
+    out_rows = row_groups * ROWS // matrices
     bk, wgs = cfg.block_k, cfg.compute_wgs
     while k % bk and bk > PAIR:  # small shapes (tests, the tiny preset)
         bk //= 2
@@ -186,11 +226,12 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
         wgs = 1
     tile_rows = wgs * ROWS
     per_call = min(cfg.blocks_per_wgmma, bk // BLOCK)
-    if half_k * 2 != k or k % bk or bk % PAIR or out_rows % tile_rows or n % N_ALIGN or (bk // BLOCK) % per_call:
+    if (packed.shape[3:] != UNIT_SHAPE or num_units * PAIR != k or k % bk or bk % PAIR or out_rows % tile_rows
+            or n % N_ALIGN or (bk // BLOCK) % per_call):
         raise ValueError(f"bad W4 shapes: x_t {x_t.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups")
     nk, nblocks = k // bk, out_rows // tile_rows
     out_dtype = jnp.dtype(out_dtype)
-    w_view = packed.reshape(groups * nblocks * wgs * matrices * ROWS, half_k)
+    w_view = packed.reshape(groups * nblocks * wgs * matrices, num_units, *UNIT_SHAPE)
     s_view = scales.reshape(groups * (k // BLOCK), out_rows // ROWS, matrices, ROWS)
     x_view = x_t.reshape(num_slabs * k, n)
     cols_flat = [c.astype(jnp.float32).reshape(num_slabs * n) for c in col_vectors]
@@ -203,8 +244,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
         def pipeline(slab, block, num_steps, step, context):
             g = group_ref[slab]
             specs = [
-                plgpu.BlockSpec((wgs * matrices * ROWS, bk // 2), lambda kk: (g * nblocks + block, kk),
-                                transforms=mgpu.tile_transforms(bk // 2, jnp.uint8)),
+                plgpu.BlockSpec((wgs * matrices, bk // PAIR, *UNIT_SHAPE), lambda kk: (g * nblocks + block, kk, 0, 0)),
                 plgpu.BlockSpec((bk // BLOCK, wgs, matrices, ROWS), lambda kk: (g * nk + kk, block, 0, 0)),
                 plgpu.BlockSpec((bk, n), lambda kk: (slab * nk + kk, 0), transforms=X_TRANSFORMS),
             ]
@@ -232,12 +272,11 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                 @mgpu.profiled("step")
                 def step(_, w_smem, s_smem, x_smem, accs):
                     for m in range(matrices):
-                        codes = w_smem.at[pl.ds((wg * matrices + m) * ROWS, ROWS)][...]
                         planes = []
-                        for q in range(bk // PAIR):  # 16 bytes of each row at a time
-                            piece = codes[:, BLOCK * q:BLOCK * (q + 1)]
-                            for half, plane in enumerate(f16_planes(piece) if interpret else
-                                                         _planes_in_registers(piece)):
+                        for q in range(bk // PAIR):  # a unit: 16 bytes of each row
+                            unit = w_smem.at[wg * matrices + m, q]
+                            for half, plane in enumerate(f16_planes(from_units(unit[...][None, None])) if interpret
+                                                         else _planes_in_registers(unit)):
                                 b = 2 * q + half  # the NVFP4 block within the step
                                 scale = mgpu.row_vector(s_smem.at[b, wg, m], interpret)
                                 planes.append(plane * lax.broadcast_in_dim(scale, (ROWS, BLOCK), (0,)))

@@ -3,8 +3,8 @@
 Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
 `kernel_w4.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
 an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
-decode kernels took 533 us at 32 tokens against fp8's 611 (0.87; fp8 timed in earlier calls) and 662 us at 128
-against 750 (0.88), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
+decode kernels took 432 us at 32 tokens against fp8's 611 (0.71; fp8 timed in earlier calls) and 552 us at 128
+against 750 (0.74), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
 fp8's time on a 16k-token prefill. The format is NVFP4's (inkling_jax/nvfp4.py, spec section 5.2): per
 expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale, per value an e2m1 code:
 
@@ -26,7 +26,7 @@ import numpy as np
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
 from pallas_kernels.moe.groups import group_of_rows
-from pallas_kernels.moe.kernel_w4 import BLOCK, PAIR, ROWS, SCALE_FACTOR, W4Config, w4_gmm
+from pallas_kernels.moe.kernel_w4 import BLOCK, PAIR, ROWS, SCALE_FACTOR, W4Config, from_units, to_units, w4_gmm
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 magnitudes 0 .5 1 1.5 2 3 4 6
@@ -42,9 +42,9 @@ DECODE_SLABS = ((32, 16), (160, 32))  # (largest bound, slab tokens)
 
 
 class Nvfp4Experts(NamedTuple):
-    """G experts in the kernel layout (kernel_w4.py): w13 packed uint8 [G, 2 I, H / 2] (gate and up rows in
-    groups of 64), w2 packed [G, H, I / 2]; their scales f16 [G, K / 16, rows / 64, matrices, 64] (block scale
-    times 64) and scale2 fp32 [G]."""
+    """G experts in the kernel layout (kernel_w4.py): w13 packed uint8 [G, 2 I / 64, H / 32, 8, 128] (gate and up
+    rows in groups of 64), w2 packed [G, H / 64, I / 32, 8, 128]; their scales f16 [G, K / 16, rows / 64,
+    matrices, 64] (block scale times 64) and scale2 fp32 [G]."""
     w13: jax.Array
     w13_scale: jax.Array
     w13_scale2: jax.Array
@@ -72,12 +72,13 @@ def quantize_matrices(w):
 
 
 def layout(codes, scale):
-    """Codes [G, M, rows, K] and e4m3 scales [G, M, rows, K / 16] -> (packed uint8 [G, M rows, K / 2], f16 scales
-    [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout; NumPy arrays (on the host) or jax arrays."""
+    """Codes [G, M, rows, K] and e4m3 scales [G, M, rows, K / 16] -> (packed uint8 [G, M rows / 64, K / 32, 8,
+    128], f16 scales [G, K / 16, rows / 64, M, 64]) in kernel_w4's layout; NumPy arrays (on the host) or jax
+    arrays."""
     g, m, rows, k = codes.shape
     by_group = codes.reshape(g, m, rows // ROWS, ROWS, k).transpose(0, 2, 1, 3, 4).reshape(g, m * rows, k)
     pairs = by_group.reshape(g, m * rows, k // PAIR, 2, BLOCK)
-    packed = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, m * rows, k // 2)
+    packed = to_units((pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, m * rows, k // 2))
     scales = scale.astype(np.float16) * np.float16(SCALE_FACTOR)
     scales = scales.reshape(g, m, rows // ROWS, ROWS, k // BLOCK).transpose(0, 4, 2, 1, 3)
     return packed, scales
@@ -116,6 +117,7 @@ def quantize_experts(w_gate, w_up, w_down) -> Nvfp4Experts:
 
 def dequantize(packed, scales, scale2, matrices: int):
     """The fp32 weights [G, matrices, rows, K] that kernel-layout tensors stand for."""
+    packed = from_units(packed)
     g, mrows, half_k = packed.shape
     rows, k = mrows // matrices, 2 * half_k
     table = jnp.asarray(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), jnp.float32)
