@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
-from pallas_kernels.moe.kernel_w4 import W4Config, f16_planes
+from pallas_kernels.moe.kernel_w4 import W4Config, f16_planes, from_units, to_units
 from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
                                       moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
 from pallas_kernels.moe.test_fp8 import operands
@@ -27,6 +27,23 @@ def test_f16_planes_give_every_e2m1_value_over_64():
     table = np.concatenate([checkpoint_format.E2M1_VALUES, -checkpoint_format.E2M1_VALUES])
     np.testing.assert_array_equal(low * 64, table[codes & 0x0F])
     np.testing.assert_array_equal(high * 64, table[codes >> 4])
+
+
+def test_units_put_each_threads_wgmma_bytes_together():
+    """Thread 32 w + 4 i + j holds rows 16 w + i and + 8, columns 2 j, 2 j + 1 of each 8-column half of a
+    [64, 16] piece in the WGMMA layout; to_units must place those 8 bytes at 8 x its index of the piece's unit."""
+    packed = np.random.default_rng(3).integers(0, 256, (2, 128, 48)).astype(np.uint8)
+    units = to_units(packed)
+    assert units.shape == (2, 2, 3, 8, 128)
+    np.testing.assert_array_equal(from_units(units), packed)
+    np.testing.assert_array_equal(np.asarray(to_units(jnp.asarray(packed))), units)
+    for group, piece in ((0, 0), (1, 2)):
+        unit = units[1, group, piece].reshape(-1)
+        for thread in range(128):
+            warp, lane = divmod(thread, 32)
+            r, c = 64 * group + 16 * warp + lane // 4, 16 * piece + 2 * (lane % 4)
+            want = [packed[1, row, c + 8 * half + b] for half in range(2) for row in (r, r + 8) for b in range(2)]
+            np.testing.assert_array_equal(unit[8 * thread:8 * thread + 8], want)
 
 
 def test_quantiser_and_layout_match_the_checkpoint_format():
