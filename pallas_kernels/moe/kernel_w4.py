@@ -67,7 +67,7 @@ COL_ROW = 32
 
 @dataclasses.dataclass(frozen=True)
 class W4Config:
-    block_k: int = 256  # K values per pipeline step: 128 packed bytes per row, one 128-byte swizzle span
+    block_k: int = 256  # K values per pipeline step: 128 packed bytes per row (8 units)
     stages: int = 3
     compute_wgs: int = 2
     blocks_per_wgmma: int = 16  # NVFP4 blocks (16 K values each) per wgmma call: its fence and commit are shared
