@@ -6,7 +6,7 @@ Slabs hold one expert's tokens each (decode.in_slabs), feature-major: x_t [slabs
 wgmma's left operand, which may live in registers: per k step the memory warpgroup brings a tile of packed e2m1
 codes and their f16 block scales into SMEM by TMA, and each compute warpgroup turns its rows into f16 in
 registers before its products (`f16_planes`; compiled, the same steps in PTX on 32-bit words), so the weights
-cross HBM and SMEM at 4 bits; each thread loads a piece's codes as 8 bytes at once (the packed layout below).
+cross HBM and SMEM at 4 bits; each thread loads a piece's codes as 8 bytes at once (w4_codes.py).
 A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup owns 64 output rows and one
 fp32 accumulator [64, N] per matrix (gate and up: two).
 
@@ -24,13 +24,7 @@ Tried and slower: all of a step's conversions before its wgmmas (639 us against 
 rotations and masks only (no `cvt`, 11 integer instructions per 8 codes against 9 and 4 `cvt`: 590 us against
 533), which suggests that the integer pipe, not the conversion unit, is the scarce one (not profiled).
 
-Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
-each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
-nibble. So columns 16q..16q+15 of the low-nibble plane are one NVFP4 block (K 32q..32q+15) and of the high plane
-the next one: each [64, 16] piece is one wgmma k-step with one scale per row, and its right operand is 16
-consecutive rows of x_t. In memory each [64, 16] piece is one 1024-byte unit, its bytes in the order the
-compute warpgroup's threads hold them (`to_units`), so that a thread loads its 8 bytes of a piece at once.
-Scales: f16 [G, K / 16, out_rows / 64, matrices, 64], the e4m3 block scale times 64.
+The packed codes' layout and their conversion to f16 registers: w4_codes.py.
 """
 
 import dataclasses
@@ -42,24 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import llvm, vector
 
 from pallas_kernels.moe import mgpu
+from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, UNIT_SHAPE, f16_planes, from_units,
+                                          planes_in_registers)
 
-ROWS = 64  # output rows per compute warpgroup (the wgmma M)
-BLOCK = 16  # K values per NVFP4 block scale (and per wgmma k-step)
-PAIR = 2 * BLOCK  # K values per 16 packed bytes: a low-nibble block and a high-nibble block
-SCALE_FACTOR = 64.0  # the e4m3 bits built from an e2m1 code stand for its value times 2**-6
 # x_t tiles [K, N], N-major: a 32-byte swizzle, so that each wgmma contracts 16 rows (one NVFP4 block) with a
 # [64, 16] register operand (Mosaic takes K in groups of one swizzle span)
 X_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 N_ALIGN = 16  # tokens per slab are a multiple of this (the wgmma's N, and one 32-byte swizzle span of f16)
-# Packed codes reach SMEM in units of 64 rows x 32 K values (16 bytes a row), each unit's 1024 bytes ordered so
-# that each thread of a compute warpgroup finds the 8 bytes its WGMMA registers hold at 8 x its index (`to_units`)
-UNIT_SHAPE = (8, 128)  # a unit's bytes as a TMA box (each box dimension is at most 256 elements)
 # A slab's fp32 column vectors land in SMEM rows of at least this many values, 128 bytes: their TMA copies need
 # rows that start 128-byte aligned (16-value rows failed with a misaligned address on the H200)
 COL_ROW = 32
@@ -73,17 +59,6 @@ class W4Config:
     blocks_per_wgmma: int = 16  # NVFP4 blocks (16 K values each) per wgmma call: its fence and commit are shared
 
 
-def f16_planes(packed):
-    """Packed bytes (uint8, two e2m1 codes each) -> (low codes, high codes) as f16 values times 2**-6, exactly:
-    each 4-bit code s|e1 e0 m is moved to the e4m3 bits s|0 0 e1 e0|m 0 0, whose value is the e2m1 value over
-    64 (subnormal 0.5 included), then converted."""
-    wide = packed.astype(jnp.uint16)  # Mosaic GPU shifts 16- and 32-bit values only
-    low = ((wide & 0x07) << 2) | ((wide & 0x08) << 4)
-    high = ((wide >> 2) & 0x1C) | (wide & 0x80)
-    return tuple(lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16)
-                 for b in (low, high))
-
-
 def config_for(n: int) -> W4Config:
     """Tiles for slabs of n tokens: 128 packed bytes per row and step for decode-sized slabs, 64 for wider ones
     (their x tile is n x block_k f16), and as many stages as fit beside the epilogue's buffers. On the H200 at 32
@@ -94,82 +69,6 @@ def config_for(n: int) -> W4Config:
     fixed = cfg.compute_wgs * 2 * ROWS * n * 2 + 4096
     budget = mgpu.smem_budget(cfg.compute_wgs + 1)
     return dataclasses.replace(cfg, stages=max(2, min(4, (budget - fixed) // stage)))
-
-
-def to_units(packed):
-    """Packed bytes [..., rows, K / 2] (rows a multiple of 64; row-major, as the module doc lays them out) -> the
-    kernel's units [..., rows / 64, K / 32, 8, 128]; NumPy or jax arrays. Thread 32 warp + 4 i + j of a compute
-    warpgroup holds rows r = 16 warp + i and r + 8, columns c = 2 j and c + 1 of each 8-column half of a [64, 16]
-    piece; its 8 bytes sit at 8 x its index, as two words (one per half): (r, c), (r, c + 1), (r + 8, c),
-    (r + 8, c + 1)."""
-    *lead, rows, half_k = packed.shape
-    n = len(lead)
-    t = packed.reshape(*lead, rows // ROWS, 4, 2, 8, half_k // BLOCK, 2, 4, 2)
-    group, warp, row_half, i, unit, half, j, byte = range(n, n + 8)
-    t = t.transpose(*range(n), group, unit, warp, i, j, half, row_half, byte)
-    return t.reshape(*lead, rows // ROWS, half_k // BLOCK, *UNIT_SHAPE)
-
-
-def from_units(units):
-    """The inverse of `to_units`: [..., rows / 64, K / 32, 8, 128] -> [..., rows, K / 2]."""
-    *lead, groups, num_units, _, _ = units.shape
-    n = len(lead)
-    t = units.reshape(*lead, groups, num_units, 4, 8, 4, 2, 2, 2)
-    group, unit, warp, i, j, half, row_half, byte = range(n, n + 8)
-    t = t.transpose(*range(n), group, warp, row_half, i, unit, half, j, byte)
-    return t.reshape(*lead, groups * ROWS, num_units * BLOCK)
-
-
-def _planes_in_registers(unit_ref):
-    """`f16_planes` of a unit in SMEM for a compiled kernel: each thread loads its 8 bytes at once (two 32-bit
-    words, eight codes each) and turns them into the f16 registers of the two [64, 16] planes in the WGMMA layout.
-    Loading the pieces row-major in the WGMMA layout instead took 2-byte loads and as many repacking instructions
-    again before the conversion. Mosaic's own lowering of the conversion (16-bit lanes, one element at a time)
-    left the H200 kernel ALU-bound at 0.31 of the read bandwidth, hence the PTX on 32-bit words."""
-    layout = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float16, layout=layout)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=(out, out))
-    def planes(ctx, ref):
-        del ctx
-        i32 = ir.IntegerType.get_signless(32)
-        f16x2 = ir.VectorType.get((2,), ir.F16Type.get())
-        (chunk,) = mosaic_gpu.FragmentedArray.load_strided(ref, is_signed=False, vec_size=8).registers.reshape(-1)
-        words = mgpu_utils.bitcast(chunk, ir.VectorType.get((2,), i32))
-        wgmma_layout = mosaic_gpu.WGMMA_LAYOUT
-        shape = wgmma_layout.registers_shape((ROWS, BLOCK))
-        low, high = np.empty(4, dtype=object), np.empty(4, dtype=object)
-        # x: 8 codes. low bytes: ((x & 0x07) << 2) | ((x & 0x08) << 4); high: ((x >> 2) & 0x1c) | (x & 0x80);
-        # each pair of e4m3 bytes -> one f16x2 (cvt keeps the lower byte in the lower half)
-        ptx = """{
-          .reg .b32 a, b, lo, hi;
-          .reg .b16 l0, l1, h0, h1;
-          and.b32 a, $4, 0x07070707;
-          shl.b32 a, a, 2;
-          and.b32 b, $4, 0x08080808;
-          shl.b32 b, b, 4;
-          or.b32 lo, a, b;
-          shr.b32 a, $4, 2;
-          and.b32 a, a, 0x1c1c1c1c;
-          and.b32 b, $4, 0x80808080;
-          or.b32 hi, a, b;
-          mov.b32 {l0, l1}, lo;
-          mov.b32 {h0, h1}, hi;
-          cvt.rn.f16x2.e4m3x2 $0, l0;
-          cvt.rn.f16x2.e4m3x2 $1, l1;
-          cvt.rn.f16x2.e4m3x2 $2, h0;
-          cvt.rn.f16x2.e4m3x2 $3, h1;
-        }"""
-        struct = llvm.StructType.get_literal([i32] * 4)
-        for half in range(2):  # word `half`: columns 8 half + c, + 1 of rows r, r + 8 (registers 2 half, + 1)
-            word = vector.extract(words, [], [half])
-            res = llvm.inline_asm(struct, [word], ptx, "=r,=r,=r,=r,r", has_side_effects=False)
-            parts = [mgpu_utils.bitcast(llvm.extractvalue(i32, res, [i]), f16x2) for i in range(4)]
-            low[2 * half], low[2 * half + 1], high[2 * half], high[2 * half + 1] = parts
-        return tuple(mosaic_gpu.FragmentedArray(_registers=r.reshape(shape), _layout=wgmma_layout, _is_signed=None)
-                     for r in (low, high))
-
-    return planes(unit_ref)
 
 
 def _along_k(planes):
@@ -276,7 +175,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                         for q in range(bk // PAIR):  # a unit: 16 bytes of each row
                             unit = w_smem.at[wg * matrices + m, q]
                             for half, plane in enumerate(f16_planes(from_units(unit[...][None, None])) if interpret
-                                                         else _planes_in_registers(unit)):
+                                                         else planes_in_registers(unit)):
                                 b = 2 * q + half  # the NVFP4 block within the step
                                 scale = mgpu.row_vector(s_smem.at[b, wg, m], interpret)
                                 planes.append(plane * lax.broadcast_in_dim(scale, (ROWS, BLOCK), (0,)))

@@ -1,7 +1,7 @@
 """NVFP4 routed experts for serving: the SwiGLU MoE FFN as W4A16 grouped matmuls (kernel_w4.py) on Hopper.
 
 Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
-`kernel_w4.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
+`w4_codes.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
 an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
 decode kernels took 432 us at 32 tokens against fp8's 611 (0.71; fp8 timed in earlier calls) and 552 us at 128
 against 750 (0.74), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
@@ -26,7 +26,8 @@ import numpy as np
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
 from pallas_kernels.moe.groups import group_of_rows
-from pallas_kernels.moe.kernel_w4 import BLOCK, PAIR, ROWS, SCALE_FACTOR, W4Config, from_units, to_units, w4_gmm
+from pallas_kernels.moe.kernel_w4 import W4Config, w4_gmm
+from pallas_kernels.moe.w4_codes import BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, to_units
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 magnitudes 0 .5 1 1.5 2 3 4 6

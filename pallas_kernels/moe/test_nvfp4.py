@@ -1,8 +1,8 @@
-"""NVFP4 routed experts (nvfp4.py, kernel_w4.py): the layout and quantiser against inkling_jax/nvfp4.py's, a
-checkpoint's packed tensors in the kernel layout, and the W4A16 kernels against their jnp formula in the slab
-layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU compiled. Shapes: 3 output-row
-tiles and 3+ k steps, an empty group, a group spread over several slabs, rows past sum(group_sizes), an expert
-width that needs padding."""
+"""NVFP4 routed experts (nvfp4.py, kernel_w4.py, w4_codes.py): the layout and quantiser against
+inkling_jax/nvfp4.py's, a checkpoint's packed tensors in the kernel layout, and the W4A16 kernels against their
+jnp formula in the slab layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU
+compiled. Shapes: 3 output-row tiles and 3+ k steps, an empty group, a group spread over several slabs, rows
+past sum(group_sizes), an expert width that needs padding."""
 
 import dataclasses
 
@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
-from pallas_kernels.moe.kernel_w4 import W4Config, f16_planes, from_units, to_units
+from pallas_kernels.moe.kernel_w4 import W4Config
+from pallas_kernels.moe.w4_codes import f16_planes, from_units, to_units
 from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
                                       moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
 from pallas_kernels.moe.test_fp8 import operands
