@@ -17,6 +17,13 @@ output token after the first, per request) is the decode speed. The batch-1 deco
 experts and one embedding row, plus the K/V of the longest context); dividing by the batch-1 median TPOT gives
 achieved bytes/s, host round-trips included. The peer runs first, in its own process, before JAX takes the GPU's
 memory.
+
+The row buckets are the levels, except the highest, which decodes in the all-rows bucket (its level + 1: the
+engine's scratch row); prompts prefill in the largest row bucket whose prompts fit one step
+(`--max-num-batched-tokens`). So a level's numbers compare across runs only when both ran it with the same
+levels above it: `--concurrency 32` alone decodes 33 rows and prefills one prompt a step, where
+`--concurrency 32,128` decodes 32 rows and prefills the 32 prompts in one step (bench/results/serve.md,
+2026-12-01 04:19).
 """
 
 import argparse
@@ -219,7 +226,7 @@ def main():
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))
-    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row
+    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row (doc)
     engine_config = EngineConfig(max_num_seqs=max(levels), max_model_len=length,
                                  max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels) + 16),
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
