@@ -226,7 +226,7 @@ def main():
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))
-    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row (doc)
+    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row (module doc)
     engine_config = EngineConfig(max_num_seqs=max(levels), max_model_len=length,
                                  max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels) + 16),
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,

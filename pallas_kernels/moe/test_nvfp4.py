@@ -12,11 +12,11 @@ import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
 from pallas_kernels.moe.kernel_w4 import W4Config
-from pallas_kernels.moe.w4_codes import f16_planes, from_units, to_units
 from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
                                       moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
 from pallas_kernels.moe.test_fp8 import operands
 from pallas_kernels.moe.test_moe import normal, rel_err
+from pallas_kernels.moe.w4_codes import f16_planes, from_units, to_units
 
 WIDTH = 300  # pads to 384; it and HIDDEN (384): 3 tiles of 128 output rows and 6 k steps of 64 each
 CFG = W4Config(block_k=64, stages=2)
