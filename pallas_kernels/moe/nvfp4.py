@@ -27,7 +27,8 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
 from pallas_kernels.moe.groups import group_of_rows
 from pallas_kernels.moe.kernel_w4 import W4Config, w4_gmm
-from pallas_kernels.moe.w4_codes import BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, to_units
+from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, pack_codes, to_units,
+                                         unpack_codes)
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 magnitudes 0 .5 1 1.5 2 3 4 6
@@ -79,7 +80,7 @@ def layout(codes, scale):
     g, m, rows, k = codes.shape
     by_group = codes.reshape(g, m, rows // ROWS, ROWS, k).transpose(0, 2, 1, 3, 4).reshape(g, m * rows, k)
     pairs = by_group.reshape(g, m * rows, k // PAIR, 2, BLOCK)
-    packed = to_units((pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(g, m * rows, k // 2))
+    packed = to_units(pack_codes(pairs[..., 0, :], pairs[..., 1, :]).reshape(g, m * rows, k // 2))
     scales = scale.astype(np.float16) * np.float16(SCALE_FACTOR)
     scales = scales.reshape(g, m, rows // ROWS, ROWS, k // BLOCK).transpose(0, 4, 2, 1, 3)
     return packed, scales
@@ -123,7 +124,7 @@ def dequantize(packed, scales, scale2, matrices: int):
     rows, k = mrows // matrices, 2 * half_k
     table = jnp.asarray(_E2M1_VALUES + tuple(-v for v in _E2M1_VALUES), jnp.float32)
     pairs = packed.reshape(g, mrows, k // PAIR, BLOCK)
-    values = table[jnp.stack([pairs & 0x0F, pairs >> 4], axis=-2)].reshape(g, rows // ROWS, matrices, ROWS, k)
+    values = table[jnp.stack(unpack_codes(pairs), axis=-2)].reshape(g, rows // ROWS, matrices, ROWS, k)
     values = values.transpose(0, 2, 1, 3, 4).reshape(g, matrices, rows, k // BLOCK, BLOCK)
     block = scales.astype(jnp.float32).transpose(0, 3, 2, 4, 1).reshape(g, matrices, rows, k // BLOCK)
     values = values * (block / SCALE_FACTOR)[..., None] * scale2[:, None, None, None, None]

@@ -16,18 +16,22 @@ from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint,
                                       moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
 from pallas_kernels.moe.test_fp8 import operands
 from pallas_kernels.moe.test_moe import normal, rel_err
-from pallas_kernels.moe.w4_codes import f16_planes, from_units, to_units
+from pallas_kernels.moe.w4_codes import f16_planes, from_units, pack_codes, to_units, unpack_codes
 
 WIDTH = 300  # pads to 384; it and HIDDEN (384): 3 tiles of 128 output rows and 6 k steps of 64 each
 CFG = W4Config(block_k=64, stages=2)
 
 
-def test_f16_planes_give_every_e2m1_value_over_64():
-    codes = np.arange(256, dtype=np.uint8)
-    low, high = (np.asarray(p, np.float32) for p in f16_planes(jnp.asarray(codes)))
+def test_f16_planes_give_every_pair_of_e2m1_values_over_64():
+    low, high = (a.reshape(-1).astype(np.uint8) for a in np.meshgrid(np.arange(16), np.arange(16)))
+    packed = pack_codes(low, high)
+    assert len(set(packed.tolist())) == 256
+    np.testing.assert_array_equal(np.stack(unpack_codes(packed)), np.stack([low, high]))
+    got_low, got_high = (np.asarray(p, np.float32) for p in f16_planes(jnp.asarray(packed)))
     table = np.concatenate([checkpoint_format.E2M1_VALUES, -checkpoint_format.E2M1_VALUES])
-    np.testing.assert_array_equal(low * 64, table[codes & 0x0F])
-    np.testing.assert_array_equal(high * 64, table[codes >> 4])
+    np.testing.assert_array_equal(got_low * 64, table[low])
+    np.testing.assert_array_equal(got_high * 64, table[high])
+    np.testing.assert_array_equal(np.signbit(got_high), high >= 8)  # -0 included
 
 
 def test_units_put_each_threads_wgmma_bytes_together():

@@ -1,11 +1,12 @@
 """NVFP4 codes as the W4 kernels (kernel_w4.py) read them: their layout in memory and their conversion to f16.
 
 Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix for output rows 64j.. follow
-each other; byte column c of a row holds K index 32 (c // 16) + c % 16 in its low nibble and that + 16 in its high
-nibble. So columns 16q..16q+15 of the low-nibble plane are one NVFP4 block (K 32q..32q+15) and of the high plane
-the next one: each [64, 16] piece is one wgmma k-step with one scale per row, and its right operand is 16
-consecutive rows of x_t. In memory each [64, 16] piece is one 1024-byte unit, its bytes in the order the
-compute warpgroup's threads hold them (`to_units`), so that a thread loads its 8 bytes of a piece at once.
+each other; byte column c of a row holds the codes of K index 32 (c // 16) + c % 16 (its "low plane") and that
++ 16 (its "high plane"), their bits placed by `pack_codes`. So columns 16q..16q+15 of the low plane are one
+NVFP4 block (K 32q..32q+15) and of the high plane the next one: each [64, 16] piece is one wgmma k-step with
+one scale per row, and its right operand is 16 consecutive rows of x_t. In memory each [64, 16] piece is one
+1024-byte unit, its bytes in the order the compute warpgroup's threads hold them (`to_units`), so that a thread
+loads its 8 bytes of a piece at once.
 Scales: f16 [G, K / 16, out_rows / 64, matrices, 64], the e4m3 block scale times 64.
 """
 
@@ -27,13 +28,25 @@ SCALE_FACTOR = 64.0  # the e4m3 bits built from an e2m1 code stand for its value
 UNIT_SHAPE = (8, 128)  # a unit's bytes as a TMA box (each box dimension is at most 256 elements)
 
 
+def pack_codes(low, high):
+    """Two planes' e2m1 codes (uint8 0..15, bits s|e1 e0 m) -> one byte each: low's bits where an e4m3 byte of the
+    same value over 64 has them (s 7, e1 4, e0 3, m 2), high's at s 5, e1 6, e0 1, m 0, so that `f16_planes`
+    takes low's e4m3 byte with one AND and high's with two shifts. NumPy or jax."""
+    return ((low & 8) << 4) | ((low & 7) << 2) | ((high & 8) << 2) | ((high & 4) << 4) | (high & 3)
+
+
+def unpack_codes(packed):
+    """The inverse of `pack_codes`: bytes -> (low codes, high codes)."""
+    return ((packed >> 4) & 8) | ((packed >> 2) & 7), ((packed >> 2) & 8) | ((packed >> 4) & 4) | (packed & 3)
+
+
 def f16_planes(packed):
-    """Packed bytes (uint8, two e2m1 codes each) -> (low codes, high codes) as f16 values times 2**-6, exactly:
-    each 4-bit code s|e1 e0 m is moved to the e4m3 bits s|0 0 e1 e0|m 0 0, whose value is the e2m1 value over
-    64 (subnormal 0.5 included), then converted."""
+    """Packed bytes (`pack_codes`) -> (low codes, high codes) as f16 values times 2**-6, exactly: each code is
+    moved to the e4m3 bits s|0 0 e1 e0|m 0 0, whose value is the e2m1 value over 64 (subnormal 0.5 included),
+    then converted."""
     wide = packed.astype(jnp.uint16)  # Mosaic GPU shifts 16- and 32-bit values only
-    low = ((wide & 0x07) << 2) | ((wide & 0x08) << 4)
-    high = ((wide >> 2) & 0x1C) | (wide & 0x80)
+    low = wide & 0x9C
+    high = ((wide << 2) & 0x8C) | ((wide >> 2) & 0x10)
     return tuple(lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16)
                  for b in (low, high))
 
@@ -81,19 +94,16 @@ def planes_in_registers(unit_ref):
         wgmma_layout = mosaic_gpu.WGMMA_LAYOUT
         shape = wgmma_layout.registers_shape((ROWS, BLOCK))
         low, high = np.empty(4, dtype=object), np.empty(4, dtype=object)
-        # x: 8 codes. low bytes: ((x & 0x07) << 2) | ((x & 0x08) << 4); high: ((x >> 2) & 0x1c) | (x & 0x80);
+        # x: 8 codes (`f16_planes` on 4 bytes at once; the masks drop what the shifts carry across bytes);
         # each pair of e4m3 bytes -> one f16x2 (cvt keeps the lower byte in the lower half)
         ptx = """{
           .reg .b32 a, b, lo, hi;
           .reg .b16 l0, l1, h0, h1;
-          and.b32 a, $4, 0x07070707;
-          shl.b32 a, a, 2;
-          and.b32 b, $4, 0x08080808;
-          shl.b32 b, b, 4;
-          or.b32 lo, a, b;
-          shr.b32 a, $4, 2;
-          and.b32 a, a, 0x1c1c1c1c;
-          and.b32 b, $4, 0x80808080;
+          and.b32 lo, $4, 0x9c9c9c9c;
+          shl.b32 a, $4, 2;
+          and.b32 a, a, 0x8c8c8c8c;
+          shr.b32 b, $4, 2;
+          and.b32 b, b, 0x10101010;
           or.b32 hi, a, b;
           mov.b32 {l0, l1}, lo;
           mov.b32 {h0, h1}, hi;
