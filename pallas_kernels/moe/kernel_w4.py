@@ -62,8 +62,10 @@ class W4Config:
 def config_for(n: int) -> W4Config:
     """Tiles for slabs of n tokens: 128 packed bytes per row and step for decode-sized slabs, 64 for wider ones
     (their x tile is n x block_k f16), and as many stages as fit beside the epilogue's buffers. On the H200 at 32
-    tokens: 610 us; 4 stages did not fit, 2 took 619 us, 3 compute warpgroups 617-621 us (2026-11-30)."""
-    cfg = W4Config(block_k=256 if n <= 64 else 128)
+    tokens: 610 us; 4 stages did not fit, 2 took 619 us, 3 compute warpgroups 617-621 us (2026-11-30). Wide slabs
+    split a step's products into wgmma calls of 4 blocks: a 4096-token prefill took 5.22 ms against 5.41 with one
+    call of 8 (5.43 with 2; slabs of 64 tokens 5.90-6.56 ms) (bench/results/moe.md, 2026-12-01)."""
+    cfg = W4Config(block_k=256, blocks_per_wgmma=16) if n <= 64 else W4Config(block_k=128, blocks_per_wgmma=4)
     # per step (two matrices, the larger case): packed codes, f16 block scales, the x tile
     stage = (ROWS * cfg.block_k + 16 * cfg.block_k) * cfg.compute_wgs + 2 * cfg.block_k * n
     fixed = cfg.compute_wgs * 2 * ROWS * n * 2 + 4096
