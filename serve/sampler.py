@@ -1,9 +1,9 @@
 """The on-device sampler: one row per sequence, each with its own parameters, in one fixed-shape program.
 
-Order: penalties -> (greedy argmax | temperature -> top-k -> top-p -> min-p -> Gumbel-max draw). Reported
-logprobs are those of the model's own distribution (before penalties and temperature), as OpenAI reports them.
-The random draw of a row depends only on (seed, index of the token in its output), so a seeded request gives
-the same tokens alone or batched with others, and after a preemption.
+Order: penalties -> temperature -> top-k -> top-p -> min-p -> Gumbel-max draw (greedy rows: the same argmax
+without noise). Reported logprobs are those of the model's own distribution (before penalties and temperature),
+as OpenAI reports them. The random draw of a row depends only on (seed, index of the token in its output), so a
+seeded request gives the same tokens alone or batched with others, and after a preemption.
 """
 
 import jax
@@ -70,9 +70,7 @@ def choose(logits, adjusted, params: SamplingBatch, num_top: int, full: bool) ->
     # logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V] log-softmax
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    adjusted = adjusted.astype(jnp.float32)
-    greedy = jnp.argmax(adjusted, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(params.temperature == 0, greedy, _draw(adjusted, params, full))
+    tokens = _draw(adjusted.astype(jnp.float32), params, full)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     rows = logits.shape[0]
     if full:
@@ -91,18 +89,42 @@ def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
 
 
 def _draw(x, params: SamplingBatch, filtered: bool):
-    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    x = x / temperature[:, None]
+    """Each row's token: a Gumbel-max draw from x / temperature after the filters, or for greedy rows (temperature
+    0) the argmax of x. One argmax serves both (an argmax over [R, V] fewer than a greedy argmax beside the draw):
+    greedy rows get no noise, and the filters keep every row's largest entry."""
+    sampling = params.temperature > 0
+    x = x / jnp.where(sampling, params.temperature, 1.0)[:, None]
     if filtered:
         x = top_k_top_p(x, params.top_k, params.top_p)
     floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
     x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
-
-    def gumbel(seed, index):
-        return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), index), x.shape[-1:])
-
-    noise = jax.vmap(gumbel)(params.seed, params.index)
+    noise = jnp.where(sampling[:, None], gumbel_noise(params.seed, params.index, x.shape[-1]), 0.0)
     return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+
+
+def gumbel_noise(seed, index, vocab: int):
+    """Standard Gumbel noise [R, vocab] that depends only on each row's (seed, index) and the position.
+
+    A counter-based hash, not jax.random's threefry (20 rounds per pair of words), which the program computes
+    over all of [R, V] for every row, greedy ones included, since it has no branch: in an H200 trace of the
+    33-row decode step the fusion holding it and the two argmaxes took 58 us of 3.7 ms (bench/results/serve.md,
+    2026-12-01). A draw needs uniform bits, independent across positions, rows and steps; two rounds of a 32-bit
+    avalanche mix of (position, row key) give that at a few integer operations per entry."""
+    row_key = _mix32(_mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x5BD1E995))
+                     ^ index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9))[:, None]
+    position = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
+    bits = _mix32(_mix32(position ^ row_key) + row_key)
+    # 23 bits, so that float32 holds (b + 0.5) exactly: u in (0, 1), both logs finite
+    uniform = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
+    return -jnp.log(-jnp.log(uniform))
+
+
+def _mix32(h):
+    """A bijection of uint32 in which each input bit flips each output bit with probability ~1/2 (two rounds
+    of multiply and xor-shift)."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
+    h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
 
 
 def top_k_top_p(x, top_k, top_p, digit_bits: int = DIGIT_BITS):

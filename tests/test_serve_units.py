@@ -15,7 +15,7 @@ from serve.block_manager import BlockManager
 from serve.chat import ChatError, ChatFormat, ChatOutput, format_effort
 from serve.config import EngineConfig
 from serve.protocol import ChatRequest, CompletionRequest
-from serve.sampler import SamplingBatch, pack_samples, sample, top_k_top_p, unpack_samples
+from serve.sampler import SamplingBatch, gumbel_noise, pack_samples, sample, top_k_top_p, unpack_samples
 from serve.sampling import InvalidParams, SamplingParams
 from serve.scheduler import Scheduler
 from serve.sequence import Sequence, Status
@@ -439,6 +439,17 @@ def test_sampler_draws_follow_the_softmax():
     np.testing.assert_allclose(np.bincount(tokens, minlength=4) / 4000, probs, atol=0.03)
     hot = np.asarray(draw(logits, temperature=0.25, seed=jnp.arange(4000, dtype=jnp.uint32)).tokens)
     assert np.mean(hot == 0) > 0.85  # low temperature sharpens toward the mode
+
+
+def test_gumbel_noise_is_standard_gumbel_independent_across_rows_positions_and_steps():
+    seeds = jnp.arange(16, dtype=jnp.uint32)
+    g = np.asarray(gumbel_noise(seeds, jnp.zeros(16, jnp.int32), 50000), np.float64)
+    assert np.isfinite(g).all()
+    assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.var() - np.pi ** 2 / 6) < 0.03
+    assert np.abs(np.corrcoef(g) - np.eye(16)).max() < 0.03  # rows (seeds)
+    assert abs(np.corrcoef(g[:, :-1].ravel(), g[:, 1:].ravel())[0, 1]) < 0.01  # neighbouring positions
+    later = np.asarray(gumbel_noise(seeds, jnp.ones(16, jnp.int32), 50000), np.float64)
+    assert abs(np.corrcoef(g.ravel(), later.ravel())[0, 1]) < 0.01  # the next token's draw
 
 
 def test_sampler_penalties():
