@@ -11,7 +11,7 @@ A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgrou
 fp32 accumulator [64, N] per matrix (gate and up: two).
 
 On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
-0.67 of the read bandwidth in slabs of 16 tokens (432 us). The compute warpgroups bound the kernel, not the TMA
+0.73 of the read bandwidth in slabs of 16 tokens (414 us). The compute warpgroups bound the kernel, not the TMA
 stream: an in-kernel profile (mgpu.py) put them inside their pipeline steps 0.81-0.89 of the time, with ~0.15 us
 waits between steps, and a step's work is instructions (gate/up, per thread: 32 words of codes to convert,
 128 f16x2 scale multiplies). What took time out, in order:
@@ -19,10 +19,13 @@ waits between steps, and a step's work is instructions (gate/up, per thread: 32 
   and a commit: 577 -> 533 us at 32 tokens, 739 -> 662 us at 128;
 - codes stored in the order the threads hold them (`to_units`): loading the row-major pieces in the WGMMA
   layout took 2-byte loads and about as many repacking instructions again (the gate/up kernel's PTX: 64
-  `ld.shared.v2.b8`, 130 `cvt.u32.u16`, 96 `prmt` per step): 531 -> 432 us at 32 tokens, 656 -> 552 at 128.
+  `ld.shared.v2.b8`, 130 `cvt.u32.u16`, 96 `prmt` per step): 531 -> 432 us at 32 tokens, 656 -> 552 at 128;
+- the two code planes stored at e4m3's bit positions (`w4_codes.pack_codes`), 6 integer instructions per word
+  of 8 codes before its 4 `cvt` instead of 9: 425 -> 414 us at 32 tokens, 552 -> 524 at 128.
 Tried and slower: all of a step's conversions before its wgmmas (639 us against 573); the conversion by
 rotations and masks only (no `cvt`, 11 integer instructions per 8 codes against 9 and 4 `cvt`: 590 us against
-533), which suggests that the integer pipe, not the conversion unit, is the scarce one (not profiled).
+533, before the thread-order layout), which suggests that the integer pipe, not the conversion unit, is the
+scarce one (not profiled).
 
 The packed codes' layout and their conversion to f16 registers: w4_codes.py.
 """
