@@ -107,7 +107,7 @@ def gumbel_noise(seed, index, vocab: int):
 
     A counter-based hash, not jax.random's threefry (20 rounds per pair of words), which the program computes
     over all of [R, V] for every row, greedy ones included, since it has no branch: in an H200 trace of the
-    33-row decode step the fusion holding it and the two argmaxes took 58 us of 3.7 ms (bench/results/serve.md,
+    33-row decode step the fusion holding it and the two argmaxes took 58 us of a 3.9 ms step (bench/results/serve.md,
     2026-12-01). A draw needs uniform bits, independent across positions, rows and steps; two rounds of a 32-bit
     avalanche mix of (position, row key) give that at a few integer operations per entry."""
     row_key = _mix32(_mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x5BD1E995))
