@@ -2,7 +2,7 @@
 inter-token latency (p50/p99) at several concurrencies; the batch-1 decode step's achieved bytes/s against the
 copy (y = 2x) and read bandwidths measured in the same run; the decode program alone per token (TPOT minus it is
 what the engine's host work adds); transformers' Inkling at 32 concurrent requests (one batched `generate`, the
-median of three timed runs) as the peer.
+best of three timed runs, the first of which is still cold) as the peer.
 
     PYTHONPATH=. python bench/serve.py [--out DIR]                  # H200: the `bench` preset, random weights
     PYTHONPATH=. python bench/serve.py --preset tiny --concurrency 1,4 --prompt-tokens 16 --output-tokens 8 \\
@@ -70,12 +70,14 @@ with torch.device("cuda"):
 ids = torch.randint(0, 200000, (batch, prompt), device="cuda")
 with torch.no_grad():
     model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    # The first full-length run is still cold (171-251 against 444-466 tok/s). Report the best run, not the median
+    # (the slower of the two warm ones), so that the peer's spread between runs never favours our ratio.
     rates = []
-    for _ in range(3):  # the first full-length run is still cold (171 against 446-456 tok/s): report the median
+    for _ in range(3):
         torch.cuda.synchronize(); start = time.perf_counter()
         model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         torch.cuda.synchronize(); rates.append(batch * new / (time.perf_counter() - start))
-print(json.dumps({"peer_tok_s": sorted(rates)[1], "peer_runs_tok_s": rates,
+print(json.dumps({"peer_tok_s": max(rates), "peer_runs_tok_s": rates,
                   "transformers": __import__("transformers").__version__}))
 """
 
@@ -297,7 +299,7 @@ def main():
     ours32 = next((r["tok_s"] for r in results["levels"] if r["concurrency"] == 32 and not r["separate"]), None)
     if "peer_tok_s" in results and ours32:
         print(f"32 concurrent: {ours32:.1f} tok/s vs transformers {results['transformers']} generate "
-              f"{results['peer_tok_s']:.1f} tok/s (median of " + ", ".join(f"{r:.1f}" for r in results[
+              f"{results['peer_tok_s']:.1f} tok/s (best of " + ", ".join(f"{r:.1f}" for r in results[
                   "peer_runs_tok_s"]) + f") = {ours32 / results['peer_tok_s']:.1f}x")
     if args.out:
         with open(os.path.join(args.out, "serve.json"), "w") as f:
