@@ -21,7 +21,7 @@ from jaxlib.mlir.dialects import llvm, vector
 
 ROWS = 64  # output rows per compute warpgroup (the wgmma M), and the rows of a unit
 BLOCK = 16  # K values per NVFP4 block scale (and per wgmma k-step)
-PAIR = 2 * BLOCK  # K values per 16 packed bytes: a low-nibble block and a high-nibble block
+PAIR = 2 * BLOCK  # K values per 16 packed bytes: a block of the low plane and one of the high plane
 SCALE_FACTOR = 64.0  # the e4m3 bits built from an e2m1 code stand for its value times 2**-6
 # Packed codes reach SMEM in units of 64 rows x 32 K values (16 bytes a row), each unit's 1024 bytes ordered so
 # that each thread of a compute warpgroup finds the 8 bytes its WGMMA registers hold at 8 x its index (`to_units`)
