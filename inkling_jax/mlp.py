@@ -20,34 +20,75 @@ def swiglu(gate, up):
 
 
 class DenseMLP(nnx.Module):
-    MATRICES = ("w_gate", "w_up", "w_down")
-
     def __init__(self, hidden: int, width: int, *, dtype, rngs: nnx.Rngs):
         self.w_gate = nnx.Param(normal(rngs, (hidden, width), dtype))
         self.w_up = nnx.Param(normal(rngs, (hidden, width), dtype))
         self.w_down = nnx.Param(normal(rngs, (width, hidden), dtype))
         self.global_scale = nnx.Param(jnp.ones((1,), dtype))
 
+    @classmethod
+    def from_weights(cls, w_gate, w_up, w_down) -> "DenseMLP":
+        """A DenseMLP holding these matrices ([hidden, width] twice, [width, hidden]) and a global scale of 1."""
+        mlp = nnx.eval_shape(lambda: cls(*w_gate.shape, dtype=w_gate.dtype, rngs=nnx.Rngs(0)))
+        for name, value in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down),
+                            ("global_scale", jnp.ones((1,), w_gate.dtype))):
+            setattr(mlp, name, nnx.Param(value))
+        return mlp
+
     @property
     def fp8(self) -> bool:
-        return hasattr(self, "w_gate_fp8")
+        return hasattr(self, "w_down_fp8")
+
+    @property
+    def fused(self) -> bool:
+        return hasattr(self, "w_gate_up") or hasattr(self, "w_gate_up_fp8")
+
+    @property
+    def matrix_names(self) -> tuple[str, ...]:
+        return (("w_gate_up",) if self.fused else ("w_gate", "w_up")) + ("w_down",)
 
     def quantize(self) -> None:
-        """Replaces the three matrices by fp8 ones (inkling_jax/dense_fp8.py: `<name>_fp8` values [out, in] and
+        """Replaces the matrices by fp8 ones (inkling_jax/dense_fp8.py: `<name>_fp8` values [out, in] and
         `<name>_out_scale`, one per output column), freeing the originals: for serving (forward only)."""
-        for name in self.MATRICES:
+        for name in self.matrix_names:
             values, scale = dense_fp8.quantize(getattr(self, name)[...], transpose=True)
             delattr(self, name)
             setattr(self, f"{name}_fp8", nnx.Param(values))
             setattr(self, f"{name}_out_scale", nnx.Param(scale))
+
+    def fuse_gate_up(self) -> None:
+        """Inference only: gate and up become one matrix `w_gate_up` [hidden, gate | up] (or its fp8 form), so a
+        call multiplies x once (a decode step's products are short and latency-bound as two). The two are
+        deleted. Training, LoRA, checkpoints and the tensor-parallel rules name the two; the fused columns mix
+        them, so the fused matrix must not be split over `tensor`."""
+        if self.fused:
+            return
+        if self.fp8:  # [out, in] values, one scale per output column: gate's rows, then up's
+            for suffix in ("_fp8", "_out_scale"):
+                parts = [getattr(self, f"w_gate{suffix}")[...], getattr(self, f"w_up{suffix}")[...]]
+                setattr(self, f"w_gate_up{suffix}", nnx.Param(jnp.concatenate(parts, axis=0)))
+                delattr(self, f"w_gate{suffix}"), delattr(self, f"w_up{suffix}")
+            return
+        self.w_gate_up = nnx.Param(jnp.concatenate([self.w_gate[...], self.w_up[...]], axis=1))
+        del self.w_gate, self.w_up
 
     def _product(self, x, name):
         if self.fp8:
             return dense_fp8.matmul(x, getattr(self, f"{name}_fp8")[...], getattr(self, f"{name}_out_scale")[...])
         return x @ getattr(self, name)[...]
 
-    def __call__(self, x, expert_ids=None):
-        h = swiglu(self._product(x, "w_gate"), self._product(x, "w_up"))
+    def __call__(self, x, expert_ids=None, *, unit_weights=None):
+        """x [..., hidden] -> (y [..., hidden], None). unit_weights [..., units]: h's width is that many equal
+        units, each scaled by its weight before the down projection (the widened shared experts of
+        `MoE.widen_shared_experts`: one unit per expert, its sink weight)."""
+        if self.fused:
+            gate, up = jnp.split(self._product(x, "w_gate_up"), 2, axis=-1)
+        else:
+            gate, up = self._product(x, "w_gate"), self._product(x, "w_up")
+        h = swiglu(gate, up)
+        if unit_weights is not None:
+            units = unit_weights.shape[-1]
+            h = (h.reshape(*h.shape[:-1], units, -1) * unit_weights[..., None].astype(h.dtype)).reshape(h.shape)
         return self._product(h, "w_down") * self.global_scale[...], None
 
 
@@ -117,6 +158,28 @@ class MoE(nnx.Module):
             return self.w_gate[...], self.w_up[...], self.w_down[...]
         return _expert_forms()[precision](*(getattr(self, name)[...] for name in self.ROUTED_QUANTISED[precision]))
 
+    @property
+    def widened(self) -> bool:
+        return hasattr(self, "shared_mlp")
+
+    def widen_shared_experts(self) -> None:
+        """Inference only: the S shared experts become one DenseMLP `shared_mlp` of width S x I, gate and up
+        fused, whose h is weighted per expert by its sink weight (DenseMLP's unit_weights): two products per call,
+        not S-batched ones for gate, up and down (on the H200 the traced 33-row decode step ran the shared gate
+        and up as two split-K dots a layer, 207 us in all). The three stacks are deleted. Not under expert or
+        tensor parallelism, whose dispatch and rules name the stacks (`__call__` refuses)."""
+        if self.widened:
+            return
+        gate, up, down = self.shared_gate[...], self.shared_up[...], self.shared_down[...]
+        s, h, i = gate.shape
+
+        def wide(w):  # [S, H, I] -> [H, S I]: expert k's columns are unit k
+            return w.transpose(1, 0, 2).reshape(h, s * i)
+
+        self.shared_mlp = DenseMLP.from_weights(wide(gate), wide(up), down.reshape(s * i, h))
+        self.shared_mlp.fuse_gate_up()
+        del self.shared_gate, self.shared_up, self.shared_down
+
     def route(self, x, expert_ids=None):
         """x [N, hidden] -> (routed weights [N, k], expert ids [N, k], shared weights [N, S]), all fp32.
 
@@ -141,14 +204,23 @@ class MoE(nnx.Module):
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
         routed = self.routed_experts()
-        shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
-        out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
-                      shared_in_launch=self.shared_in_launch)
+        if not self.widened:
+            shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
+            out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
+                          shared_in_launch=self.shared_in_launch)
+            return out.astype(x.dtype).reshape(shape), expert_ids
+        if self.mesh is not None and (self.mesh.shape["expert"] > 1 or self.mesh.shape["tensor"] > 1):
+            raise ValueError("this MoE's shared experts are widened into one MLP (`widen_shared_experts`, for one "
+                             "device or a mesh without expert and tensor axes); expert and tensor parallelism "
+                             f"need the three stacks, and the mesh is {dict(self.mesh.shape)}")
+        out = experts(flat, routed, None, expert_ids, weights, shared_weights, mesh=self.mesh)
+        out = out + self.shared_mlp(flat, unit_weights=shared_weights)[0].astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape), expert_ids
 
 
 def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None, shared_in_launch=False):
-    """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32.
+    """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32 (the
+    second sum left out for shared None).
 
     x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
     Fp8Experts or Nvfp4Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula);
@@ -159,7 +231,7 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     """
     backend = kernels.moe_backend()
     # quantised routed experts: the shared ones stay in their own launch, unquantised
-    shared_in_launch = shared_in_launch and precision_of(routed) == "bf16"
+    shared_in_launch = shared_in_launch and shared is not None and precision_of(routed) == "bf16"
     if mesh is not None:
         from inkling_jax import expert_parallel as parallel
 
@@ -287,7 +359,10 @@ def _ragged_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
 
 
 def shared_dense(x, shared, shared_weights):
-    """The S shared experts on every token, each weighted by its sink weight before the down projection."""
+    """The S shared experts on every token, each weighted by its sink weight before the down projection; 0 for
+    shared None (the MoE runs its widened shared experts itself)."""
+    if shared is None:
+        return 0.0
     gate, up, down = shared
     # Batched over s on both sides: contracting x [n, h] with [s, h, i] directly makes XLA transpose the weights
     # on every call (two 38 us copies per layer of the H200's decode step); the broadcast x costs nothing there.

@@ -126,7 +126,7 @@ class InklingModel(nnx.Module):
         mlps = [layer.mlp for layer in self.layers if isinstance(layer.mlp, DenseMLP) and not layer.mlp.fp8]
         for mlp in mlps:
             mlp.quantize()
-        changed = len(DenseMLP.MATRICES) * len(mlps)
+        changed = sum(len(mlp.matrix_names) for mlp in mlps)
         if hasattr(self, "unembed"):
             self.unembed_fp8, self.unembed_out_scale = map(nnx.Param, dense_fp8.quantize(self.unembed[...]))
             del self.unembed
@@ -186,11 +186,19 @@ class InklingModel(nnx.Module):
         hidden, _ = self.hidden_states(input_ids)
         return self.mtp(hidden, input_ids, self.embed_tokens, self.logits)
 
-    def fuse_projections(self) -> None:
-        """Inference only: every attention (trunk and MTP blocks) multiplies by one q|k|v|r kernel from now on
-        (`Attention.fuse_projections`; in place, the four kernels are gone). Listed first: fusing edits the graph."""
-        for attention in [node for _, node in nnx.iter_graph(self) if isinstance(node, Attention)]:
-            attention.fuse_projections()
+    def fuse_projections(self, shared_experts: bool = True) -> None:
+        """Inference only, in place (the separate matrices are gone): every attention (trunk and MTP blocks)
+        multiplies by one q|k|v|r kernel (`Attention.fuse_projections`), every dense MLP by one gate|up matrix
+        (`DenseMLP.fuse_gate_up`), and with shared_experts every MoE runs its shared experts as one widened MLP
+        (`MoE.widen_shared_experts`: not for expert or tensor parallelism). Listed first: fusing edits the graph."""
+        nodes = [node for _, node in nnx.iter_graph(self)]
+        for node in nodes:
+            if isinstance(node, Attention):
+                node.fuse_projections()
+            elif isinstance(node, DenseMLP):
+                node.fuse_gate_up()
+            elif isinstance(node, MoE) and shared_experts:
+                node.widen_shared_experts()
 
     def init_cache(self, batch: int, max_len: int, **kwargs) -> Cache:
         return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)

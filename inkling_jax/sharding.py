@@ -94,7 +94,9 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
 # (mlp.DenseMLP.quantize) are [out, in] with one scale per output column.
 DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
              "w_gate_fp8": ("mlp", "embed"), "w_up_fp8": ("mlp", "embed"), "w_down_fp8": ("embed", "mlp"),
-             "w_gate_out_scale": ("mlp",), "w_up_out_scale": ("mlp",), "w_down_out_scale": ("embed",)}
+             "w_gate_out_scale": ("mlp",), "w_up_out_scale": ("mlp",), "w_down_out_scale": ("embed",),
+             # fused gate | up of inference (DenseMLP.fuse_gate_up): the columns mix the two, never split
+             "w_gate_up": ("embed", None), "w_gate_up_fp8": (None, "embed"), "w_gate_up_out_scale": (None,)}
 
 
 def parse_mesh_spec(spec: str | None) -> dict[str, int]:

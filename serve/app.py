@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "projections, shared experts and embeddings stay in --dtype)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--no-fuse-projections", action="store_true",
-      help="keep the four attention input projections as separate matmuls (by default they are fused into one)")
+      help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
+      "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")
     a("--num-snapshots", type=int, help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=int, default=256, help="waiting sequences beyond which requests get 429")
     a("--max-prompt-tokens", type=int, help="longest accepted prompt (default: max-model-len - 1)")

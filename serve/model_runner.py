@@ -55,8 +55,8 @@ class ModelRunner:
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuse_projections(model)
-        log.info("attention projections: %s", "fused q|k|v|r, one matmul" if fused else
-                 "four matmuls (fuse_projections off, or a tensor-parallel mesh)")
+        log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
+                 else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.shard_model(model)
         self.params, merge = flat_params(self.model)
         self.multimodal = model.vision is not None or model.audio is not None

@@ -66,13 +66,14 @@ class Placement:
         return str(jax.devices()[0]) if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
 
     def fuse_projections(self, model) -> bool:
-        """Fuse each attention's q, k, v and r maps into one matmul (`InklingModel.fuse_projections`, in place)
-        where the layout allows, before `shard_model`: a decode step's small projections are latency-bound as four
-        gemms. Not over a `tensor` axis, which splits the four by heads (the fused columns mix them). Returns
-        whether it fused."""
+        """Fuse each attention's q, k, v and r maps into one matmul, each dense MLP's gate and up, and each MoE's
+        shared experts into one MLP (`InklingModel.fuse_projections`, in place) where the layout allows, before
+        `shard_model`: a decode step's small products are latency-bound. Not over a `tensor` axis, which splits
+        them by heads or width (the fused columns mix them); the shared experts stay apart over `expert` too,
+        whose dispatch takes their stacks. Returns whether it fused."""
         if self.mesh is not None and self.mesh.shape["tensor"] > 1:
             return False
-        model.fuse_projections()
+        model.fuse_projections(shared_experts=self.mesh is None or self.mesh.shape["expert"] == 1)
         return True
 
     def shard_model(self, model):

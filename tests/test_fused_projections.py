@@ -1,7 +1,9 @@
-"""The serving model's fused attention projections (one q|k|v|r kernel per attention): the fused model holds the
-concatenated kernels and none of the four and gives the unfused model's logits (prefill, decode steps, decode
-steps through the Pallas prologue); the server fuses by default, unless told not to or on a tensor-parallel
-mesh (the serving tests then run the fused model)."""
+"""The serving model's fused projections (`InklingModel.fuse_projections`): one q|k|v|r kernel per attention, one
+gate|up matrix per dense MLP (bf16 or fp8), the shared experts of each MoE as one widened MLP. The fused model holds
+the fused matrices and none of the originals, and gives the unfused model's logits (prefill, decode steps, decode
+steps through the Pallas prologue; the MoE by each backend); the server fuses by default, unless told not to or
+on a tensor-parallel mesh, and keeps the shared experts apart on an expert-parallel one (the serving tests then run
+the fused model)."""
 
 import jax
 import numpy as np
@@ -11,6 +13,7 @@ from jax.sharding import PartitionSpec
 
 from inkling_jax import kernels, preset
 from inkling_jax.attention import Attention
+from inkling_jax.mlp import DenseMLP, MoE
 from inkling_jax.generate import StepFunctions
 from inkling_jax.sharding import logical_axes
 from serve.config import EngineConfig
@@ -27,8 +30,13 @@ PROJECTIONS = ("wq", "wk", "wv", "wr")
 TOL = 1e-5  # fp32 at full matmul precision: a wrong column order would be off by O(1)
 
 
+def nodes_of(model, kind) -> list:
+    """The model's modules of `kind`, leaving out the MLP that widened shared experts become."""
+    return [node for path, node in nnx.iter_graph(model) if isinstance(node, kind) and "shared_mlp" not in path]
+
+
 def attentions(model) -> list[Attention]:
-    return [node for _, node in nnx.iter_graph(model) if isinstance(node, Attention)]
+    return nodes_of(model, Attention)
 
 
 def fused_model(config, seed):
@@ -48,6 +56,66 @@ def test_fused_kernel_is_the_four_concatenated_and_replaces_them():
     fused_paths = [p for p in paths if p[-1] == "wqkvr"]
     assert len(fused_paths) == len(attentions(fused))
     assert all(logical_axes(p, 2) == ("embed", None) for p in fused_paths)
+
+
+def test_fused_mlps_hold_gate_then_up_and_widened_shared_experts_replace_the_stacks():
+    plain, fused = random_model(CONFIG, seed=0), fused_model(CONFIG, seed=0)
+    dense_pairs = list(zip(nodes_of(plain, DenseMLP), nodes_of(fused, DenseMLP)))
+    assert len(dense_pairs) == len(CONFIG.text.dense_layer_ids) + CONFIG.mtp.num_layers
+    for a, b in dense_pairs:
+        expected = np.concatenate([np.asarray(a.w_gate[...]), np.asarray(a.w_up[...])], axis=1)
+        np.testing.assert_array_equal(np.asarray(b.w_gate_up[...]), expected)
+        assert b.fused and not hasattr(b, "w_gate") and not hasattr(b, "w_up")
+    moes = list(zip(nodes_of(plain, MoE), nodes_of(fused, MoE)))
+    assert moes
+    for a, b in moes:
+        assert b.widened and not any(hasattr(b, name) for name in MoE.SHARED)
+        s, h, i = a.shared_gate.shape
+        gate_up = np.asarray(b.shared_mlp.w_gate_up[...])
+        for k in range(s):  # unit k of the width is shared expert k
+            np.testing.assert_array_equal(gate_up[:, k * i:(k + 1) * i], np.asarray(a.shared_gate[...][k]))
+            np.testing.assert_array_equal(gate_up[:, (s + k) * i:(s + k + 1) * i], np.asarray(a.shared_up[...][k]))
+        np.testing.assert_array_equal(np.asarray(b.shared_mlp.w_down[...]),
+                                      np.asarray(a.shared_down[...]).reshape(s * i, h))
+    paths = [path for path, node in nnx.iter_graph(fused) if isinstance(node, nnx.Param) and path[-1] == "w_gate_up"]
+    assert paths and all(logical_axes(p, 2) == ("embed", None) for p in paths)
+
+
+@pytest.mark.parametrize("moe", ["dense", "ragged", "pallas"])
+def test_widened_shared_experts_give_the_stacked_ones_output(moe):
+    model = random_model(CONFIG, seed=2)
+    plain = nodes_of(model, MoE)[0]
+    x = jax.random.normal(jax.random.key(3), (2, 5, CONFIG.text.hidden_size))
+    with kernels.use("jnp", moe=moe):
+        want, want_ids = plain(x)
+        plain.widen_shared_experts()
+        got, got_ids = plain(x)
+    np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
+    assert relative_error(got, want) < TOL
+
+
+def test_fused_fp8_dense_mlp_gives_the_unfused_one_output():
+    mlp = nodes_of(random_model(CONFIG, seed=4), DenseMLP)[0]
+    mlp.quantize()
+    x = jax.random.normal(jax.random.key(5), (3, CONFIG.text.hidden_size))
+    want, _ = mlp(x)
+    mlp.fuse_gate_up()
+    assert mlp.fp8 and mlp.fused and mlp.matrix_names == ("w_gate_up", "w_down")
+    assert mlp.w_gate_up_fp8[...].shape == (2 * CONFIG.text.dense_intermediate_size, CONFIG.text.hidden_size)
+    got, _ = mlp(x)
+    assert relative_error(got, want) < TOL  # the same fp8 values and scales, one product instead of two
+
+
+def test_widened_shared_experts_refuse_expert_parallelism():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 (simulated) devices")
+    from inkling_jax.sharding import make_mesh, use_mesh
+
+    model = random_model(CONFIG, seed=0)
+    model.fuse_projections()
+    use_mesh(model, make_mesh("expert=2", jax.devices()[:2]))
+    with pytest.raises(ValueError, match="widened into one MLP"):
+        model(np.zeros((1, 4), np.int32))
 
 
 def cached_logits(model, prefill: StepFunctions, decode: StepFunctions, ids):
@@ -71,9 +139,10 @@ def test_fused_model_gives_the_unfused_logits():
             assert relative_error(cached_logits(fused, fused_steps, StepFunctions(fused), ids), expected) < TOL
 
 
-@pytest.mark.parametrize("flag, mesh, fused", [(True, None, True), (False, None, False),
-                                               (True, "fsdp=2,expert=2", True), (True, "tensor=2", False)])
-def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused):
+@pytest.mark.parametrize("flag, mesh, fused, widened", [
+    (True, None, True, True), (False, None, False, False), (True, "fsdp=2", True, True),
+    (True, "fsdp=2,expert=2", True, False), (True, "tensor=2", False, False)])
+def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused, widened):
     if mesh and jax.device_count() < 4:
         pytest.skip("needs 4 (simulated) devices")
     config = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, fuse_projections=flag)
@@ -81,6 +150,9 @@ def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused):
     for attention in attentions(runner.model):
         assert hasattr(attention, "wqkvr") == fused
         assert all(hasattr(attention, name) != fused for name in PROJECTIONS)
+    dense = [mlp.fused for mlp in nodes_of(runner.model, DenseMLP)]
+    assert dense and all(f == fused for f in dense)
+    assert [moe.widened for moe in nodes_of(runner.model, MoE)] == [widened]
     if fused and mesh:  # rows over fsdp, columns whole on every device
         spec = runner.model.layers[0].attn.wqkvr[...].sharding.spec
         assert tuple(spec) == tuple(PartitionSpec("fsdp", None))
