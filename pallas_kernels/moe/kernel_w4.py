@@ -1,14 +1,17 @@
 """W4A16 grouped matmul for Hopper (Mosaic GPU): NVFP4 weights become f16 in registers; an expert's tokens are N.
 
-    out_t[s, rows of block] = epilogue([W_m[g(s)][rows] @ x_t[s] for each matrix m], column vectors of slab s)
+    out[s, :, rows of block] = epilogue([W_m[g(s)][rows] @ x[s]^T for each matrix m], column vectors of slab s)^T
 
-Slabs hold one expert's tokens each (decode.in_slabs), feature-major: x_t [slabs, K, N]. The weights are the
-wgmma's left operand, which may live in registers: per k step the memory warpgroup brings a tile of packed e2m1
+Slabs hold one expert's tokens each (decode.in_slabs), token-major as the caller holds them: x [slabs, N, K],
+out [slabs, N, rows]. The weights are the wgmma's left operand, which may live in registers: per k step the memory warpgroup brings a tile of packed e2m1
 codes and their f16 block scales into SMEM by TMA, and each compute warpgroup turns its rows into f16 in
 registers before its products (`f16_planes`; compiled, the same steps in PTX on 32-bit words), so the weights
 cross HBM and SMEM at 4 bits; each thread loads a piece's codes as 8 bytes at once (w4_codes.py).
 A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup owns 64 output rows and one
-fp32 accumulator [64, N] per matrix (gate and up: two).
+fp32 accumulator [64, N] per matrix (gate and up: two). x's tile is the wgmma's right operand read K-major (a
+transposed view of the [N, K] tile), and the output tile leaves through the transposed WGMMA register layout
+into an [N, 64] SMEM tile, so neither side needs a transpose in HBM (feature-major slabs cost the 33-row decode
+step 75 + 32 us of XLA transposes on the H200).
 
 On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
 0.73 of the read bandwidth in slabs of 16 tokens (414 us). The compute warpgroups bound the kernel, not the TMA
@@ -21,7 +24,9 @@ waits between steps, and a step's work is instructions (gate/up, per thread: 32 
   layout took 2-byte loads and about as many repacking instructions again (the gate/up kernel's PTX: 64
   `ld.shared.v2.b8`, 130 `cvt.u32.u16`, 96 `prmt` per step): 531 -> 432 us at 32 tokens, 656 -> 552 at 128;
 - the two code planes stored at e4m3's bit positions (`w4_codes.pack_codes`), 6 integer instructions per word
-  of 8 codes before its 4 `cvt` instead of 9: 425 -> 414 us at 32 tokens, 552 -> 524 at 128.
+  of 8 codes before its 4 `cvt` instead of 9: 425 -> 414 us at 32 tokens, 552 -> 524 at 128;
+- token-major x and output (module doc, above), the FFN with its slab copies: 418 -> 406 us at 32 tokens,
+  536 -> 517 at 128, bit-identical outputs.
 Tried and slower: all of a step's conversions before its wgmmas (639 us against 573); the conversion by
 rotations and masks only (no `cvt`, 11 integer instructions per 8 codes against 9 and 4 `cvt`: 590 us against
 533, before the thread-order layout), which suggests that the integer pipe, not the conversion unit, is the
@@ -45,9 +50,6 @@ from pallas_kernels.moe import mgpu
 from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, UNIT_SHAPE, f16_planes, from_units,
                                           planes_in_registers)
 
-# x_t tiles [K, N], N-major: a 32-byte swizzle, so that each wgmma contracts 16 rows (one NVFP4 block) with a
-# [64, 16] register operand (Mosaic takes K in groups of one swizzle span)
-X_TRANSFORMS = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 N_ALIGN = 16  # tokens per slab are a multiple of this (the wgmma's N, and one 32-byte swizzle span of f16)
 # A slab's fp32 column vectors land in SMEM rows of at least this many values, 128 bytes: their TMA copies need
 # rows that start 128-byte aligned (16-value rows failed with a misaligned address on the H200)
@@ -91,26 +93,29 @@ def _along_k(planes):
     return cat(*planes)
 
 
-def _multiply(acc, planes, x_rows, a_smem):
-    """acc += [planes along K] @ x_rows, as one wgmma call: one fence and one commit for all its instructions
-    (against a call per plane: 577 -> 533 us for the H200's 32-token step). a_smem: None when compiled; under
-    jax 0.10.2's interpreter, which takes the left operand from SMEM only, a [64, 16] buffer that each plane
-    passes through."""
-    if a_smem is None:
-        plgpu.wgmma(acc, _along_k(planes), x_rows)
+def _multiply(acc, planes, x_smem, k0, staging):
+    """acc += [planes along K] @ x_smem[:, k0 : k0 + 16 len(planes)]^T (x_smem: the [N, K] tile), as one wgmma
+    call: one fence and one commit for all its instructions (against a call per plane: 577 -> 533 us for the
+    H200's 32-token step). staging: None when compiled; under jax 0.10.2's interpreter, which takes the left
+    operand from SMEM only and has no transposed operands, [64, 16] and [16, N] buffers that each plane and its
+    x columns pass through."""
+    if staging is None:
+        plgpu.wgmma(acc, _along_k(planes), x_smem.at[:, pl.ds(k0, BLOCK * len(planes))].transpose((1, 0)))
         return
+    a_smem, b_smem = staging
     for i, a in enumerate(planes):
         a_smem[...] = a
+        b_smem[...] = x_smem.at[:, pl.ds(k0 + BLOCK * i, BLOCK)][...].T
         plgpu.commit_smem()
-        plgpu.wgmma(acc, a_smem, x_rows.at[pl.ds(BLOCK * i, BLOCK)])
+        plgpu.wgmma(acc, a_smem, b_smem)
 
 
-def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: int, epilogue, out_dtype,
+def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: int, epilogue, out_dtype,
            cfg: W4Config, interpret: bool):
     """Runs the kernel.
 
     Args:
-      x_t: f16 [S, K, N]: slab s's tokens, feature-major (N a multiple of N_ALIGN).
+      x: f16 [S, N, K]: slab s's tokens (N a multiple of N_ALIGN).
       packed: uint8 [G, matrices * out_rows / 64, K / 32, 8, 128]: the module doc's layout in `to_units`.
       scales: f16 [G, K / 16, out_rows / 64, matrices, 64].
       slab_group: int32 [S] the expert of each slab; slab_rows: int32 [S] its tokens (0: the slab is skipped).
@@ -118,9 +123,9 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
       epilogue: (list of fp32 accumulators [64, N], list of column vectors [N]) -> [one output tile [64, N]]
         (epilogues.py's, with axis=1).
     Returns:
-      out_dtype [S, out_rows, N].
+      out_dtype [S, N, out_rows].
     """
-    num_slabs, k, n = x_t.shape
+    num_slabs, n, k = x.shape
     groups, row_groups, num_units = packed.shape[:3]
     out_rows = row_groups * ROWS // matrices
     bk, wgs = cfg.block_k, cfg.compute_wgs
@@ -132,12 +137,15 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
     per_call = min(cfg.blocks_per_wgmma, bk // BLOCK)
     if (packed.shape[3:] != UNIT_SHAPE or num_units * PAIR != k or k % bk or bk % PAIR or out_rows % tile_rows
             or n % N_ALIGN or (bk // BLOCK) % per_call):
-        raise ValueError(f"bad W4 shapes: x_t {x_t.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups")
+        raise ValueError(f"bad W4 shapes: x {x.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups")
     nk, nblocks = k // bk, out_rows // tile_rows
     out_dtype = jnp.dtype(out_dtype)
     w_view = packed.reshape(groups * nblocks * wgs * matrices, num_units, *UNIT_SHAPE)
     s_view = scales.reshape(groups * (k // BLOCK), out_rows // ROWS, matrices, ROWS)
-    x_view = x_t.reshape(num_slabs * k, n)
+    x_view = x.reshape(num_slabs * n, k)
+    # x tiles [N, block_k]: swizzled along K, in whole swizzle spans per wgmma call (Mosaic takes K in groups
+    # of one span)
+    x_transforms = mgpu.tile_transforms(per_call * BLOCK, jnp.float16)
     cols_flat = [c.astype(jnp.float32).reshape(num_slabs * n) for c in col_vectors]
     n_cols = max(len(cols_flat), 1)
 
@@ -150,7 +158,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
             specs = [
                 plgpu.BlockSpec((wgs * matrices, bk // PAIR, *UNIT_SHAPE), lambda kk: (g * nblocks + block, kk, 0, 0)),
                 plgpu.BlockSpec((bk // BLOCK, wgs, matrices, ROWS), lambda kk: (g * nk + kk, block, 0, 0)),
-                plgpu.BlockSpec((bk, n), lambda kk: (slab * nk + kk, 0), transforms=X_TRANSFORMS),
+                plgpu.BlockSpec((n, bk), lambda kk: (slab, kk), transforms=x_transforms),
             ]
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(num_steps,), memory_registers=mgpu.MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
@@ -159,16 +167,20 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
         zero = jnp.int32(0)
         allocs = pipeline(zero, zero, cfg.stages, None, None).get_allocations(w_ref, s_ref, x_ref)
 
-        scratch = dict(out_smem=plgpu.SMEM((wgs, 2, ROWS, n), out_dtype,
-                                           transforms=mgpu.tile_transforms(n, out_dtype)),
+        scratch = dict(out_smem=plgpu.SMEM((wgs, 2, n, ROWS), out_dtype,
+                                           transforms=mgpu.tile_transforms(ROWS, out_dtype)),
                        col_smem=plgpu.SMEM((wgs, n_cols, max(n, COL_ROW)), jnp.float32),
                        col_barriers=plgpu.Barrier(num_barriers=wgs * n_cols))
-        if interpret:  # jax 0.10.2's interpreter takes the wgmma's left operand from SMEM only
+        if interpret:  # `_multiply`'s staging buffers
             scratch["a_smem"] = plgpu.SMEM((wgs, ROWS, BLOCK), jnp.float16,
                                            transforms=mgpu.tile_transforms(BLOCK, jnp.float16))
+            scratch["b_smem"] = plgpu.SMEM((wgs, BLOCK, n), jnp.float16,
+                                           transforms=mgpu.tile_transforms(n, jnp.float16))
 
         @functools.partial(pl.run_scoped, allocs=allocs, **scratch, collective_axes="wg")
-        def scope(allocs, out_smem, col_smem, col_barriers, a_smem=None):
+        def scope(allocs, out_smem, col_smem, col_barriers, a_smem=None, b_smem=None):
+            staging = None if a_smem is None else (a_smem.at[wg], b_smem.at[wg])
+
             @plgpu.nd_loop((num_slabs * nblocks,), collective_axes="sm")
             def tile(info):
                 slab, block = lax.div(info.index[0], nblocks), lax.rem(info.index[0], nblocks)
@@ -185,8 +197,7 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                                 scale = mgpu.row_vector(s_smem.at[b, wg, m], interpret)
                                 planes.append(plane * lax.broadcast_in_dim(scale, (ROWS, BLOCK), (0,)))
                                 if len(planes) == per_call:
-                                    x_rows = x_smem.at[pl.ds(BLOCK * (b + 1 - per_call), BLOCK * per_call)]
-                                    _multiply(accs[m], planes, x_rows, None if a_smem is None else a_smem.at[wg])
+                                    _multiply(accs[m], planes, x_smem, BLOCK * (b + 1 - per_call), staging)
                                     planes = []
                     plgpu.wgmma_wait(0)
                     return accs
@@ -198,8 +209,9 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
                         plgpu.barrier_wait(col_barriers.at[wg * n_cols + i])
                         cols.append(mgpu.column_vector(col_smem.at[wg, i, pl.ds(0, n)], interpret))
                     (out,) = epilogue([a[...] for a in accs], cols)
-                    row0 = slab * out_rows + block * tile_rows + wg * ROWS
-                    mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(row0, ROWS)], 0)
+                    row0 = block * tile_rows + wg * ROWS
+                    mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(slab * n, n), pl.ds(row0, ROWS)], 0,
+                                    transposed=True, interpret=interpret)
 
                 def context(run):
                     def with_accs(*accs):
@@ -218,11 +230,11 @@ def w4_gmm(x_t, packed, scales, *, slab_group, slab_rows, col_vectors, matrices:
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_slabs * out_rows, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((num_slabs * n, out_rows), out_dtype),
         grid=(mgpu.num_sms(interpret),), grid_names=("sm",),
         num_threads=wgs + 1, thread_name="wg",
         compiler_params=mgpu.compiler_params(),
         interpret=mgpu.interpret_params(interpret),
     )
     out = kernel(slab_group.astype(jnp.int32), slab_rows.astype(jnp.int32), w_view, s_view, x_view, *cols_flat)
-    return out.reshape(num_slabs, out_rows, n)
+    return out.reshape(num_slabs, n, out_rows)

@@ -122,15 +122,24 @@ def zero_rows_outside(tile_ref, row_axis: int, first_row, start, end, interpret:
     plgpu.commit_smem()
 
 
-def store_tile(vals, smem, gmem, slot_counter: int):
+def store_tile(vals, smem, gmem, slot_counter: int, *, transposed: bool = False, interpret: bool = False):
     """Writes a register tile through one of two SMEM slots to GMEM with TMA; returns the next slot counter.
 
     A slot is reused only after its previous TMA store has finished reading it. The first store of a tile
-    waits for all: the previous tile may have left its last store in either slot.
+    waits for all: the previous tile may have left its last store in either slot. transposed: a WGMMA
+    accumulator tile [rows, cols] goes out as its transpose (the slots and gmem are [cols, rows]); compiled,
+    through the transposed WGMMA register layout (a shuffle per register pair) into a transposed view of the
+    slot, which is how Mosaic stores a transposed tile; under the interpreter, a plain transpose.
     """
     slot = slot_counter % 2
     plgpu.wait_smem_to_gmem(1 if slot_counter else 0, wait_read_only=True)
-    smem[slot] = vals.astype(smem.dtype)
+    if not transposed:
+        smem[slot] = vals.astype(smem.dtype)
+    elif interpret:
+        smem[slot] = vals.T.astype(smem.dtype)
+    else:
+        view = smem.at[slot].transpose((1, 0))
+        view[...] = plgpu.layout_cast(vals.astype(smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(smem.at[slot], gmem)
     return slot_counter + 1

@@ -12,7 +12,7 @@ expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale,
     h = row_weight * silu(s2_13[g] * (x @ W_gate[g]^T)) * (s2_13[g] * (x @ W_up[g]^T))     (gate and up share
     y = s2_2[g] * (h @ W_down[g]^T)                                                         w13's scale2)
 
-x and h are rounded to f16 before their products. Rows run in the slab layout of decode.in_slabs, feature-major.
+x and h are rounded to f16 before their products. Rows run in the slab layout of decode.in_slabs.
 `moe_ffn_nvfp4_reference` is that formula in jnp (the CPU path of the model and the tests' contract). Forward only.
 """
 
@@ -166,14 +166,12 @@ def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_gro
         slab_group = group_of_rows(used, num_slabs)
         slab_fill = (jnp.arange(num_slabs) < used[-1]).astype(jnp.int32)
         rw, scale13, scale2 = (v.reshape(num_slabs, slab) for v in row_vectors)
-        x_t = x_slabs.reshape(num_slabs, slab, -1).transpose(0, 2, 1).astype(jnp.float16)
         common = dict(slab_group=slab_group, slab_rows=slab_fill, cfg=cfg, interpret=interpret)
-        h_t = w4_gmm(x_t, experts.w13, experts.w13_scale, col_vectors=(rw, scale13), matrices=2,
-                     epilogue=_swiglu, out_dtype=jnp.float16, **common)
-        y_t = w4_gmm(h_t, experts.w2, experts.w2_scale, col_vectors=(scale2,), matrices=1,
-                     epilogue=functools.partial(epilogues.scaled, axis=1),
-                     out_dtype=x.dtype, **common)
-        return y_t.transpose(0, 2, 1).reshape(num_slabs * slab, -1)
+        h = w4_gmm(x_slabs.reshape(num_slabs, slab, -1).astype(jnp.float16), experts.w13, experts.w13_scale,
+                   col_vectors=(rw, scale13), matrices=2, epilogue=_swiglu, out_dtype=jnp.float16, **common)
+        y = w4_gmm(h, experts.w2, experts.w2_scale, col_vectors=(scale2,), matrices=1,
+                   epilogue=functools.partial(epilogues.scaled, axis=1), out_dtype=x.dtype, **common)
+        return y.reshape(num_slabs * slab, -1)
 
     return decode.in_slabs(x, group_sizes, (row_weights, s13, s2), one_slab_each, ffn, align=slab)
 

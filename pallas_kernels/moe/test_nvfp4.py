@@ -102,6 +102,7 @@ def _check(group_sizes, rows, max_group_rows, slab=None, cfg=CFG):
         x, experts, sizes, row_weights)
     want = moe_ffn_nvfp4_reference(x, experts, sizes, row_weights)
     used = int(sizes.sum())
+    assert got.shape == x.shape and got.dtype == x.dtype
     assert rel_err(got[:used], want[:used]) < 1e-2
     assert np.all(np.asarray(got[used:], np.float32) == 0)
 

@@ -4,7 +4,7 @@ Packed layout (nvfp4.layout writes it): per expert, the 64 rows of each matrix f
 each other; byte column c of a row holds the codes of K index 32 (c // 16) + c % 16 (its "low plane") and that
 + 16 (its "high plane"), their bits placed by `pack_codes`. So columns 16q..16q+15 of the low plane are one
 NVFP4 block (K 32q..32q+15) and of the high plane the next one: each [64, 16] piece is one wgmma k-step with
-one scale per row, and its right operand is 16 consecutive rows of x_t. In memory each [64, 16] piece is one
+one scale per row, and its right operand is x's 16 matching K columns. In memory each [64, 16] piece is one
 1024-byte unit, its bytes in the order the compute warpgroup's threads hold them (`to_units`), so that a thread
 loads its 8 bytes of a piece at once.
 Scales: f16 [G, K / 16, out_rows / 64, matrices, 64], the e4m3 block scale times 64.
