@@ -48,20 +48,21 @@ COPY_BYTES = 256 << 20
 
 
 def weights(text) -> list[tuple[str, int, int, int]]:
-    """(name, in, out, times per decode step) of the dense matmuls of the preset's layers, the four attention
-    input maps apart (the checkpoint's layout), then the sliding layer's four fused into one, as the server runs
-    them (`InklingModel.fuse_projections`; 0 per step here, so the step sums count them apart)."""
+    """(name, in, out, times per decode step) of the dense matmuls of the preset's layers as the server runs
+    them (`InklingModel.fuse_projections`): one q|k|v|r map per attention, one gate|up matrix per dense MLP, the
+    shared experts widened into one MLP of width S x I (`MoE.widen_shared_experts`)."""
     local = sum(text.is_local(i) for i in range(text.num_layers))
     full = text.num_layers - local
     dense = len(text.dense_layer_ids)
-    h, q = text.hidden_size, text.num_heads * text.head_dim
+    moe = text.num_layers - dense
+    h, q, r = text.hidden_size, text.num_heads * text.head_dim, text.num_heads * text.d_rel
     kv_local, kv_full = text.swa_num_kv_heads * text.swa_head_dim, text.num_kv_heads * text.head_dim
-    r = text.num_heads * text.d_rel
-    rows = [("wq", h, q, text.num_layers), ("wk, wv (sliding)", h, kv_local, 2 * local),
-            ("wk, wv (full)", h, kv_full, 2 * full), ("wr", h, r, text.num_layers), ("wo", q, h, text.num_layers),
-            ("dense gate, up", h, text.dense_intermediate_size, 2 * dense),
-            ("dense down", text.dense_intermediate_size, h, dense), ("unembed (LM head)", h, text.vocab_size, 1)]
-    return [w for w in rows if w[3]] + [("q, k, v, r fused (sliding)", h, q + 2 * kv_local + r, 0)]
+    shared = text.num_shared_experts * text.moe_intermediate_size
+    rows = [("q|k|v|r (sliding)", h, q + 2 * kv_local + r, local), ("q|k|v|r (full)", h, q + 2 * kv_full + r, full),
+            ("wo", q, h, text.num_layers), ("dense gate|up", h, 2 * text.dense_intermediate_size, dense),
+            ("dense down", text.dense_intermediate_size, h, dense), ("shared gate|up", h, 2 * shared, moe),
+            ("shared down", shared, h, moe), ("unembed (LM head)", h, text.vocab_size, 1)]
+    return [w for w in rows if w[3]]
 
 
 def seconds_per_product(variant, xs, ws):

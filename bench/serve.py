@@ -190,7 +190,7 @@ def main():
     p.add_argument("--copy-mib", type=int, default=2048)
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
-    p.add_argument("--no-fuse-projections", action="store_true", help="separate projection matmuls (placement.fuse_projections)")
+    p.add_argument("--no-fuse-projections", action="store_true", help="unfused projections")
     p.add_argument("--trace", help="write profiler traces (perfetto JSON) into this directory: a load at "
                    "--trace-concurrency, the decode program at each level and the largest prefill program")
     p.add_argument("--trace-concurrency", type=int, default=1)

@@ -45,7 +45,8 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
     name, first = _routed_names(routed)[0], routed[0]
     split = first.shape[logical_axes(("mlp", name), first.ndim).index("expert_mlp")]
     grain = 2 if precision_of(routed) == "nvfp4" else 1
-    return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared[2].shape[1] % n == 0 else None
+    shared_splits = shared is None or shared[2].shape[1] % n == 0  # None: widened, run outside (mlp.MoE)
+    return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared_splits else None
 
 
 def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
@@ -58,7 +59,7 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         return _sum_width(out, width)
 
     return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, routed, shared)(
-        x, expert_ids, weights, shared_weights, routed, tuple(shared))
+        x, expert_ids, weights, shared_weights, routed, _stacks(shared))
 
 
 def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
@@ -125,7 +126,11 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
     return _shard_map(shard, mesh, tokens, width, routed, shared)(x, expert_ids, weights, shared_weights, routed,
-                                                                  tuple(shared))
+                                                                  _stacks(shared))
+
+
+def _stacks(shared):
+    return None if shared is None else tuple(shared)
 
 
 def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts, shared_experts):
@@ -133,7 +138,7 @@ def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts, 
     `tokens` (`_tokens_spec`). The experts' weights are laid out by sharding's table for their parameter names
     (`logical_axes`): routed experts over `expert`, the routed and the shared width over `width` unless None,
     every other dimension whole. The routed experts reach `shard` in the form of `routed_experts`: (w_gate, w_up,
-    w_down), an Fp8Experts or an Nvfp4Experts."""
+    w_down), an Fp8Experts or an Nvfp4Experts; the shared ones as their three stacks, or None (widened)."""
     over = {"experts": AXIS if mesh.shape[AXIS] > 1 else None, "expert_mlp": width, "mlp": width}
 
     def specs(names, arrays):
@@ -143,7 +148,8 @@ def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts, 
     routed = specs(_routed_names(routed_experts), routed_experts)
     routed = jax.tree.unflatten(jax.tree.structure(routed_experts), routed)  # the specs in the experts' form
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
-                         in_specs=(tokens, tokens, tokens, tokens, routed, specs(MoE.SHARED, shared_experts)))
+                         in_specs=(tokens, tokens, tokens, tokens, routed,
+                                   None if shared_experts is None else specs(MoE.SHARED, shared_experts)))
 
 
 def _routed_names(routed) -> tuple[str, ...]:

@@ -47,14 +47,18 @@ class DenseMLP(nnx.Module):
     def matrix_names(self) -> tuple[str, ...]:
         return (("w_gate_up",) if self.fused else ("w_gate", "w_up")) + ("w_down",)
 
-    def quantize(self) -> None:
+    def quantize(self) -> int:
         """Replaces the matrices by fp8 ones (inkling_jax/dense_fp8.py: `<name>_fp8` values [out, in] and
-        `<name>_out_scale`, one per output column), freeing the originals: for serving (forward only)."""
+        `<name>_out_scale`, one per output column), freeing the originals: for serving (forward only). Returns
+        the number of matrices changed (0 if already fp8)."""
+        if self.fp8:
+            return 0
         for name in self.matrix_names:
             values, scale = dense_fp8.quantize(getattr(self, name)[...], transpose=True)
             delattr(self, name)
             setattr(self, f"{name}_fp8", nnx.Param(values))
             setattr(self, f"{name}_out_scale", nnx.Param(scale))
+        return len(self.matrix_names)
 
     def fuse_gate_up(self) -> None:
         """Inference only: gate and up become one matrix `w_gate_up` [hidden, gate | up] (or its fp8 form), so a
@@ -86,10 +90,17 @@ class DenseMLP(nnx.Module):
         else:
             gate, up = self._product(x, "w_gate"), self._product(x, "w_up")
         h = swiglu(gate, up)
-        if unit_weights is not None:
-            units = unit_weights.shape[-1]
-            h = (h.reshape(*h.shape[:-1], units, -1) * unit_weights[..., None].astype(h.dtype)).reshape(h.shape)
-        return self._product(h, "w_down") * self.global_scale[...], None
+        if unit_weights is None:
+            return self._product(h, "w_down") * self.global_scale[...], None
+        units = unit_weights.shape[-1]
+        h = h.reshape(*h.shape[:-1], units, -1) * unit_weights[..., None].astype(h.dtype)
+        if self.fp8:
+            y = self._product(h.reshape(*h.shape[:-2], -1), "w_down")
+        else:  # a product per unit, summed in fp32: at 32 rows XLA's gemm read the [S I, hidden] weight as one
+            # product at 0.41 of the bandwidth on the H200 (44 us; bench/dense_matmuls.py), as S batched ones in 24
+            w_down = self.w_down[...].reshape(units, -1, self.w_down.shape[-1])
+            y = jnp.einsum("...ui,uih->u...h", h, w_down).astype(jnp.float32).sum(0).astype(h.dtype)
+        return y * self.global_scale[...], None
 
 
 class MoE(nnx.Module):
@@ -163,11 +174,11 @@ class MoE(nnx.Module):
         return hasattr(self, "shared_mlp")
 
     def widen_shared_experts(self) -> None:
-        """Inference only: the S shared experts become one DenseMLP `shared_mlp` of width S x I, gate and up
-        fused, whose h is weighted per expert by its sink weight (DenseMLP's unit_weights): two products per call,
-        not S-batched ones for gate, up and down (on the H200 the traced 33-row decode step ran the shared gate
-        and up as two split-K dots a layer, 207 us in all). The three stacks are deleted. Not under expert or
-        tensor parallelism, whose dispatch and rules name the stacks (`__call__` refuses)."""
+        """Inference only: the S shared experts become one DenseMLP `shared_mlp` of width S x I whose h is
+        weighted per expert by its sink weight (DenseMLP's unit_weights), run beside the routed experts under any
+        mesh (XLA places it by the dense MLP's rules). So they take the dense MLP's fp8 form and its fused gate|up
+        (on the H200 the traced 33-row decode step ran the stacked shared gate and up as two split-K dots a layer,
+        207 us in all). The three stacks are deleted."""
         if self.widened:
             return
         gate, up, down = self.shared_gate[...], self.shared_up[...], self.shared_down[...]
@@ -177,7 +188,6 @@ class MoE(nnx.Module):
             return w.transpose(1, 0, 2).reshape(h, s * i)
 
         self.shared_mlp = DenseMLP.from_weights(wide(gate), wide(up), down.reshape(s * i, h))
-        self.shared_mlp.fuse_gate_up()
         del self.shared_gate, self.shared_up, self.shared_down
 
     def route(self, x, expert_ids=None):
@@ -209,10 +219,6 @@ class MoE(nnx.Module):
             out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
                           shared_in_launch=self.shared_in_launch)
             return out.astype(x.dtype).reshape(shape), expert_ids
-        if self.mesh is not None and (self.mesh.shape["expert"] > 1 or self.mesh.shape["tensor"] > 1):
-            raise ValueError("this MoE's shared experts are widened into one MLP (`widen_shared_experts`, for one "
-                             "device or a mesh without expert and tensor axes); expert and tensor parallelism "
-                             f"need the three stacks, and the mesh is {dict(self.mesh.shape)}")
         out = experts(flat, routed, None, expert_ids, weights, shared_weights, mesh=self.mesh)
         out = out + self.shared_mlp(flat, unit_weights=shared_weights)[0].astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape), expert_ids

@@ -69,11 +69,10 @@ class Placement:
         """Fuse each attention's q, k, v and r maps into one matmul, each dense MLP's gate and up, and each MoE's
         shared experts into one MLP (`InklingModel.fuse_projections`, in place) where the layout allows, before
         `shard_model`: a decode step's small products are latency-bound. Not over a `tensor` axis, which splits
-        them by heads or width (the fused columns mix them); the shared experts stay apart over `expert` too,
-        whose dispatch takes their stacks. Returns whether it fused."""
+        them by heads or width (the fused columns mix them). Returns whether it fused."""
         if self.mesh is not None and self.mesh.shape["tensor"] > 1:
             return False
-        model.fuse_projections(shared_experts=self.mesh is None or self.mesh.shape["expert"] == 1)
+        model.fuse_projections()
         return True
 
     def shard_model(self, model):

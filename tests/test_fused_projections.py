@@ -1,9 +1,8 @@
 """The serving model's fused projections (`InklingModel.fuse_projections`): one q|k|v|r kernel per attention, one
 gate|up matrix per dense MLP (bf16 or fp8), the shared experts of each MoE as one widened MLP. The fused model holds
 the fused matrices and none of the originals, and gives the unfused model's logits (prefill, decode steps, decode
-steps through the Pallas prologue; the MoE by each backend); the server fuses by default, unless told not to or
-on a tensor-parallel mesh, and keeps the shared experts apart on an expert-parallel one (the serving tests then run
-the fused model)."""
+steps through the Pallas prologue; the MoE by each backend; on expert-parallel meshes); the server fuses by
+default, unless told not to or on a tensor-parallel mesh (the serving tests then run the fused model)."""
 
 import jax
 import numpy as np
@@ -106,16 +105,19 @@ def test_fused_fp8_dense_mlp_gives_the_unfused_one_output():
     assert relative_error(got, want) < TOL  # the same fp8 values and scales, one product instead of two
 
 
-def test_widened_shared_experts_refuse_expert_parallelism():
-    if jax.device_count() < 2:
-        pytest.skip("needs 2 (simulated) devices")
-    from inkling_jax.sharding import make_mesh, use_mesh
+@pytest.mark.parametrize("spec", ["expert=2", "fsdp=2,expert=2"])
+def test_fused_model_on_an_expert_parallel_mesh_equals_one_device(spec):
+    """The widened shared experts run beside the expert-parallel dispatch (which then carries no shared stacks)."""
+    from inkling_jax.sharding import make_mesh, shard_model
 
-    model = random_model(CONFIG, seed=0)
-    model.fuse_projections()
-    use_mesh(model, make_mesh("expert=2", jax.devices()[:2]))
-    with pytest.raises(ValueError, match="widened into one MLP"):
-        model(np.zeros((1, 4), np.int32))
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (simulated) devices")
+    ids = np.random.default_rng(6).integers(0, 380, (2, 8)).astype(np.int32)
+    with kernels.use("jnp", moe="ragged"):
+        want = nnx.jit(lambda m, t: m(t))(fused_model(SMALL, seed=3), ids)
+        sharded = shard_model(fused_model(SMALL, seed=3), make_mesh(spec, jax.devices()[:4]))
+        got = nnx.jit(lambda m, t: m(t))(sharded, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def cached_logits(model, prefill: StepFunctions, decode: StepFunctions, ids):
@@ -139,10 +141,9 @@ def test_fused_model_gives_the_unfused_logits():
             assert relative_error(cached_logits(fused, fused_steps, StepFunctions(fused), ids), expected) < TOL
 
 
-@pytest.mark.parametrize("flag, mesh, fused, widened", [
-    (True, None, True, True), (False, None, False, False), (True, "fsdp=2", True, True),
-    (True, "fsdp=2,expert=2", True, False), (True, "tensor=2", False, False)])
-def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused, widened):
+@pytest.mark.parametrize("flag, mesh, fused", [(True, None, True), (False, None, False),
+                                               (True, "fsdp=2,expert=2", True), (True, "tensor=2", False)])
+def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused):
     if mesh and jax.device_count() < 4:
         pytest.skip("needs 4 (simulated) devices")
     config = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, fuse_projections=flag)
@@ -152,7 +153,7 @@ def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused, widened):
         assert all(hasattr(attention, name) != fused for name in PROJECTIONS)
     dense = [mlp.fused for mlp in nodes_of(runner.model, DenseMLP)]
     assert dense and all(f == fused for f in dense)
-    assert [moe.widened for moe in nodes_of(runner.model, MoE)] == [widened]
+    assert [moe.widened for moe in nodes_of(runner.model, MoE)] == [fused]
     if fused and mesh:  # rows over fsdp, columns whole on every device
         spec = runner.model.layers[0].attn.wqkvr[...].sharding.spec
         assert tuple(spec) == tuple(PartitionSpec("fsdp", None))
