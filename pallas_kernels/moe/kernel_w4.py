@@ -3,10 +3,11 @@
     out[s, :, rows of block] = epilogue([W_m[g(s)][rows] @ x[s]^T for each matrix m], column vectors of slab s)^T
 
 Slabs hold one expert's tokens each (decode.in_slabs), token-major as the caller holds them: x [slabs, N, K],
-out [slabs, N, rows]. The weights are the wgmma's left operand, which may live in registers: per k step the memory warpgroup brings a tile of packed e2m1
-codes and their f16 block scales into SMEM by TMA, and each compute warpgroup turns its rows into f16 in
-registers before its products (`f16_planes`; compiled, the same steps in PTX on 32-bit words), so the weights
-cross HBM and SMEM at 4 bits; each thread loads a piece's codes as 8 bytes at once (w4_codes.py).
+out [slabs, N, rows]. The weights are the wgmma's left operand, which may live in registers: per k step the
+memory warpgroup brings a tile of packed e2m1 codes and their f16 block scales into SMEM by TMA, and each
+compute warpgroup turns its rows into f16 in registers before its products (`f16_planes`; compiled, the same
+steps in PTX on 32-bit words), so the weights cross HBM and SMEM at 4 bits; each thread loads a piece's codes as
+8 bytes at once (w4_codes.py).
 A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup owns 64 output rows and one
 fp32 accumulator [64, N] per matrix (gate and up: two). x's tile is the wgmma's right operand read K-major (a
 transposed view of the [N, K] tile), and the output tile leaves through the transposed WGMMA register layout
@@ -14,7 +15,7 @@ into an [N, 64] SMEM tile, so neither side needs a transpose in HBM (feature-maj
 step 75 + 32 us of XLA transposes on the H200).
 
 On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
-0.73 of the read bandwidth in slabs of 16 tokens (414 us). The compute warpgroups bound the kernel, not the TMA
+0.70-0.73 of the read bandwidth in slabs of 16 tokens (406 us). The compute warpgroups bound the kernel, not the TMA
 stream: an in-kernel profile (mgpu.py) put them inside their pipeline steps 0.81-0.89 of the time, with ~0.15 us
 waits between steps, and a step's work is instructions (gate/up, per thread: 32 words of codes to convert,
 128 f16x2 scale multiplies). What took time out, in order:

@@ -3,8 +3,8 @@
 Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
 `w4_codes.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
 an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
-decode kernels took 414 us at 32 tokens against fp8's 611 (0.68; fp8 timed in earlier calls) and 524 us at 128
-against 750 (0.70), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
+decode kernels took 406 us at 32 tokens against fp8's 611 (0.66; fp8 timed in earlier calls) and 517 us at 128
+against 750 (0.69), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
 fp8's time on a 16k-token prefill. The format is NVFP4's (inkling_jax/nvfp4.py, spec section 5.2): per
 expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale, per value an e2m1 code:
 
