@@ -96,8 +96,8 @@ class DenseMLP(nnx.Module):
         h = h.reshape(*h.shape[:-1], units, -1) * unit_weights[..., None].astype(h.dtype)
         if self.fp8:
             y = self._product(h.reshape(*h.shape[:-2], -1), "w_down")
-        else:  # a product per unit, summed in fp32: at 32 rows XLA's gemm read the [S I, hidden] weight as one
-            # product at 0.41 of the bandwidth on the H200 (44 us; bench/dense_matmuls.py), as S batched ones in 24
+        else:  # a product per unit, summed in fp32: at 32 rows XLA's one [S I, hidden] product read at 0.33-0.41 of
+            # the H200's bandwidth (44-56 us, bench/results/dense_matmuls.md); batched, 23 us a layer in the traced step
             w_down = self.w_down[...].reshape(units, -1, self.w_down.shape[-1])
             y = jnp.einsum("...ui,uih->u...h", h, w_down).astype(jnp.float32).sum(0).astype(h.dtype)
         return y * self.global_scale[...], None
@@ -176,9 +176,10 @@ class MoE(nnx.Module):
     def widen_shared_experts(self) -> None:
         """Inference only: the S shared experts become one DenseMLP `shared_mlp` of width S x I whose h is
         weighted per expert by its sink weight (DenseMLP's unit_weights), run beside the routed experts under any
-        mesh (XLA places it by the dense MLP's rules). So they take the dense MLP's fp8 form and its fused gate|up
-        (on the H200 the traced 33-row decode step ran the stacked shared gate and up as two split-K dots a layer,
-        207 us in all). The three stacks are deleted."""
+        mesh (XLA places it by the dense MLP's rules). So it takes the dense MLP's fused gate|up: on the H200 the
+        traced 33-row decode step ran the stacked shared gate and up as two split-K dots a layer, 207 us in all,
+        and the widened gate|up as one product a layer, 168 us (bench/results/serve.md). The three stacks are
+        deleted."""
         if self.widened:
             return
         gate, up, down = self.shared_gate[...], self.shared_up[...], self.shared_down[...]
