@@ -71,7 +71,8 @@ class DenseMLP(nnx.Module):
             for suffix in ("_fp8", "_out_scale"):
                 parts = [getattr(self, f"w_gate{suffix}")[...], getattr(self, f"w_up{suffix}")[...]]
                 setattr(self, f"w_gate_up{suffix}", nnx.Param(jnp.concatenate(parts, axis=0)))
-                delattr(self, f"w_gate{suffix}"), delattr(self, f"w_up{suffix}")
+                delattr(self, f"w_gate{suffix}")
+                delattr(self, f"w_up{suffix}")
             return
         self.w_gate_up = nnx.Param(jnp.concatenate([self.w_gate[...], self.w_up[...]], axis=1))
         del self.w_gate, self.w_up
@@ -215,13 +216,13 @@ class MoE(nnx.Module):
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
         routed = self.routed_experts()
-        if not self.widened:
+        if self.widened:
+            out = experts(flat, routed, None, expert_ids, weights, shared_weights, mesh=self.mesh)
+            out = out + self.shared_mlp(flat, unit_weights=shared_weights)[0].astype(jnp.float32)
+        else:
             shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
             out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
                           shared_in_launch=self.shared_in_launch)
-            return out.astype(x.dtype).reshape(shape), expert_ids
-        out = experts(flat, routed, None, expert_ids, weights, shared_weights, mesh=self.mesh)
-        out = out + self.shared_mlp(flat, unit_weights=shared_weights)[0].astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape), expert_ids
 
 
