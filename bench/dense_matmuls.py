@@ -7,10 +7,14 @@ With --fp8, also e4m3 weights with one fp32 scale per output column: "fp8 w-only
 converted to bf16 (XLA may fuse the convert into its gemm, so that only fp8 bytes are read), "fp8 w8a8" first
 quantises x per row and runs an fp8 x fp8 dot (the weight stored [out, in], as fp8 tensor cores read it).
 
+With --nvfp4, also NVFP4 weights through the W4A16 kernel (inkling_jax/dense_nvfp4.py), with K split as the
+model splits it ("nvfp4 auto") and into each count of --splits chunks (a blank cell where a count does not divide
+the weight's k steps). The LM head is not run in NVFP4 (the model keeps it in fp8).
+
 Each case multiplies enough copies of its weight (> 4x the 50 MB L2) in one jitted program that every product
 reads its weight from HBM, as the decode step does, with no host dispatch between them.
 
-    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--fp8] [--out DIR]
+    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--fp8] [--nvfp4 --splits 1 2 4] [--out DIR]
 """
 
 import argparse
@@ -20,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import median_seconds, read_bandwidth
-from inkling_jax import dense_fp8, preset
+from inkling_jax import dense_fp8, dense_nvfp4, kernels, preset
 
 
 def _fp8(w):
@@ -44,7 +48,23 @@ def _weight_only(x, wq):
 BF16 = {"xla": (None, None, jnp.matmul, 2), "cublas": ({"xla_gpu_enable_triton_gemm": False}, None, jnp.matmul, 2)}
 FP8 = {"fp8 w-only": (None, _fp8_in_out, _weight_only, 1),
        "fp8 w8a8": (None, _fp8, lambda x, wq: dense_fp8.matmul(x, *wq), 1)}
+NVFP4_BYTES = 0.5 + 2 / 16  # per value: the e2m1 code and its share of an f16 block scale
 COPY_BYTES = 256 << 20
+
+
+def _nvfp4(splits):
+    """The variant of NVFP4 weights with K in `splits` chunks (None: as the model splits it)."""
+    def prepare(w):
+        linear = dense_nvfp4.Nvfp4Linear.quantize(w)
+        return linear.nvfp4_codes[...], linear.nvfp4_scales[...], linear.nvfp4_scale2[...]
+
+    return None, prepare, lambda x, w: dense_nvfp4.matmul(x, *w, splits=splits), NVFP4_BYTES
+
+
+def _nvfp4_runs(name: str, n_in: int, splits) -> bool:
+    if name.startswith("unembed"):
+        return False
+    return splits is None or (n_in // 256) % splits == 0 and (splits == 1 or n_in // 256 // splits >= 2)
 
 
 def weights(text) -> list[tuple[str, int, int, int]]:
@@ -65,11 +85,15 @@ def weights(text) -> list[tuple[str, int, int, int]]:
     return [w for w in rows if w[3]]
 
 
+def variant_splits(name: str):
+    return None if name == "nvfp4 auto" else int(name.split("=")[1])
+
+
 def seconds_per_product(variant, xs, ws):
     """One program of len(ws) products xs[i] @ ws[i] (distinct inputs, so XLA merges none of them)."""
     options, prepare, product, _ = variant
     if prepare is not None:
-        ws = [jax.jit(prepare)(w) for w in ws]
+        ws = [prepare(w) for w in ws]
     fn = jax.jit(lambda a, b: [product(a[i], w) for i, w in enumerate(b)], compiler_options=options)
     seconds = median_seconds(fn, xs, ws, trials=5, calls=3) / len(ws)
     del ws
@@ -80,9 +104,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--fp8", action="store_true", help="also fp8 weights (one scale per output column)")
+    parser.add_argument("--nvfp4", action="store_true", help="also NVFP4 weights (the W4A16 kernel, split-K)")
+    parser.add_argument("--splits", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8], help="with --nvfp4: K chunks")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="also write dense_matmuls.md here")
     args = parser.parse_args()
     variants = {**BF16, **(FP8 if args.fp8 else {})}
+    if args.nvfp4:
+        kernels.set_backend(moe="pallas")
+        variants.update({"nvfp4 auto": _nvfp4(None), **{f"nvfp4 s={s}": _nvfp4(s) for s in args.splits}})
     text = preset("bench").text
     read = read_bandwidth(data="normal")
     lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; read bandwidth {read / 1e9:.0f} GB/s",
@@ -92,12 +121,16 @@ def main():
     key = jax.random.key(0)
     for name, n_in, n_out, count in weights(text):
         nbytes = 2 * n_in * n_out
+        smallest = min(v[3] for v in variants.values())  # enough copies of the smallest form to pass L2
         ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16)
-              for i in range(max(2, -(-COPY_BYTES // nbytes)))]
+              for i in range(max(2, -(-COPY_BYTES // int(n_in * n_out * smallest))))]
         for rows in args.rows:
             xs = jax.random.normal(key, (len(ws), rows, n_in), jnp.bfloat16)
             cells = []
             for name_v, variant in variants.items():
+                if name_v.startswith("nvfp4") and not _nvfp4_runs(name, n_in, variant_splits(name_v)):
+                    cells.append("-")
+                    continue
                 seconds = seconds_per_product(variant, xs, ws)
                 step[rows, name_v] += count * seconds
                 cells.append(f"{seconds * 1e6:.1f} ({nbytes * variant[3] / 2 / seconds / read:.2f})")

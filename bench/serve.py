@@ -201,10 +201,11 @@ def main():
     p.add_argument("--expert-precision", default="bf16", choices=EXPERT_PRECISIONS,
                    help="routed experts' weights, as serve.app's flag")
     p.add_argument("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
-                   help="dense MLPs' and LM head's weights, as serve.app's flag")
+                   help="dense weights (MLPs and LM head; nvfp4: also attention and shared experts), as serve.app's flag")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     placement = Placement.from_spec(args.mesh)
+    placement.check(preset(args.preset).text, dense_precision=args.dense_precision)
     levels = sorted(int(c) for c in args.concurrency.split(","))
     results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "args": vars(args)}
     if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory

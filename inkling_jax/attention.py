@@ -11,6 +11,7 @@ from jax import lax
 from inkling_jax import kernels
 from inkling_jax.cache import LayerCache
 from inkling_jax.config import TextConfig, log_scaling_tau
+from inkling_jax.dense_nvfp4 import Nvfp4Linear
 from inkling_jax.kernel_sharding import pin_heads
 from inkling_jax.layers import Linear, RMSNorm, ShortConv, normal
 
@@ -82,18 +83,34 @@ class Attention(nnx.Module):
         multiplies u once (a decode step's small projections are latency-bound as four gemms). The four are
         deleted, so the weights are not held twice. Checkpoints, LoRA, training and the tensor-parallel rules
         name the four; the fused columns mix heads, so the fused kernel must not be split over `tensor`."""
-        if hasattr(self, "wqkvr"):
+        if self.fused:
             return
         parts = (self.wq, self.wk, self.wv, self.wr)
         self.wqkvr = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=1))
         del self.wq, self.wk, self.wv, self.wr
 
+    @property
+    def fused(self) -> bool:
+        return hasattr(self, "wqkvr") or hasattr(self, "wqkvr_nvfp4")
+
+    def quantize_nvfp4(self) -> int:
+        """For serving (forward only): the fused q|k|v|r map (`fuse_projections`, done here first) and wo held in
+        NVFP4 (inkling_jax/dense_nvfp4.py), the float matrices freed. Returns the number of matrices changed."""
+        if hasattr(self, "wqkvr_nvfp4"):
+            return 0
+        self.fuse_projections()
+        self.wqkvr_nvfp4 = Nvfp4Linear.quantize(self.wqkvr[...])
+        self.wo = Nvfp4Linear.quantize(self.wo.kernel[...])
+        del self.wqkvr
+        return 2
+
     def _project(self, u):
         """(q, k, v, r) of u [B, T, hidden], flat per token: one matmul when fused, else the four maps."""
-        if not hasattr(self, "wqkvr"):
+        if not self.fused:
             return self.wq(u), self.wk(u), self.wv(u), self.wr(u)
+        qkvr = self.wqkvr_nvfp4(u) if hasattr(self, "wqkvr_nvfp4") else u @ self.wqkvr[...]
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return jnp.split(u @ self.wqkvr[...], [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)
+        return jnp.split(qkvr, [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)
 
     def _cache_index(self, cache, page_table, ring_rows, positions, n_new):
         """[B, T] row of each token in the cache flattened to [rows, Hkv, D], or -1 where nothing is written:

@@ -71,7 +71,7 @@ def _layer_forward(layer, x, positions, segment_ids, expert_ids):
 
 # What a server may quantise the weights to (`InklingModel.quantize`)
 EXPERT_PRECISIONS = ("bf16", "fp8", "nvfp4")
-DENSE_PRECISIONS = ("bf16", "fp8")
+DENSE_PRECISIONS = ("bf16", "fp8", "nvfp4")
 
 
 def check_precisions(expert_precision: str = "bf16", dense_precision: str = "bf16") -> None:
@@ -102,13 +102,14 @@ class InklingModel(nnx.Module):
         self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
 
     def quantize(self, expert_precision: str = "bf16", dense_precision: str = "bf16") -> None:
-        """For serving: "fp8" or "nvfp4" holds the routed experts (`quantize_routed_experts`), "fp8" the dense
-        MLPs and the LM head (`quantize_dense`), in that format from now on; "bf16" leaves them as they are."""
+        """For serving: "fp8" or "nvfp4" holds the routed experts (`quantize_routed_experts`); "fp8" the dense
+        MLPs and the LM head, "nvfp4" those and the attention projections and shared experts
+        (`quantize_dense`), in that format from now on; "bf16" leaves them as they are."""
         check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
         if expert_precision != "bf16":
             self.quantize_routed_experts(expert_precision)
-        if dense_precision == "fp8":
-            self.quantize_dense()
+        if dense_precision != "bf16":
+            self.quantize_dense(dense_precision)
 
     def quantize_routed_experts(self, precision: str = "fp8") -> int:
         """Holds every MoE layer's routed experts in fp8 or NVFP4 from now on (`MoE.quantize_routed_experts`:
@@ -119,16 +120,27 @@ class InklingModel(nnx.Module):
             moe.quantize_routed_experts(precision)
         return len(moes)
 
-    def quantize_dense(self) -> int:
-        """Holds the text layers' dense MLPs and the LM head in fp8 from now on (inkling_jax/dense_fp8.py: W8A8
-        dots, one scale per output column; for serving, forward only). The attention projections, the shared
-        experts and the embedding table stay as they are: at a decode step's sizes XLA's fp8 dots gained nothing
-        on them (bench/results/dense_matmuls.md). Returns the number of matrices changed."""
+    def quantize_dense(self, precision: str = "fp8") -> int:
+        """For serving, forward only; returns the number of matrices changed.
+
+        "fp8": the text layers' dense MLPs and the LM head in fp8 (inkling_jax/dense_fp8.py: W8A8 dots, one scale
+        per output column). At a decode step's sizes XLA's fp8 dots gained nothing on the attention projections
+        and the shared experts (bench/results/dense_matmuls.md), which stay as they are, as does the embedding.
+        "nvfp4": as "fp8", and every attention's q|k|v|r and wo and every MoE's shared experts in NVFP4
+        (inkling_jax/dense_nvfp4.py: W4A16 by the routed experts' kernel), after fusing them
+        (`fuse_projections`, so not for a tensor-parallel mesh). The dense MLPs stay fp8: a prefill runs their
+        large products on fp8 tensor cores at twice the rate of the W4A16 kernel's f16 ones."""
+        if precision not in ("fp8", "nvfp4"):
+            raise ValueError(f"dense weights are quantised to fp8 or nvfp4, not {precision!r}")
         changed = sum(layer.mlp.quantize() for layer in self.layers if isinstance(layer.mlp, DenseMLP))
         if hasattr(self, "unembed"):
             self.unembed_fp8, self.unembed_out_scale = map(nnx.Param, dense_fp8.quantize(self.unembed[...]))
             del self.unembed
             changed += 1
+        if precision == "nvfp4":
+            self.fuse_projections()
+            changed += sum(attention.quantize_nvfp4() for attention in self._modules(Attention))
+            changed += sum(moe.shared_mlp.quantize("nvfp4") for moe in self._modules(MoE))
         return changed
 
     # ------------------------------------------------------------------------------------------------------

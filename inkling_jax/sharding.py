@@ -89,6 +89,11 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("shared_up",), (None, "embed", "mlp")),
     (("shared_down",), (None, "mlp", "embed")),
     (("input_proj", "kernel"), (None, "embed")),
+    # NVFP4 dense matrices of inference (dense_nvfp4.Nvfp4Linear: fused q|k|v|r, wo, shared experts): whole on
+    # every device, as the fused matrices are
+    (("nvfp4_codes",), (None, None, None, None, None)),
+    (("nvfp4_scales",), (None, None, None, None, None)),
+    (("nvfp4_scale2",), (None,)),
 ]
 # The dense MLP's matrices share their names with the MoE's (told apart by rank); their fp8 forms
 # (mlp.DenseMLP.quantize) are [out, in] with one scale per output column.

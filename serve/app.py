@@ -74,7 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
       help="the dense MLP layers' and the LM head's weights: bf16 (in --dtype), or fp8 e4m3 with one scale per "
       "output column and the activations quantised per row (fewer bytes per decode step; the attention "
-      "projections, shared experts and embeddings stay in --dtype)")
+      "projections, shared experts and embeddings stay in --dtype); nvfp4: as fp8, and the attention "
+      "projections and shared experts in NVFP4 (4-bit values, a scale per 16; W4A16; not with a tensor mesh)")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     a("--no-fuse-projections", action="store_true",
       help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
@@ -116,7 +117,7 @@ def build_service(args: argparse.Namespace) -> Service:
     placement = Placement.from_spec(args.mesh)
     model_config = load_config(args.model) if args.model else preset("tiny")
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
-    placement.check(model_config.text)
+    placement.check(model_config.text, dense_precision=args.dense_precision)
     tokenizer = load_tokenizer(args.model)
     config = engine_config(args)
     if args.model:
@@ -130,9 +131,10 @@ def build_service(args: argparse.Namespace) -> Service:
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
+    dense_part = "dense MLPs and LM head" + (" (fp8), attention and shared experts" if args.dense_precision ==
+                                             "nvfp4" else "")
     quantised = [f"{part} in {flag}" for part, flag in (("routed experts", args.expert_precision),
-                                                         ("dense MLPs and LM head", args.dense_precision))
-                 if flag != "bf16"]
+                                                         (dense_part, args.dense_precision)) if flag != "bf16"]
     log.info("model %r: %s; tokenizer %s; %s%s on %s", name, description, tokenizer.name, dtype,
              "".join(f", {q}" for q in quantised), placement.devices)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it

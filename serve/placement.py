@@ -49,9 +49,12 @@ class Placement:
             raise MeshError(f"mesh {spec!r} needs {count} devices; {jax.device_count()} available")
         return cls(make_mesh(spec, jax.devices()[:count]))
 
-    def check(self, text: TextConfig) -> None:
+    def check(self, text: TextConfig, dense_precision: str = "bf16") -> None:
         """`sharding.check_mesh` (MeshError where the mesh cannot split the model; warnings for what stays whole),
-        once per config."""
+        once per config; NVFP4 dense weights are fused matrices, which a `tensor` axis cannot split."""
+        if dense_precision == "nvfp4" and self.mesh is not None and self.mesh.shape["tensor"] > 1:
+            raise MeshError("--dense-precision nvfp4 holds fused q|k|v|r and shared-expert matrices, which a tensor "
+                            "axis cannot split: use fp8 or bf16 with this mesh, or a mesh without tensor")
         if self.mesh is not None and text != self._checked:
             check_mesh(self.mesh, text)
             self._checked = text

@@ -58,14 +58,14 @@ def test_quantised_model_drops_its_dense_weights_and_its_logits_stay_close():
     assert 1e-4 < _rel(got, want) < 0.1
 
 
-@pytest.mark.parametrize("dense_precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("dense_precision", ["bf16", "fp8", "nvfp4"])
 def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_precision):
     """The serving path (paged cache, prefill then decode steps) gives the tokens that the quantised model's own
     full-sequence forward picks greedily."""
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
     model = random_model(config, jnp.float32, seed=1)
     model.quantize("fp8", dense_precision)
-    assert model.layers[1].mlp.fp8 and model.layers[0].mlp.fp8 == (dense_precision == "fp8")
+    assert model.layers[1].mlp.fp8 and model.layers[0].mlp.fp8 == (dense_precision != "bf16")
     prompt = [3, 14, 15, 92, 65, 35]
     with kernels.use("jnp", moe="ragged"):
         want = list(prompt)

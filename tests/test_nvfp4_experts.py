@@ -93,4 +93,4 @@ def test_precision_names_are_checked():
     with pytest.raises(ValueError, match="expert_precision"):
         model.quantize("fp4")
     with pytest.raises(ValueError, match="dense_precision"):
-        model.quantize(dense_precision="nvfp4")
+        model.quantize(dense_precision="int4")

@@ -1,0 +1,151 @@
+"""NVFP4 dense weights for serving: the attention projections and the dense and shared MLPs as W4A16 products.
+
+A decode step of a few dozen rows is bound by reading weights. In bf16 the step's attention and shared-expert
+products are small enough that each costs more than its bytes (bench/results/dense_matmuls.md), and fp8 did not
+help them. Held as NVFP4 they are read at 4.5 bits a value by the routed experts' W4A16 kernel
+(pallas_kernels/moe/kernel_w4.py), which splits K into chunks where a product has too few output tiles to keep
+every SM streaming: each chunk is a slab of its own and XLA sums the partial outputs (`k_splits`).
+
+Format, per matrix [in, out] (the model's `kernel` orientation): the e2m1 codes and f16 block scales of the
+kernel layout (one group, one matrix: `nvfp4.layout`) with one fp32 global scale per output column. NVFP4's
+global scale is per tensor; `quantize` sets every column of a matrix to the same one, and keeping it per column
+lets fused matrices (`concatenate`: gate|up) keep each part's scale. The output rows are padded to a multiple of
+64 and the input to whole 32-value pairs with zeros.
+
+    y = (f16(x) @ (code * block_scale)^T, fp32 accumulation) * scale2
+
+`Nvfp4Linear.__call__` runs the kernel with the Pallas MoE backend (`kernels.moe_backend`) and the formula in
+jnp otherwise (`reference`; CPU tests). Forward only.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from inkling_jax import kernels
+
+ROW_TILE = 128  # output rows per kernel tile (two compute warpgroups of 64; one where the rows are not whole tiles)
+OUT_MULTIPLE = 64  # output rows are padded to this (one warpgroup's rows)
+K_MULTIPLE = 32  # input values per packed pair of NVFP4 blocks
+DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs, unsplit
+# Split K until the step's tiles (output tiles x K chunks) reach this many per SM, keeping at least this many
+# k steps per chunk (see `k_splits`).
+TILES_PER_SM = 1
+MIN_CHUNK_STEPS = 4
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class Nvfp4Linear(nnx.Module):
+    """y = x @ W for an NVFP4-held W [in_features, out_features] (module doc)."""
+
+    def __init__(self, codes, block_scales, scale2, in_features: int, out_features: int):
+        self.nvfp4_codes = nnx.Param(codes)  # uint8 [1, out_pad / 64, in_pad / 32, 8, 128] (kernel_w4's layout)
+        self.nvfp4_scales = nnx.Param(block_scales)  # f16 [1, in_pad / 16, out_pad / 64, 1, 64]
+        self.nvfp4_scale2 = nnx.Param(scale2)  # fp32 [out_features]
+        self.in_features, self.out_features = in_features, out_features
+
+    @classmethod
+    def quantize(cls, kernel) -> "Nvfp4Linear":
+        """From a float matrix [in, out]; one global scale for the whole matrix, as NVFP4 sets it."""
+        return cls(*_quantize(kernel), *kernel.shape)
+
+    @classmethod
+    def concatenate(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
+        """One matrix whose output columns are the parts' in order, each keeping its codes and scales (no
+        requantisation). Every part but the last must have a multiple of 64 output columns (no padding inside)."""
+        if len({p.in_features for p in parts}) != 1 or any(p.out_features % OUT_MULTIPLE for p in parts[:-1]):
+            raise ValueError(f"NVFP4 matrices concatenate along their outputs only with one input width and "
+                             f"multiples of {OUT_MULTIPLE} outputs before the last: "
+                             f"{[(p.in_features, p.out_features) for p in parts]}")
+        return cls(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
+                   jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
+                   jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features,
+                   sum(p.out_features for p in parts))
+
+    def dequantize(self):
+        """The float32 matrix [in, out] this stands for."""
+        return _dequantize(self.nvfp4_codes[...], self.nvfp4_scales[...])[:self.in_features, :self.out_features] * \
+            self.nvfp4_scale2[...]
+
+    def __call__(self, x):
+        return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...])
+
+
+def matmul(x, codes, block_scales, scale2, *, splits: int | None = None):
+    """x [..., in] @ the matrix (codes, block_scales, scale2 [out]) stand for -> [..., out] in x.dtype: the kernel
+    with the Pallas MoE backend (K split as `kernel_product` splits it, or into `splits` chunks), else the jnp
+    formula."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = jnp.pad(rows, ((0, 0), (0, codes.shape[2] * K_MULTIPLE - rows.shape[1])))
+    if kernels.moe_backend() == "pallas":
+        acc = kernel_product(rows, codes, block_scales, splits=splits)
+    else:
+        acc = reference_product(rows, codes, block_scales)
+    y = acc[:, :scale2.shape[0]] * scale2
+    return y.astype(x.dtype).reshape(*x.shape[:-1], scale2.shape[0])
+
+
+@jax.jit
+def _quantize(kernel):
+    from pallas_kernels.moe.nvfp4 import layout, quantize_matrices
+
+    k, out = kernel.shape
+    w = jnp.pad(kernel.T, ((0, _round_up(out, OUT_MULTIPLE) - out), (0, _round_up(k, K_MULTIPLE) - k)))
+    codes, block_scale, scale2 = quantize_matrices(w[None, None])
+    codes, block_scales = layout(codes, block_scale)
+    return codes, block_scales, jnp.broadcast_to(scale2, (out,))
+
+
+def _dequantize(codes, block_scales):
+    """code * block_scale as [in_pad, out_pad] fp32 (no global scale)."""
+    from pallas_kernels.moe.nvfp4 import dequantize
+
+    return dequantize(codes, block_scales, jnp.ones((1,), jnp.float32), 1)[0, 0].T
+
+
+def reference_product(rows, codes, block_scales):
+    """f16(rows) @ (code * block_scale), fp32, [M, out_pad]: what the kernel computes before the global scale."""
+    return jnp.dot(rows.astype(jnp.float16).astype(jnp.float32), _dequantize(codes, block_scales),
+                   precision=jax.lax.Precision.HIGHEST)
+
+
+def k_splits(out_rows: int, k: int, block_k: int, num_sms: int) -> int:
+    """K chunks for a decode product: the fewest that give TILES_PER_SM tiles per SM, among the splits that keep
+    whole k steps and at least MIN_CHUNK_STEPS of them per chunk (1 if none does)."""
+    steps, tiles = k // block_k, out_rows // ROW_TILE
+    if k % block_k:  # small shapes: the kernel narrows its k steps to fit K
+        return 1
+    fits = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_CHUNK_STEPS)]
+    return next((s for s in fits if s * tiles >= TILES_PER_SM * num_sms), fits[-1])
+
+
+def kernel_product(rows, codes, block_scales, *, splits: int | None = None, interpret: bool | None = None, cfg=None):
+    """The W4A16 kernel's f16(rows) @ (code * block_scale), [M, out_pad] fp32. Up to DECODE_TOKENS rows run as
+    one slab with K split (`k_splits`, or `splits`); more run in slabs of PREFILL_SLAB rows, K whole."""
+    from pallas_kernels._common import interpret_default
+    from pallas_kernels.moe import epilogues, kernel_w4, mgpu
+    from pallas_kernels.moe.nvfp4 import PREFILL_SLAB
+
+    interpret = interpret_default() if interpret is None else interpret
+    m, k = rows.shape
+    out_rows = codes.shape[1] * 64
+    n = _round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
+    cfg = cfg or kernel_w4.config_for(n)
+    token_slabs = -(-m // n)
+    if splits is None:
+        splits = k_splits(out_rows, k, cfg.block_k, mgpu.num_sms(interpret)) if m <= DECODE_TOKENS else 1
+    x = jnp.pad(rows, ((0, token_slabs * n - m), (0, 0))).astype(jnp.float16)
+    x = x.reshape(token_slabs, n, splits, k // splits).transpose(0, 2, 1, 3).reshape(-1, n, k // splits)
+    slabs = token_slabs * splits
+    out = kernel_w4.w4_gmm(x, codes, block_scales, slab_group=jnp.zeros((slabs,), jnp.int32),
+                           slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
+                           epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
+                           k_splits=splits)
+    out = out.reshape(token_slabs, splits, n, out_rows).astype(jnp.float32).sum(1)
+    return out.reshape(token_slabs * n, out_rows)[:m]
+

@@ -1,0 +1,124 @@
+"""NVFP4 dense weights (inkling_jax/dense_nvfp4.py, `InklingModel.quantize_dense("nvfp4")`): the W4A16 kernel's
+split-K and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
+NVFP4's error bound and concatenates without requantising, and the quantised model is fused, close to the float
+one, and the same on a mesh as on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from inkling_jax import dense_nvfp4, kernels, nvfp4, preset
+from inkling_jax.attention import Attention
+from inkling_jax.dense_nvfp4 import Nvfp4Linear, kernel_product, reference_product
+from inkling_jax.mlp import DenseMLP, MoE
+from pallas_kernels.moe.kernel_w4 import W4Config
+from serve.random_weights import random_model
+
+CFG = W4Config(block_k=64, stages=2)  # 384 inputs: 6 k steps; 384 outputs: 3 tiles of 128 rows
+TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _matrix(shape, seed=0):
+    return 0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+@pytest.mark.parametrize("rows, splits", [(20, 1), (20, 3), (200, None)])
+def test_kernel_products_equal_their_formula(rows, splits):
+    """A decode slab with K whole and in 3 chunks of 2 steps (partials summed), and 200 rows in two prefill
+    slabs (the second part padding)."""
+    linear = Nvfp4Linear.quantize(_matrix((384, 384)))
+    x = jax.random.normal(jax.random.key(1), (rows, 384), jnp.bfloat16)
+    codes, scales = linear.nvfp4_codes[...], linear.nvfp4_scales[...]
+    got = kernel_product(x, codes, scales, splits=splits, cfg=CFG)
+    want = reference_product(x, codes, scales)
+    assert got.shape == want.shape == (rows, 384)
+    assert _rel(got, want) < 1e-2  # the partial outputs are bf16
+
+
+def test_matmul_pads_and_slices_odd_widths_the_same_on_both_paths():
+    w = _matrix((100, 72))  # inputs padded to 128, outputs to 128
+    linear = Nvfp4Linear.quantize(w)
+    assert linear.nvfp4_codes.get_value().shape == (1, 2, 4, 8, 128) and linear.nvfp4_scale2.get_value().shape == (72,)
+    x = jax.random.normal(jax.random.key(2), (2, 3, 100), jnp.float32)
+    with kernels.use(moe="ragged"):
+        formula = linear(x)
+    with kernels.use(moe="pallas"):
+        kernel = linear(x)
+    assert formula.shape == kernel.shape == (2, 3, 72) and kernel.dtype == x.dtype
+    assert _rel(kernel, formula) < 1e-2
+    np.testing.assert_allclose(formula, x @ linear.dequantize(), rtol=1e-2, atol=1e-3)
+    assert _rel(formula, x @ w) < 0.15  # 4-bit weights
+
+
+def test_format_keeps_the_nvfp4_error_bound_and_concatenates_without_requantising():
+    gate, up = _matrix((96, 64), 3), _matrix((96, 128), 4) * 10
+    parts = [Nvfp4Linear.quantize(gate), Nvfp4Linear.quantize(up)]
+    for part, w in zip(parts, (gate, up)):
+        scale2 = part.nvfp4_scale2.get_value()
+        assert np.all(scale2 == scale2[0])  # one global scale per matrix, as NVFP4 has
+        bound = nvfp4.error_bound(np.asarray(w.T)[None], scale2[:1])[0].T
+        assert np.all(np.abs(np.asarray(part.dequantize()) - np.asarray(w)) <= bound * (1 + 1e-6))
+    fused = Nvfp4Linear.concatenate(parts)
+    assert (fused.in_features, fused.out_features) == (96, 192)
+    np.testing.assert_array_equal(fused.dequantize(), jnp.concatenate([p.dequantize() for p in parts], axis=1))
+    with pytest.raises(ValueError, match="concatenate"):
+        Nvfp4Linear.concatenate([Nvfp4Linear.quantize(_matrix((96, 40))), parts[0]])
+
+
+def test_k_splits_fill_the_sms_with_whole_chunks():
+    assert dense_nvfp4.k_splits(out_rows=49152, k=6144, block_k=256, num_sms=132) == 1  # 384 tiles already
+    for out_rows, k in ((13312, 6144), (6144, 8192), (6144, 24576)):
+        s = dense_nvfp4.k_splits(out_rows, k, 256, 132)
+        steps = k // 256
+        assert steps % s == 0 and steps // s >= dense_nvfp4.MIN_CHUNK_STEPS and s * out_rows // 128 >= 132
+    assert dense_nvfp4.k_splits(out_rows=128, k=100, block_k=64, num_sms=2) == 1
+
+
+def test_quantised_model_is_fused_and_stays_close():
+    config = preset("tiny")
+    model = random_model(config, jnp.float32)
+    with kernels.use("jnp", moe="ragged"):
+        want = model(TOKENS)
+        changed = model.quantize_dense("nvfp4")
+        got = model(TOKENS)
+    attentions, moes = model._modules(Attention), model._modules(MoE)
+    dense = len(config.text.dense_layer_ids)
+    # fp8: gate, up, down per dense layer and the LM head; NVFP4: q|k|v|r and wo per attention, gate|up and down
+    # per MoE's shared experts
+    assert changed == 3 * dense + 1 + 2 * len(attentions) + 2 * len(moes)
+    assert model.quantize_dense("nvfp4") == 0  # already done
+    for attention in attentions:
+        assert isinstance(attention.wo, Nvfp4Linear) and attention.fused and not hasattr(attention, "wqkvr")
+    for moe in moes:
+        assert moe.widened and moe.shared_mlp.nvfp4 and moe.shared_mlp.fused
+    assert all(layer.mlp.fp8 for layer in model.layers if isinstance(layer.mlp, DenseMLP))
+    assert hasattr(model, "unembed_fp8")
+    assert 1e-3 < _rel(got, want) < 0.15
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_quantised_model_on_a_mesh_equals_one_device_and_a_tensor_mesh_is_refused():
+    from inkling_jax.sharding import MeshError, make_mesh, shard_model
+    from serve.placement import Placement
+
+    def quantised():
+        model = random_model(preset("tiny"), jnp.float32, seed=2)
+        model.quantize("nvfp4", "nvfp4")
+        return model
+
+    with kernels.use("jnp", moe="ragged"):
+        want = nnx.jit(lambda m, t: m(t))(quantised(), TOKENS)
+        model = shard_model(quantised(), make_mesh("fsdp=2,expert=2"))
+        codes = model.layers[0].attn.wqkvr_nvfp4.nvfp4_codes.get_value()
+        assert codes.sharding.is_fully_replicated
+        got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(MeshError, match="nvfp4"):
+        Placement.from_spec("tensor=2").check(preset("tiny").text, dense_precision="nvfp4")
