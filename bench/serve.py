@@ -201,7 +201,7 @@ def main():
     p.add_argument("--expert-precision", default="bf16", choices=EXPERT_PRECISIONS,
                    help="routed experts' weights, as serve.app's flag")
     p.add_argument("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
-                   help="dense weights (MLPs and LM head; nvfp4: also attention and shared experts), as serve.app's flag")
+                   help="dense weights (MLPs, LM head; nvfp4 also attention, shared experts), as serve.app's flag")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     placement = Placement.from_spec(args.mesh)

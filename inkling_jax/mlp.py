@@ -72,8 +72,8 @@ class DenseMLP(nnx.Module):
         return len(self.matrix_names)
 
     def fuse_gate_up(self) -> None:
-        """Inference only: gate and up become one matrix `w_gate_up` [hidden, gate | up] (or its fp8 or NVFP4 form), so a
-        call multiplies x once (a decode step's products are short and latency-bound as two). The two are
+        """Inference only: gate and up become one matrix `w_gate_up` [hidden, gate | up] (or its fp8 or NVFP4
+        form), so a call multiplies x once (a decode step's products are short and latency-bound as two). The two are
         deleted. Training, LoRA, checkpoints and the tensor-parallel rules name the two; the fused columns mix
         them, so the fused matrix must not be split over `tensor`."""
         if self.fused:
