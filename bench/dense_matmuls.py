@@ -140,7 +140,8 @@ def main():
     lines.append("")
     for rows in args.rows:
         lines.append(f"rows {rows}: one decode step's dense matmuls " + ", ".join(
-            f"{v} {step[rows, v] * 1e3:.3f} ms" for v in variants))
+            f"{v} {step[rows, v] * 1e3:.3f} ms" + (" (without the LM head)" if v.startswith("nvfp4") else "")
+            for v in variants))
     print("\n".join(lines))
     if args.out:
         with open(os.path.join(args.out, "dense_matmuls.md"), "w") as f:
