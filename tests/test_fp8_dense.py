@@ -1,6 +1,6 @@
 """fp8 dense MLPs and LM head (`InklingModel.quantize_dense`, inkling_jax/dense_fp8.py): the W8A8 product is its
 formula, the bf16 weights are replaced and freed, the logits stay within fp8's error, and the sharded, loaded
-and served forms equal the one-device model."""
+and served forms equal the one-device model (the sharded and served ones also with NVFP4 dense weights)."""
 
 import jax
 import jax.numpy as jnp
@@ -83,22 +83,27 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("spec", ["tensor=2", "fsdp=2,tensor=2,expert=2"])
-def test_quantised_model_on_a_mesh_equals_one_device(spec):
+@pytest.mark.parametrize("precision, spec", [("fp8", "tensor=2"), ("fp8", "fsdp=2,tensor=2,expert=2"),
+                                             ("nvfp4", "fsdp=2,expert=2")])
+def test_quantised_model_on_a_mesh_equals_one_device(precision, spec):
     """The fp8 values and their scales shard by the table (the dense width and the vocabulary over `tensor`),
-    and the per-row activation scales span the whole row, so the sharded logits equal one device's."""
+    and the per-row activation scales span the whole row, so the sharded logits equal one device's. NVFP4's
+    fused matrices (inkling_jax/dense_nvfp4.py) stay whole on every device."""
     from inkling_jax.sharding import make_mesh, shard_model
 
     def quantised():
         model = random_model(preset("tiny"), jnp.float32, seed=2)
-        model.quantize("fp8", "fp8")
+        model.quantize(precision, precision)
         return model
 
     with kernels.use("jnp", moe="ragged"):
         want = nnx.jit(lambda m, t: m(t))(quantised(), TOKENS)
         model = shard_model(quantised(), make_mesh(spec))
-        assert model.layers[0].mlp.w_gate_fp8.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
-        assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
+        if precision == "fp8":
+            assert model.layers[0].mlp.w_gate_fp8.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
+            assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
+        else:
+            assert model.layers[0].attn.wqkvr_nvfp4.nvfp4_codes.get_value().sharding.is_fully_replicated
         got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
