@@ -30,9 +30,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax import kernels
+from pallas_kernels._common import interpret_default
+from pallas_kernels.moe import epilogues, kernel_w4, mgpu
+from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices
+from pallas_kernels.moe.w4_codes import ROWS
 
 ROW_TILE = 128  # output rows per kernel tile (two compute warpgroups of 64; one where the rows are not whole tiles)
-OUT_MULTIPLE = 64  # output rows are padded to this (one warpgroup's rows)
+OUT_MULTIPLE = ROWS  # output rows are padded to this (one warpgroup's 64 rows)
 K_MULTIPLE = 32  # input values per packed pair of NVFP4 blocks
 DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs, unsplit
 # Split K until the step's tiles (output tiles x K chunks) reach this many per SM, keeping at least this many
@@ -97,8 +101,6 @@ def matmul(x, codes, block_scales, scale2, *, splits: int | None = None):
 
 @jax.jit
 def _quantize(kernel):
-    from pallas_kernels.moe.nvfp4 import layout, quantize_matrices
-
     k, out = kernel.shape
     w = jnp.pad(kernel.T, ((0, _round_up(out, OUT_MULTIPLE) - out), (0, _round_up(k, K_MULTIPLE) - k)))
     codes, block_scale, scale2 = quantize_matrices(w[None, None])
@@ -108,8 +110,6 @@ def _quantize(kernel):
 
 def _dequantize(codes, block_scales):
     """code * block_scale as [in_pad, out_pad] fp32 (no global scale)."""
-    from pallas_kernels.moe.nvfp4 import dequantize
-
     return dequantize(codes, block_scales, jnp.ones((1,), jnp.float32), 1)[0, 0].T
 
 
@@ -132,13 +132,9 @@ def k_splits(out_rows: int, k: int, block_k: int, num_sms: int) -> int:
 def kernel_product(rows, codes, block_scales, *, splits: int | None = None, interpret: bool | None = None, cfg=None):
     """The W4A16 kernel's f16(rows) @ (code * block_scale), [M, out_pad] fp32. Up to DECODE_TOKENS rows run as
     one slab with K split (`k_splits`, or `splits`); more run in slabs of PREFILL_SLAB rows, K whole."""
-    from pallas_kernels._common import interpret_default
-    from pallas_kernels.moe import epilogues, kernel_w4, mgpu
-    from pallas_kernels.moe.nvfp4 import PREFILL_SLAB
-
     interpret = interpret_default() if interpret is None else interpret
     m, k = rows.shape
-    out_rows = codes.shape[1] * 64
+    out_rows = codes.shape[1] * ROWS
     n = _round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
     cfg = cfg or kernel_w4.config_for(n)
     token_slabs = -(-m // n)
