@@ -7,14 +7,13 @@ With --fp8, also e4m3 weights with one fp32 scale per output column: "fp8 w-only
 converted to bf16 (XLA may fuse the convert into its gemm, so that only fp8 bytes are read), "fp8 w8a8" first
 quantises x per row and runs an fp8 x fp8 dot (the weight stored [out, in], as fp8 tensor cores read it).
 
-With --nvfp4, also NVFP4 weights through the W4A16 kernel (inkling_jax/dense_nvfp4.py), with K split as the
-model splits it ("nvfp4 auto") and into each count of --splits chunks (a blank cell where a count does not divide
-the weight's k steps). The LM head is not run in NVFP4 (the model keeps it in fp8).
+With --nvfp4, also NVFP4 weights through the W4A16 kernel, as the model multiplies them (inkling_jax/dense_nvfp4.py).
+The LM head is not run in NVFP4 (the model keeps it in fp8).
 
 Each case multiplies enough copies of its weight (> 4x the 50 MB L2) in one jitted program that every product
 reads its weight from HBM, as the decode step does, with no host dispatch between them.
 
-    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--fp8] [--nvfp4 --splits 1 2 4] [--out DIR]
+    PYTHONPATH=. python bench/dense_matmuls.py [--rows 1 8 32 128] [--fp8] [--nvfp4] [--out DIR]
 """
 
 import argparse
@@ -52,19 +51,12 @@ NVFP4_BYTES = 0.5 + 2 / 16  # per value: the e2m1 code and its share of an f16 b
 COPY_BYTES = 256 << 20
 
 
-def _nvfp4(splits):
-    """The variant of NVFP4 weights with K in `splits` chunks (None: as the model splits it)."""
-    def prepare(w):
-        linear = dense_nvfp4.Nvfp4Linear.quantize(w)
-        return linear.nvfp4_codes[...], linear.nvfp4_scales[...], linear.nvfp4_scale2[...]
-
-    return None, prepare, lambda x, w: dense_nvfp4.matmul(x, *w, splits=splits), NVFP4_BYTES
+def _nvfp4_prepare(w):
+    linear = dense_nvfp4.Nvfp4Linear.quantize(w)
+    return linear.nvfp4_codes[...], linear.nvfp4_scales[...], linear.nvfp4_scale2[...]
 
 
-def _nvfp4_runs(name: str, n_in: int, splits) -> bool:
-    if name.startswith("unembed"):
-        return False
-    return splits is None or (n_in // 256) % splits == 0 and (splits == 1 or n_in // 256 // splits >= 2)
+NVFP4 = {"nvfp4": (None, _nvfp4_prepare, lambda x, w: dense_nvfp4.matmul(x, *w), NVFP4_BYTES)}
 
 
 def weights(text) -> list[tuple[str, int, int, int]]:
@@ -85,10 +77,6 @@ def weights(text) -> list[tuple[str, int, int, int]]:
     return [w for w in rows if w[3]]
 
 
-def variant_splits(name: str):
-    return None if name == "nvfp4 auto" else int(name.split("=")[1])
-
-
 def seconds_per_product(variant, xs, ws):
     """One program of len(ws) products xs[i] @ ws[i] (distinct inputs, so XLA merges none of them)."""
     options, prepare, product, _ = variant
@@ -104,14 +92,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--fp8", action="store_true", help="also fp8 weights (one scale per output column)")
-    parser.add_argument("--nvfp4", action="store_true", help="also NVFP4 weights (the W4A16 kernel, split-K)")
-    parser.add_argument("--splits", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8], help="with --nvfp4: K chunks")
+    parser.add_argument("--nvfp4", action="store_true", help="also NVFP4 weights (the W4A16 kernel)")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="also write dense_matmuls.md here")
     args = parser.parse_args()
     variants = {**BF16, **(FP8 if args.fp8 else {})}
     if args.nvfp4:
         kernels.set_backend(moe="pallas")
-        variants.update({"nvfp4 auto": _nvfp4(None), **{f"nvfp4 s={s}": _nvfp4(s) for s in args.splits}})
+        variants.update(NVFP4)
     text = preset("bench").text
     read = read_bandwidth(data="normal")
     lines = [f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; read bandwidth {read / 1e9:.0f} GB/s",
@@ -128,7 +115,7 @@ def main():
             xs = jax.random.normal(key, (len(ws), rows, n_in), jnp.bfloat16)
             cells = []
             for name_v, variant in variants.items():
-                if name_v.startswith("nvfp4") and not _nvfp4_runs(name, n_in, variant_splits(name_v)):
+                if name_v == "nvfp4" and name.startswith("unembed"):
                     cells.append("-")
                     continue
                 seconds = seconds_per_product(variant, xs, ws)
@@ -140,7 +127,7 @@ def main():
     lines.append("")
     for rows in args.rows:
         lines.append(f"rows {rows}: one decode step's dense matmuls " + ", ".join(
-            f"{v} {step[rows, v] * 1e3:.3f} ms" + (" (without the LM head)" if v.startswith("nvfp4") else "")
+            f"{v} {step[rows, v] * 1e3:.3f} ms" + (" (without the LM head)" if v == "nvfp4" else "")
             for v in variants))
     print("\n".join(lines))
     if args.out:

@@ -1,10 +1,10 @@
-"""NVFP4 dense weights for serving: the attention projections and the dense and shared MLPs as W4A16 products.
+"""NVFP4 dense weights for serving: the attention projections and the shared experts as W4A16 products.
 
-A decode step of a few dozen rows is bound by reading weights. In bf16 the step's attention and shared-expert
-products are small enough that each costs more than its bytes (bench/results/dense_matmuls.md), and fp8 did not
-help them. Held as NVFP4 they are read at 4.5 bits a value by the routed experts' W4A16 kernel
-(pallas_kernels/moe/kernel_w4.py), which splits K into chunks where a product has too few output tiles to keep
-every SM streaming: each chunk is a slab of its own and XLA sums the partial outputs (`k_splits`).
+A decode step of a few dozen rows is bound by reading weights, and in bf16 the step's attention and
+shared-expert products are ~2.5 GB of them on the `bench` preset; fp8 gained nothing there
+(bench/results/dense_matmuls.md). Held as NVFP4 they are read at 5 bits a value (the e2m1 code and its share of
+an f16 block scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py) as one expert: up to
+DECODE_TOKENS rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
 
 Format, per matrix [in, out] (the model's `kernel` orientation): the e2m1 codes and f16 block scales of the
 kernel layout (one group, one matrix: `nvfp4.layout`) with one fp32 global scale per output column. NVFP4's
@@ -12,15 +12,17 @@ global scale is per tensor; `quantize` sets every column of a matrix to the same
 lets fused matrices (`concatenate`: gate|up) keep each part's scale. The output rows are padded to a multiple of
 64 and the input to whole 32-value pairs with zeros.
 
-    y = (f16(x) @ (code * block_scale)^T, fp32 accumulation) * scale2
+    y = (f16(x) @ (code * block_scale)^T, fp32 accumulation, bf16 out) * scale2
 
 `Nvfp4Linear.__call__` runs the kernel with the Pallas MoE backend (`kernels.moe_backend`) and the formula in
 jnp otherwise (`reference_product`; CPU tests). Forward only.
 
 On the H200 (bench/results/serve.md, dense_matmuls.md, 2026-12-01) the 32-row decode program went from 3.35 to
-3.20 ms per token with the attention and shared experts in NVFP4, but the products alone still read at only
-0.15-0.27 of the bandwidth (~30 us of fixed cost each), and at 129 rows (two 128-row slabs; one slab of 144
-was slower still) the step took 5.02 ms against 4.68 with bf16 products.
+3.20 ms per token with the attention and shared experts in NVFP4. The products alone read at only 0.15-0.27 of
+the bandwidth (~30 us of fixed cost each). Splitting K into chunks run as slabs of their own, so that the
+products with few output tiles fill the SMs, did not change the step in place (3.079 / 3.135 ms against
+3.085 / 3.152 unsplit) and was dropped. At 129 rows (two 128-row slabs; one slab of 144 was slower still) the
+step took 5.02 ms against 4.68 with bf16 products.
 """
 
 from __future__ import annotations
@@ -31,18 +33,13 @@ from flax import nnx
 
 from inkling_jax import kernels
 from pallas_kernels._common import interpret_default
-from pallas_kernels.moe import epilogues, kernel_w4, mgpu
+from pallas_kernels.moe import epilogues, kernel_w4
 from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices
 from pallas_kernels.moe.w4_codes import ROWS
 
-ROW_TILE = 128  # output rows per kernel tile (two compute warpgroups of 64; one where the rows are not whole tiles)
 OUT_MULTIPLE = ROWS  # output rows are padded to this (one warpgroup's 64 rows)
 K_MULTIPLE = 32  # input values per packed pair of NVFP4 blocks
-DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs, unsplit
-# Split K until the step's tiles (output tiles x K chunks) reach this many per SM, keeping at least this many
-# k steps per chunk (see `k_splits`).
-TILES_PER_SM = 1
-MIN_CHUNK_STEPS = 4
+DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs
 
 
 def _round_up(n: int, m: int) -> int:
@@ -85,14 +82,13 @@ class Nvfp4Linear(nnx.Module):
         return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...])
 
 
-def matmul(x, codes, block_scales, scale2, *, splits: int | None = None):
+def matmul(x, codes, block_scales, scale2):
     """x [..., in] @ the matrix (codes, block_scales, scale2 [out]) stand for -> [..., out] in x.dtype: the kernel
-    with the Pallas MoE backend (K split as `kernel_product` splits it, or into `splits` chunks), else the jnp
-    formula."""
+    with the Pallas MoE backend, else the jnp formula."""
     rows = x.reshape(-1, x.shape[-1])
     rows = jnp.pad(rows, ((0, 0), (0, codes.shape[2] * K_MULTIPLE - rows.shape[1])))
     if kernels.moe_backend() == "pallas":
-        acc = kernel_product(rows, codes, block_scales, splits=splits)
+        acc = kernel_product(rows, codes, block_scales)
     else:
         acc = reference_product(rows, codes, block_scales)
     y = acc[:, :scale2.shape[0]] * scale2
@@ -119,34 +115,17 @@ def reference_product(rows, codes, block_scales):
                    precision=jax.lax.Precision.HIGHEST)
 
 
-def k_splits(out_rows: int, k: int, block_k: int, num_sms: int) -> int:
-    """K chunks for a decode product: the fewest that give TILES_PER_SM tiles per SM, among the splits that keep
-    whole k steps and at least MIN_CHUNK_STEPS of them per chunk (1 if none does)."""
-    steps, tiles = k // block_k, out_rows // ROW_TILE
-    if k % block_k:  # small shapes: the kernel narrows its k steps to fit K
-        return 1
-    fits = [s for s in range(1, steps + 1) if steps % s == 0 and (s == 1 or steps // s >= MIN_CHUNK_STEPS)]
-    return next((s for s in fits if s * tiles >= TILES_PER_SM * num_sms), fits[-1])
-
-
-def kernel_product(rows, codes, block_scales, *, splits: int | None = None, interpret: bool | None = None, cfg=None):
-    """The W4A16 kernel's f16(rows) @ (code * block_scale), [M, out_pad] fp32. Up to DECODE_TOKENS rows run as
-    one slab with K split (`k_splits`, or `splits`); more run in slabs of PREFILL_SLAB rows, K whole."""
+def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, cfg=None):
+    """The W4A16 kernel's f16(rows) @ (code * block_scale), [M, out_pad] fp32 (rounded to bf16 on the way): up to
+    DECODE_TOKENS rows as one slab, more in slabs of PREFILL_SLAB rows."""
     interpret = interpret_default() if interpret is None else interpret
     m, k = rows.shape
     out_rows = codes.shape[1] * ROWS
     n = _round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
-    cfg = cfg or kernel_w4.config_for(n)
-    token_slabs = -(-m // n)
-    if splits is None:
-        splits = k_splits(out_rows, k, cfg.block_k, mgpu.num_sms(interpret)) if m <= DECODE_TOKENS else 1
-    x = jnp.pad(rows, ((0, token_slabs * n - m), (0, 0))).astype(jnp.float16)
-    x = x.reshape(token_slabs, n, splits, k // splits).transpose(0, 2, 1, 3).reshape(-1, n, k // splits)
-    slabs = token_slabs * splits
+    slabs = -(-m // n)
+    x = jnp.pad(rows, ((0, slabs * n - m), (0, 0))).astype(jnp.float16).reshape(slabs, n, k)
     out = kernel_w4.w4_gmm(x, codes, block_scales, slab_group=jnp.zeros((slabs,), jnp.int32),
                            slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
-                           epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
-                           k_splits=splits)
-    out = out.reshape(token_slabs, splits, n, out_rows).astype(jnp.float32).sum(1)
-    return out.reshape(token_slabs * n, out_rows)[:m]
-
+                           epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg or kernel_w4.config_for(n),
+                           interpret=interpret)
+    return out.reshape(slabs * n, out_rows)[:m].astype(jnp.float32)

@@ -1,5 +1,5 @@
 """NVFP4 dense weights (inkling_jax/dense_nvfp4.py, `InklingModel.quantize_dense("nvfp4")`): the W4A16 kernel's
-split-K and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
+decode and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
 NVFP4's error bound and concatenates without requantising, and the quantised model is fused, close to the float
 one, and refused with a tensor mesh (tests/test_fp8_dense.py runs it on a mesh)."""
 
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inkling_jax import dense_nvfp4, kernels, nvfp4, preset
+from inkling_jax import kernels, nvfp4, preset
 from inkling_jax.attention import Attention
 from inkling_jax.dense_nvfp4 import Nvfp4Linear, kernel_product, reference_product
 from inkling_jax.mlp import DenseMLP, MoE
@@ -28,17 +28,16 @@ def _matrix(shape, seed=0):
     return 0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-@pytest.mark.parametrize("rows, splits", [(20, 1), (20, 3), (200, None)])
-def test_kernel_products_equal_their_formula(rows, splits):
-    """A decode slab with K whole and in 3 chunks of 2 steps (partials summed), and 200 rows in two prefill
-    slabs (the second part padding)."""
+@pytest.mark.parametrize("rows", [20, 200])
+def test_kernel_products_equal_their_formula(rows):
+    """20 rows in one decode slab of 32, and 200 in two prefill slabs of 128 (the second part padding)."""
     linear = Nvfp4Linear.quantize(_matrix((384, 384)))
     x = jax.random.normal(jax.random.key(1), (rows, 384), jnp.bfloat16)
     codes, scales = linear.nvfp4_codes[...], linear.nvfp4_scales[...]
-    got = kernel_product(x, codes, scales, splits=splits, cfg=CFG)
+    got = kernel_product(x, codes, scales, cfg=CFG)
     want = reference_product(x, codes, scales)
     assert got.shape == want.shape == (rows, 384)
-    assert _rel(got, want) < 1e-2  # the partial outputs are bf16
+    assert _rel(got, want) < 1e-2  # the kernel's outputs are bf16
 
 
 def test_matmul_pads_and_slices_odd_widths_the_same_on_both_paths():
@@ -69,15 +68,6 @@ def test_format_keeps_the_nvfp4_error_bound_and_concatenates_without_requantisin
     np.testing.assert_array_equal(fused.dequantize(), jnp.concatenate([p.dequantize() for p in parts], axis=1))
     with pytest.raises(ValueError, match="concatenate"):
         Nvfp4Linear.concatenate([Nvfp4Linear.quantize(_matrix((96, 40))), parts[0]])
-
-
-def test_k_splits_fill_the_sms_with_whole_chunks():
-    assert dense_nvfp4.k_splits(out_rows=49152, k=6144, block_k=256, num_sms=132) == 1  # 384 tiles already
-    for out_rows, k in ((13312, 6144), (6144, 8192), (6144, 24576)):
-        s = dense_nvfp4.k_splits(out_rows, k, 256, 132)
-        steps = k // 256
-        assert steps % s == 0 and steps // s >= dense_nvfp4.MIN_CHUNK_STEPS and s * out_rows // 128 >= 132
-    assert dense_nvfp4.k_splits(out_rows=128, k=100, block_k=64, num_sms=2) == 1
 
 
 def test_quantised_model_is_fused_and_stays_close():

@@ -112,13 +112,11 @@ def _multiply(acc, planes, x_smem, k0, staging):
 
 
 def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: int, epilogue, out_dtype,
-           cfg: W4Config, interpret: bool, k_splits: int = 1):
+           cfg: W4Config, interpret: bool):
     """Runs the kernel.
 
     Args:
-      x: f16 [S, N, K / k_splits]: slab s's tokens (N a multiple of N_ALIGN), and with k_splits > 1 only its
-        K chunk s % k_splits: the slab's products then run over that chunk of the weights' K alone, and the
-        caller sums the partial outputs (split-K, for products with too few output tiles to fill the SMs).
+      x: f16 [S, N, K]: slab s's tokens (N a multiple of N_ALIGN).
       packed: uint8 [G, matrices * out_rows / 64, K / 32, 8, 128]: the module doc's layout in `to_units`.
       scales: f16 [G, K / 16, out_rows / 64, matrices, 64].
       slab_group: int32 [S] the expert of each slab; slab_rows: int32 [S] its tokens (0: the slab is skipped).
@@ -128,26 +126,24 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
     Returns:
       out_dtype [S, N, out_rows].
     """
-    num_slabs, n, k_chunk = x.shape
-    k = k_chunk * k_splits
+    num_slabs, n, k = x.shape
     groups, row_groups, num_units = packed.shape[:3]
     out_rows = row_groups * ROWS // matrices
     bk, wgs = cfg.block_k, cfg.compute_wgs
-    while k_chunk % bk and bk > PAIR:  # small shapes (tests, the tiny preset)
+    while k % bk and bk > PAIR:  # small shapes (tests, the tiny preset)
         bk //= 2
     if out_rows % (wgs * ROWS):
         wgs = 1
     tile_rows = wgs * ROWS
     per_call = min(cfg.blocks_per_wgmma, bk // BLOCK)
-    if (packed.shape[3:] != UNIT_SHAPE or num_units * PAIR != k or k_chunk % bk or bk % PAIR
-            or out_rows % tile_rows or n % N_ALIGN or (bk // BLOCK) % per_call or num_slabs % k_splits):
-        raise ValueError(f"bad W4 shapes: x {x.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups, "
-                         f"{k_splits} K chunks")
-    nk, nk_chunk, nblocks = k // bk, k_chunk // bk, out_rows // tile_rows
+    if (packed.shape[3:] != UNIT_SHAPE or num_units * PAIR != k or k % bk or bk % PAIR or out_rows % tile_rows
+            or n % N_ALIGN or (bk // BLOCK) % per_call):
+        raise ValueError(f"bad W4 shapes: x {x.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups")
+    nk, nblocks = k // bk, out_rows // tile_rows
     out_dtype = jnp.dtype(out_dtype)
     w_view = packed.reshape(groups * nblocks * wgs * matrices, num_units, *UNIT_SHAPE)
     s_view = scales.reshape(groups * (k // BLOCK), out_rows // ROWS, matrices, ROWS)
-    x_view = x.reshape(num_slabs * n, k_chunk)
+    x_view = x.reshape(num_slabs * n, k)
     # x tiles [N, block_k]: swizzled along K, in whole swizzle spans per wgmma call (Mosaic takes K in groups
     # of one span)
     x_transforms = mgpu.tile_transforms(per_call * BLOCK, jnp.float16)
@@ -159,11 +155,10 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
         wg = lax.axis_index("wg")
 
         def pipeline(slab, block, num_steps, step, context):
-            g, k0 = group_ref[slab], lax.rem(slab, k_splits) * nk_chunk  # the slab's expert and first k step
+            g = group_ref[slab]
             specs = [
-                plgpu.BlockSpec((wgs * matrices, bk // PAIR, *UNIT_SHAPE),
-                                lambda kk: (g * nblocks + block, k0 + kk, 0, 0)),
-                plgpu.BlockSpec((bk // BLOCK, wgs, matrices, ROWS), lambda kk: (g * nk + k0 + kk, block, 0, 0)),
+                plgpu.BlockSpec((wgs * matrices, bk // PAIR, *UNIT_SHAPE), lambda kk: (g * nblocks + block, kk, 0, 0)),
+                plgpu.BlockSpec((bk // BLOCK, wgs, matrices, ROWS), lambda kk: (g * nk + kk, block, 0, 0)),
                 plgpu.BlockSpec((n, bk), lambda kk: (slab, kk), transforms=x_transforms),
             ]
             return plgpu.emit_pipeline_warp_specialized(
@@ -229,7 +224,7 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
 
                     pl.run_scoped(with_accs, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in range(matrices)])
 
-                steps = jnp.where(rows_ref[slab] > 0, nk_chunk, 0)
+                steps = jnp.where(rows_ref[slab] > 0, nk, 0)
                 pipeline(slab, block, steps, step, context)(w_ref, s_ref, x_ref, allocations=allocs)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
