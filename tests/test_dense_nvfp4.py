@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from inkling_jax import kernels, nvfp4, preset
 from inkling_jax.attention import Attention
@@ -68,6 +69,19 @@ def test_format_keeps_the_nvfp4_error_bound_and_concatenates_without_requantisin
     np.testing.assert_array_equal(fused.dequantize(), jnp.concatenate([p.dequantize() for p in parts], axis=1))
     with pytest.raises(ValueError, match="concatenate"):
         Nvfp4Linear.concatenate([Nvfp4Linear.quantize(_matrix((96, 40))), parts[0]])
+
+
+def test_a_quantised_dense_mlp_fuses_gate_and_up_without_requantising():
+    mlp = DenseMLP(64, 128, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(5), (3, 64), jnp.float32)
+    assert mlp.quantize("nvfp4") == 3 and mlp.nvfp4 and not mlp.fused and not hasattr(mlp, "w_gate")
+    assert mlp.quantize("fp8") == 0  # already quantised
+    with kernels.use(moe="ragged"):
+        want = mlp(x)[0]
+        mlp.fuse_gate_up()
+        got = mlp(x)[0]
+    assert mlp.fused and mlp.matrix_names == ("w_gate_up", "w_down") and not hasattr(mlp, "w_gate_nvfp4")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_quantised_model_is_fused_and_stays_close():
