@@ -108,13 +108,14 @@ def test_quantised_model_on_a_mesh_equals_one_device(precision, spec):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_loading_with_fp8_dense_weights_equals_quantising_after(checkpoints):
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_loading_with_quantised_dense_weights_equals_quantising_after(checkpoints, precision):
     from inkling_jax import load_pretrained
 
     path, _ = checkpoints("base")
-    direct = load_pretrained(path, progress=False, dense_precision="fp8")
+    direct = load_pretrained(path, progress=False, dense_precision=precision)
     after = load_pretrained(path, progress=False)
-    after.quantize_dense()
+    after.quantize_dense(precision)
     assert direct.unembed_fp8.get_value().dtype == jnp.float8_e4m3fn
     for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
