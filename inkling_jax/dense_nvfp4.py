@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax import kernels
-from pallas_kernels._common import interpret_default
+from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import epilogues, kernel_w4
 from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices
 from pallas_kernels.moe.w4_codes import ROWS
@@ -40,10 +40,6 @@ from pallas_kernels.moe.w4_codes import ROWS
 OUT_MULTIPLE = ROWS  # output rows are padded to this (one warpgroup's 64 rows)
 K_MULTIPLE = 32  # input values per packed pair of NVFP4 blocks
 DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 class Nvfp4Linear(nnx.Module):
@@ -98,7 +94,7 @@ def matmul(x, codes, block_scales, scale2):
 @jax.jit
 def _quantize(kernel):
     k, out = kernel.shape
-    w = jnp.pad(kernel.T, ((0, _round_up(out, OUT_MULTIPLE) - out), (0, _round_up(k, K_MULTIPLE) - k)))
+    w = jnp.pad(kernel.T, ((0, round_up(out, OUT_MULTIPLE) - out), (0, round_up(k, K_MULTIPLE) - k)))
     codes, block_scale, scale2 = quantize_matrices(w[None, None])
     codes, block_scales = layout(codes, block_scale)
     return codes, block_scales, jnp.broadcast_to(scale2, (out,))
@@ -121,7 +117,7 @@ def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, 
     interpret = interpret_default() if interpret is None else interpret
     m, k = rows.shape
     out_rows = codes.shape[1] * ROWS
-    n = _round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
+    n = round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
     slabs = -(-m // n)
     x = jnp.pad(rows, ((0, slabs * n - m), (0, 0))).astype(jnp.float16).reshape(slabs, n, k)
     out = kernel_w4.w4_gmm(x, codes, block_scales, slab_group=jnp.zeros((slabs,), jnp.int32),

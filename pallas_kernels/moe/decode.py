@@ -10,7 +10,7 @@ whole row blocks instead: the layout the fp8 kernels (fp8.py) need at every size
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import interpret_default
+from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import ops
 from pallas_kernels.moe.groups import group_bounds, group_of_rows
 from pallas_kernels.moe.tuning import KernelConfigs
@@ -33,10 +33,6 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
         xs, w_gate, w_up, w_down, sizes, rws, interpret, configs))
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
 def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, align: int = SLAB_ROWS):
     """ffn(x_slabs, slab_sizes, row_vector_slabs) run on the slab layout (module doc), its rows gathered back
     to the order of x: [M, N] in the dtype ffn returns. row_vectors: one vector [M] per row of x (the routing
@@ -46,10 +42,10 @@ def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, al
     num_rows, num_groups = x.shape[0], group_sizes.shape[0]
     starts, ends = group_bounds(group_sizes, num_rows)
     if max_group_rows is None:
-        slab_sizes = _round_up(ends - starts, align).astype(jnp.int32)
-        total = _round_up(num_rows + num_groups * (align - 1), align)
+        slab_sizes = round_up(ends - starts, align).astype(jnp.int32)
+        total = round_up(num_rows + num_groups * (align - 1), align)
     else:
-        slab = _round_up(max_group_rows, align)
+        slab = round_up(max_group_rows, align)
         slab_sizes = jnp.where(ends > starts, slab, 0).astype(jnp.int32)
         total = num_groups * slab
     slab_starts = jnp.cumsum(slab_sizes) - slab_sizes

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._common import interpret_default
+from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.rel_attention import backward as backward_kernels
 from pallas_kernels.rel_attention import forward as forward_kernel
 from pallas_kernels.rel_attention import mgpu_dkdv, mgpu_dq, mgpu_forward, tuning
@@ -59,10 +59,6 @@ def _attention_bwd(geos, residuals, dout):
 padded_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _round_up(n, m):
-    return -(-n // m) * m
-
-
 def _pad_axis1(x, length, value=0):
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, length - x.shape[1])
@@ -86,7 +82,7 @@ def prepare(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, 
     if any(b.block_q > b.block_k for b in blocks):
         raise ValueError(f"block_q must not exceed block_k (a tile's distances must fit its band): {blocks}")
     multiple = max(max(b.block_q, b.block_k) for b in blocks)
-    seq_q_pad, seq_k_pad = _round_up(seq_q, multiple), _round_up(seq_k, multiple)
+    seq_q_pad, seq_k_pad = round_up(seq_q, multiple), round_up(seq_k, multiple)
     rel_left = 2 * max(b.block_k for b in blocks)
     base = Geometry(groups=heads // kv_heads, head_dim=dim, d_rel=d_rel, extent=extent, window=window,
                     q_offset=q_offset, segmented=segment_ids is not None,
