@@ -45,16 +45,20 @@ DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in
 class Nvfp4Linear(nnx.Module):
     """y = x @ W for an NVFP4-held W [in_features, out_features] (module doc)."""
 
-    def __init__(self, codes, block_scales, scale2, in_features: int, out_features: int):
+    def __init__(self, codes, block_scales, scale2, in_features: int):
         self.nvfp4_codes = nnx.Param(codes)  # uint8 [1, out_pad / 64, in_pad / 32, 8, 128] (kernel_w4's layout)
         self.nvfp4_scales = nnx.Param(block_scales)  # f16 [1, in_pad / 16, out_pad / 64, 1, 64]
         self.nvfp4_scale2 = nnx.Param(scale2)  # fp32 [out_features]
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features = in_features  # the codes hold it padded to a multiple of K_MULTIPLE
+
+    @property
+    def out_features(self) -> int:
+        return self.nvfp4_scale2.shape[0]
 
     @classmethod
     def quantize(cls, kernel) -> "Nvfp4Linear":
         """From a float matrix [in, out]; one global scale for the whole matrix, as NVFP4 sets it."""
-        return cls(*_quantize(kernel), *kernel.shape)
+        return cls(*_quantize(kernel), kernel.shape[0])
 
     @classmethod
     def concatenate(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
@@ -66,8 +70,7 @@ class Nvfp4Linear(nnx.Module):
                              f"{[(p.in_features, p.out_features) for p in parts]}")
         return cls(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
                    jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
-                   jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features,
-                   sum(p.out_features for p in parts))
+                   jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features)
 
     def dequantize(self):
         """The float32 matrix [in, out] this stands for."""
