@@ -106,9 +106,9 @@ def main():
              "|---|---|---:|---:|" + "---:|" * len(variants)]
     step = {(rows, v): 0.0 for rows in args.rows for v in variants}
     key = jax.random.key(0)
+    smallest = min(v[3] for v in variants.values())  # bytes per value of the smallest form: enough copies of it
     for name, n_in, n_out, count in weights(text):
         nbytes = 2 * n_in * n_out
-        smallest = min(v[3] for v in variants.values())  # enough copies of the smallest form to pass L2
         ws = [jax.random.normal(jax.random.fold_in(key, i), (n_in, n_out), jnp.bfloat16)
               for i in range(max(2, -(-COPY_BYTES // int(n_in * n_out * smallest))))]
         for rows in args.rows:
