@@ -26,6 +26,7 @@ except ImportError:  # jax 0.10.2 has it only under _src
 
 # Interpreted kernels run on a couple of simulated SMs: enough to exercise the persistent loop.
 INTERPRET_SMS = 2
+HOPPER_SMS = 132
 # Registers kept by the TMA-issuing warpgroup (the rest go to the compute warpgroups).
 MEMORY_REGISTERS = 40
 SMEM_BYTES = 225 * 1024  # what a CTA's buffers may take on Hopper (227 KiB), less barriers and alignment
@@ -41,7 +42,10 @@ def interpret_params(interpret: bool):
 
 
 def num_sms(interpret: bool) -> int:
-    return INTERPRET_SMS if interpret else jax.devices()[0].core_count
+    if interpret:
+        return INTERPRET_SMS
+    # lowered for CUDA on a machine without a GPU (`_common.lowering_for_gpu`): an H100 / H200's count
+    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else HOPPER_SMS
 
 
 def profile_dir() -> str:
