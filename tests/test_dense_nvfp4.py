@@ -106,6 +106,7 @@ def test_quantised_model_is_fused_and_stays_close():
     assert 1e-3 < _rel(got, want) < 0.15
 
 
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 def test_a_tensor_mesh_is_refused():
     from inkling_jax.sharding import MeshError
     from serve.placement import Placement
