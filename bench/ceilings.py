@@ -97,8 +97,9 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
     text = model.config.text
     item = model.dtype.itemsize
     total = 0
-    for path, var in nnx.iter_graph(model):
-        if not isinstance(var, nnx.Param) or path[0] in ("vision", "audio", "mtp"):
+    params = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
+    for path, var in params.items():
+        if path[0] in ("vision", "audio", "mtp") or _is_twin(path, params):
             continue
         size = var.get_value().nbytes
         if path[-1] == "embed":
@@ -114,3 +115,9 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
         tokens = min(context, shape.window) if shape.window else context
         kv += 2 * tokens * shape.num_kv_heads * shape.head_dim * item
     return int(total + batch * kv)
+
+
+def _is_twin(path, params) -> bool:
+    """An fp8 twin of NVFP4 weights (`InklingModel.add_fp8_twins`): only wide steps read it, never a decode step."""
+    return path[-1] in ("twin_fp8", "twin_out_scale") or (
+        path[-1] in MoE.ROUTED_FP8 and path[:-1] + (MoE.ROUTED_NVFP4[0],) in params)

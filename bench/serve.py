@@ -202,6 +202,8 @@ def main():
                    help="routed experts' weights, as serve.app's flag")
     p.add_argument("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
                    help="dense weights (MLPs, LM head; nvfp4 also attention, shared experts), as serve.app's flag")
+    p.add_argument("--fp8-twins", action="store_true", help="fp8 copies of the NVFP4 weights for wide steps, as "
+                   "serve.app's flag")
     p.add_argument("--out", help="directory for serve.json")
     args = p.parse_args()
     placement = Placement.from_spec(args.mesh)
@@ -225,7 +227,7 @@ def main():
     start = time.perf_counter()
     config = preset(args.preset)
     model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
-    model.quantize(args.expert_precision, args.dense_precision)
+    model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))

@@ -17,6 +17,13 @@ lets fused matrices (`concatenate`: gate|up) keep each part's scale. The output 
 `Nvfp4Linear.__call__` runs the kernel with the Pallas MoE backend (`kernels.moe_backend`) and the formula in
 jnp otherwise (`reference_product`; CPU tests). Forward only.
 
+An fp8 twin (`add_fp8_twin`): the same matrix, dequantised and rounded to dense_fp8's format (e4m3 values [out,
+in], a scale per output column), which products of more than TWIN_ROWS rows (prompt chunks, large batches)
+multiply instead: there the W4A16 kernel's f16 tensor-core work, not its bytes, is the bound, and fp8 tensor cores
+run at twice f16's rate (on the H200 a 4096-row sliding q|k|v|r took 1107 us in NVFP4 and 571 in fp8,
+bench/results/dense_matmuls.md). Built from the NVFP4 values, so both forms carry the same quantised matrix up to
+fp8's rounding. It costs one byte per weight.
+
 On the H200 (bench/results/serve.md, dense_matmuls.md, 2026-12-01) the 32-row decode program went from 3.35 to
 3.20 ms per token with the attention and shared experts in NVFP4. The products alone read at only 0.15-0.27 of
 the bandwidth (~30 us of fixed cost each). Splitting K into chunks run as slabs of their own, so that the
@@ -31,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax import kernels
+from inkling_jax import dense_fp8, kernels
 from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import epilogues, kernel_w4
 from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices
@@ -40,6 +47,7 @@ from pallas_kernels.moe.w4_codes import ROWS
 OUT_MULTIPLE = ROWS  # output rows are padded to this (one warpgroup's 64 rows)
 K_MULTIPLE = 32  # input values per packed pair of NVFP4 blocks
 DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs
+TWIN_ROWS = DECODE_TOKENS  # products of more rows take the fp8 twin where there is one
 
 
 class Nvfp4Linear(nnx.Module):
@@ -55,6 +63,16 @@ class Nvfp4Linear(nnx.Module):
     def out_features(self) -> int:
         return self.nvfp4_scale2.shape[0]
 
+    @property
+    def has_twin(self) -> bool:
+        return hasattr(self, "twin_fp8")
+
+    def add_fp8_twin(self) -> None:
+        """Keeps an fp8 copy of the matrix for wide products (module doc)."""
+        if not self.has_twin:
+            values, scale = dense_fp8.quantize(self.dequantize(), transpose=True)
+            self.twin_fp8, self.twin_out_scale = nnx.Param(values), nnx.Param(scale)
+
     @classmethod
     def quantize(cls, kernel) -> "Nvfp4Linear":
         """From a float matrix [in, out]; one global scale for the whole matrix, as NVFP4 sets it."""
@@ -63,14 +81,21 @@ class Nvfp4Linear(nnx.Module):
     @classmethod
     def concatenate(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
         """One matrix whose output columns are the parts' in order, each keeping its codes and scales (no
-        requantisation). Every part but the last must have a multiple of 64 output columns (no padding inside)."""
+        requantisation), and their fp8 twins where all have one. Every part but the last must have a multiple of
+        64 output columns (no padding inside)."""
         if len({p.in_features for p in parts}) != 1 or any(p.out_features % OUT_MULTIPLE for p in parts[:-1]):
             raise ValueError(f"NVFP4 matrices concatenate along their outputs only with one input width and "
                              f"multiples of {OUT_MULTIPLE} outputs before the last: "
                              f"{[(p.in_features, p.out_features) for p in parts]}")
-        return cls(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
-                   jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
-                   jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features)
+        if len({p.has_twin for p in parts}) != 1:
+            raise ValueError("NVFP4 matrices concatenate with fp8 twins on all of them or none")
+        whole = cls(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
+                    jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
+                    jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features)
+        if parts[0].has_twin:  # [out, in] values and [out] scales: the outputs are the leading axis
+            whole.twin_fp8 = nnx.Param(jnp.concatenate([p.twin_fp8[...] for p in parts]))
+            whole.twin_out_scale = nnx.Param(jnp.concatenate([p.twin_out_scale[...] for p in parts]))
+        return whole
 
     def dequantize(self):
         """The float32 matrix [in, out] this stands for."""
@@ -78,6 +103,8 @@ class Nvfp4Linear(nnx.Module):
             self.nvfp4_scale2[...]
 
     def __call__(self, x):
+        if self.has_twin and x.size // x.shape[-1] > TWIN_ROWS:
+            return dense_fp8.matmul(x, self.twin_fp8[...], self.twin_out_scale[...])
         return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...])
 
 

@@ -15,6 +15,12 @@ from inkling_jax.config import TextConfig
 from inkling_jax.layers import normal
 
 
+# Steps of at least this many tokens run NVFP4 routed experts' fp8 twin (`MoE.add_fp8_twin`). Not tuned: on the
+# H200 the NVFP4 kernels took 517 us at 128 tokens against fp8's ~750, and 5.22 ms at 4096 against 3.04
+# (bench/results/moe.md); the crossing lies between.
+TWIN_TOKENS = 512
+
+
 def swiglu(gate, up):
     return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
 
@@ -161,8 +167,13 @@ class MoE(nnx.Module):
     @property
     def precision(self) -> str:
         """How the routed experts are held: "bf16" (as built or loaded), "fp8" or "nvfp4"
-        (`quantize_routed_experts`)."""
-        return next((p for p, names in self.ROUTED_QUANTISED.items() if hasattr(self, names[0])), "bf16")
+        (`quantize_routed_experts`; "nvfp4" also when it has an fp8 twin)."""
+        return next((p for p in ("nvfp4", "fp8") if hasattr(self, self.ROUTED_QUANTISED[p][0])), "bf16")
+
+    @property
+    def has_twin(self) -> bool:
+        """NVFP4 routed experts with an fp8 copy for wide steps (`add_fp8_twin`)."""
+        return self.precision == "nvfp4" and hasattr(self, self.ROUTED_FP8[0])
 
     @property
     def fp8(self) -> bool:
@@ -180,9 +191,29 @@ class MoE(nnx.Module):
         for name, value in zip(self.ROUTED_QUANTISED[precision], experts):
             setattr(self, name, nnx.Param(value))
 
-    def routed_experts(self):
-        """(w_gate, w_up, w_down), or an Fp8Experts / Nvfp4Experts when quantised."""
+    def add_fp8_twin(self) -> None:
+        """Keeps an fp8 copy (pallas_kernels/moe/fp8.py's format) of the NVFP4 routed experts, which steps of
+        TWIN_TOKENS tokens or more run instead: a prefill's products are bound by the tensor cores, which multiply
+        fp8 at twice the rate of the W4A16 kernels' f16 (on the H200 a 4096-token step's FFN took 3.04 ms in fp8
+        and 5.22 in NVFP4, bench/results/moe.md), while decode steps read the NVFP4 bytes. Built from the NVFP4
+        values, so both forms carry the same quantised experts up to fp8's rounding; it costs one byte per
+        weight."""
+        if self.precision != "nvfp4":
+            raise ValueError(f"an fp8 twin is kept for NVFP4 routed experts, not {self.precision}")
+        if self.has_twin:
+            return
+        from pallas_kernels.moe.nvfp4 import dequantize_experts
+
+        twin = _quantizer("fp8")(*jax.jit(dequantize_experts)(self.routed_experts()))
+        for name, value in zip(self.ROUTED_FP8, twin):
+            setattr(self, name, nnx.Param(value))
+
+    def routed_experts(self, num_tokens: int | None = None):
+        """(w_gate, w_up, w_down), or an Fp8Experts / Nvfp4Experts when quantised: the fp8 twin for a step of
+        `num_tokens` (static) >= TWIN_TOKENS where there is one."""
         precision = self.precision
+        if self.has_twin and num_tokens is not None and num_tokens >= TWIN_TOKENS:
+            precision = "fp8"
         if precision == "bf16":
             return self.w_gate[...], self.w_up[...], self.w_down[...]
         return _expert_forms()[precision](*(getattr(self, name)[...] for name in self.ROUTED_QUANTISED[precision]))
@@ -232,7 +263,7 @@ class MoE(nnx.Module):
         if expert_ids is not None:
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
-        routed = self.routed_experts()
+        routed = self.routed_experts(flat.shape[0])
         if self.widened:
             out = experts(flat, routed, None, expert_ids, weights, shared_weights, mesh=self.mesh)
             out = out + self.shared_mlp(flat, unit_weights=shared_weights)[0].astype(jnp.float32)

@@ -16,6 +16,7 @@ from inkling_jax import dense_fp8
 from inkling_jax.attention import Attention
 from inkling_jax.cache import Cache, LayerCache, init_cache
 from inkling_jax.config import InklingConfig, TextConfig
+from inkling_jax.dense_nvfp4 import Nvfp4Linear
 from inkling_jax.layers import RMSNorm, ShortConv, normal
 from inkling_jax.mlp import DenseMLP, MoE
 from inkling_jax.mtp import MTPHead
@@ -101,15 +102,32 @@ class InklingModel(nnx.Module):
         self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
         self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
 
-    def quantize(self, expert_precision: str = "bf16", dense_precision: str = "bf16") -> None:
+    def quantize(self, expert_precision: str = "bf16", dense_precision: str = "bf16", fp8_twins: bool = False
+                 ) -> None:
         """For serving: "fp8" or "nvfp4" holds the routed experts (`quantize_routed_experts`); "fp8" the dense
         MLPs and the LM head, "nvfp4" those and the attention projections and shared experts
-        (`quantize_dense`), in that format from now on; "bf16" leaves them as they are."""
+        (`quantize_dense`), in that format from now on; "bf16" leaves them as they are. fp8_twins: every NVFP4
+        weight also keeps an fp8 copy for wide steps (`add_fp8_twins`)."""
         check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
+        if fp8_twins and "nvfp4" not in (expert_precision, dense_precision):
+            raise ValueError("fp8 twins are copies of NVFP4 weights: choose nvfp4 experts or dense weights")
         if expert_precision != "bf16":
             self.quantize_routed_experts(expert_precision)
         if dense_precision != "bf16":
             self.quantize_dense(dense_precision)
+        if fp8_twins:
+            self.add_fp8_twins()
+
+    def add_fp8_twins(self) -> int:
+        """Every NVFP4 weight (routed experts, dense matrices) keeps an fp8 copy, which the steps too wide for
+        the W4A16 kernels to be bound by bytes (prompt chunks; `mlp.TWIN_TOKENS`, `dense_nvfp4.TWIN_ROWS`)
+        multiply on fp8 tensor cores, at twice the rate of those kernels' f16 ones; decode steps still read the
+        NVFP4 bytes. Costs one byte per such weight. Returns the number of weights given a twin."""
+        experts = [moe for moe in self._modules(MoE) if moe.precision == "nvfp4"]
+        matrices = self._modules(Nvfp4Linear)
+        for weight in experts + matrices:
+            weight.add_fp8_twin()
+        return len(experts) + len(matrices)
 
     def quantize_routed_experts(self, precision: str = "fp8") -> int:
         """Holds every MoE layer's routed experts in fp8 or NVFP4 from now on (`MoE.quantize_routed_experts`:

@@ -94,6 +94,8 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("nvfp4_codes",), (None, None, None, None, None)),
     (("nvfp4_scales",), (None, None, None, None, None)),
     (("nvfp4_scale2",), (None,)),
+    (("twin_fp8",), (None, None)),  # their fp8 twins (Nvfp4Linear.add_fp8_twin), [out, in]
+    (("twin_out_scale",), (None,)),
 ]
 # The dense MLP's matrices share their names with the MoE's (told apart by rank); their fp8 forms
 # (mlp.DenseMLP.quantize) are [out, in] with one scale per output column.

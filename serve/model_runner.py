@@ -31,6 +31,12 @@ from serve.steps import PenaltyState, StepInputs, StepPrograms, pack, step_input
 log = logging.getLogger(__name__)
 
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# Prefill programs on GPU: no GEMM autotuning. Their products are large, where cuBLAS's own choice serves, and on
+# the H200 autotuning the wide fp8 dots of `--fp8-twins` made the 32-prompt prefill program alone take ~200 s to
+# compile; without it the four programs of a one-level bench/serve.py run compiled in 176 s and the 33 x 128
+# prefill took 36.1 ms (bench/results/serve.md, 2026-12-01). Decode programs keep it: their small products
+# are where the choice matters.
+PREFILL_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 _compilations = []
 
 
@@ -128,7 +134,7 @@ class ModelRunner:
         """Compile every step bucket and helper; returns the seconds it took."""
         start = time.perf_counter()
         # On CPU (tests, demos) compile time dominates: XLA's cheaper backend passes cut it by about half.
-        options = CPU_COMPILE_OPTIONS if jax.default_backend() == "cpu" else None
+        cpu = jax.default_backend() == "cpu"
         jit = self.placement.jit
         step_out = {"decode": None, "prefill": None}
         if self.cache_shardings is not None:
@@ -162,7 +168,9 @@ class ModelRunner:
                 self.cache, self.snapshots, scalar, scalar)
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda program: program.compile(options), lowered.values())))
+            compiled = dict(zip(lowered, pool.map(lambda item: item[1].compile(
+                CPU_COMPILE_OPTIONS if cpu else PREFILL_GPU_COMPILE_OPTIONS if _is_prefill(item[0]) else None),
+                lowered.items())))
         pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
                                            self.config.num_pages is not None)
@@ -306,3 +314,8 @@ class ModelRunner:
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
         media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
         return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)
+
+
+def _is_prefill(key) -> bool:
+    """Whether a `warm_up` program key is a prefill step's: (rows, chunk > 1, full)."""
+    return isinstance(key, tuple) and key[1] > 1

@@ -33,10 +33,10 @@ def _config():
     return dataclasses.replace(base, text=text)
 
 
-def _abstract_model(expert_precision: str, dense_precision: str):
+def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False):
     def build():
         model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        model.quantize(expert_precision, dense_precision)
+        model.quantize(expert_precision, dense_precision, fp8_twins)
         return model
     return nnx.eval_shape(build)
 
@@ -58,16 +58,24 @@ STEP_KERNELS = {"bf16": {"mosaic": 2, "triton": 5}, "fp8": {"mosaic": 2, "triton
                 "nvfp4": {"mosaic": 8, "triton": 5}}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4"])
-@pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # a decode step, a prefill chunk per row
-def test_serving_steps_lower_for_cuda(precision, rows, tokens):
-    model = _abstract_model(precision, precision)
+def _step_kernels(model, rows: int, tokens: int) -> dict[str, int]:
     leaves, merged = flat_params(model)
     cache = jax.eval_shape(lambda: model.init_cache(rows, 512))
     ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
     n_new = jax.ShapeDtypeStruct((rows,), jnp.int32)
-    found = _kernels_in(lambda p, i, c, n: merged(p).extend(i, c, n), leaves, ids, cache, n_new)
-    assert found == STEP_KERNELS[precision]
+    return _kernels_in(lambda p, i, c, n: merged(p).extend(i, c, n), leaves, ids, cache, n_new)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # a decode step, a prefill chunk per row
+def test_serving_steps_lower_for_cuda(precision, rows, tokens):
+    assert _step_kernels(_abstract_model(precision, precision), rows, tokens) == STEP_KERNELS[precision]
+
+
+def test_a_prefill_with_fp8_twins_runs_the_fp8_experts_and_xla_dense_products():
+    """NVFP4 weights with fp8 twins (`InklingModel.add_fp8_twins`): a 4096-token chunk multiplies the twins, the
+    routed experts in the fp8 kernels and the dense matrices as XLA dots, so no W4A16 product is left."""
+    assert _step_kernels(_abstract_model("nvfp4", "nvfp4", fp8_twins=True), 32, 128) == STEP_KERNELS["fp8"]
 
 
 def test_training_gradient_lowers_for_cuda():

@@ -131,6 +131,13 @@ def dequantize(packed, scales, scale2, matrices: int):
     return values.reshape(g, matrices, rows, k)
 
 
+def dequantize_experts(experts: Nvfp4Experts):
+    """-> (w_gate, w_up [G, H, I], w_down [G, I, H]) in fp32 (I padded): the weights the NVFP4 ones stand for."""
+    w13 = dequantize(experts.w13, experts.w13_scale, experts.w13_scale2, 2)
+    w2 = dequantize(experts.w2, experts.w2_scale, experts.w2_scale2, 1)[:, 0]
+    return w13[:, 0].transpose(0, 2, 1), w13[:, 1].transpose(0, 2, 1), w2.transpose(0, 2, 1)
+
+
 def _row_scale2(experts: Nvfp4Experts, group_sizes, num_rows):
     g = group_of_rows(jnp.cumsum(group_sizes), num_rows)
     return experts.w13_scale2[g], experts.w2_scale2[g]
