@@ -69,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="routed experts' weights: bf16 (in the model's --dtype, as loaded); fp8 e4m3 with one scale per "
       "expert and matrix and the activations quantised per row (half the bytes a decode step reads; a few "
       "percent of error per MoE layer); or nvfp4, 4-bit values with a scale per 16 (0.63 of fp8's memory, "
-      "decode a little faster than fp8 on an H200, prefill slower; an NVFP4 checkpoint's packed experts load "
-      "as stored)")
+      "decode a little faster than fp8 on an H200, prefill slower unless --fp8-twins; an NVFP4 checkpoint's "
+      "packed experts load as stored)")
     a("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
       help="the dense MLP layers' and the LM head's weights: bf16 (in --dtype), or fp8 e4m3 with one scale per "
       "output column and the activations quantised per row (fewer bytes per decode step; the attention "

@@ -31,12 +31,14 @@ from serve.steps import PenaltyState, StepInputs, StepPrograms, pack, step_input
 log = logging.getLogger(__name__)
 
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-# Prefill programs on GPU: no GEMM autotuning. Their products are large, where cuBLAS's own choice serves, and on
-# the H200 autotuning the wide fp8 dots of `--fp8-twins` made the 32-prompt prefill program alone take ~200 s to
-# compile; without it the four programs of a one-level bench/serve.py run compiled in 176 s and the 33 x 128
-# prefill took 36.1 ms (bench/results/serve.md, 2026-12-01). Decode programs keep it: their small products
-# are where the choice matters.
-PREFILL_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+# Prefill programs of at least WIDE_TOKENS tokens (rows x chunk) on GPU: no GEMM autotuning. Their products are
+# large, where cuBLAS's own choice serves, and on the H200 autotuning the wide fp8 dots of `--fp8-twins` made the
+# 32-prompt prefill program alone take ~200 s to compile; without it the 33 x 128 prefill took 36.2 ms
+# (bench/results/serve.md, 2026-12-01). The others keep it, as decode steps' small products need it: untuned, a
+# 1 x 128 prefill with twins took 7.2 ms, against 5.2 tuned without twins in another call (which of the two made
+# the difference was not measured).
+WIDE_TOKENS = 512
+WIDE_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 _compilations = []
 
 
@@ -169,7 +171,7 @@ class ModelRunner:
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
             compiled = dict(zip(lowered, pool.map(lambda item: item[1].compile(
-                CPU_COMPILE_OPTIONS if cpu else PREFILL_GPU_COMPILE_OPTIONS if _is_prefill(item[0]) else None),
+                CPU_COMPILE_OPTIONS if cpu else WIDE_GPU_COMPILE_OPTIONS if _is_wide(item[0]) else None),
                 lowered.items())))
         pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
@@ -316,6 +318,6 @@ class ModelRunner:
         return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)
 
 
-def _is_prefill(key) -> bool:
-    """Whether a `warm_up` program key is a prefill step's: (rows, chunk > 1, full)."""
-    return isinstance(key, tuple) and key[1] > 1
+def _is_wide(key) -> bool:
+    """Whether a `warm_up` program key, (rows, chunk, full) for a step, is a prefill of WIDE_TOKENS or more."""
+    return isinstance(key, tuple) and key[1] > 1 and key[0] * key[1] >= WIDE_TOKENS

@@ -58,10 +58,11 @@ def test_quantised_model_drops_its_dense_weights_and_its_logits_stay_close():
     assert 1e-4 < _rel(got, want) < 0.1
 
 
-@pytest.mark.parametrize("dense_precision", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("dense_precision", ["fp8", "nvfp4"])
 def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_precision):
     """The serving path (paged cache, prefill then decode steps) gives the tokens that the quantised model's own
-    full-sequence forward picks greedily."""
+    full-sequence forward picks greedily. (fp8 experts with bf16 dense weights are served in
+    tests/test_fp8_experts.py's mesh test.)"""
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
     model = random_model(config, jnp.float32, seed=1)
     model.quantize("fp8", dense_precision)
@@ -85,15 +86,20 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("precision, spec", [("fp8", "tensor=2"), ("fp8", "fsdp=2,tensor=2,expert=2"),
                                              ("nvfp4", "fsdp=2,expert=2")])
-def test_quantised_model_on_a_mesh_equals_one_device(precision, spec):
+def test_quantised_model_on_a_mesh_equals_one_device(precision, spec, monkeypatch):
     """The fp8 values and their scales shard by the table (the dense width and the vocabulary over `tensor`),
     and the per-row activation scales span the whole row, so the sharded logits equal one device's. NVFP4's
-    fused matrices (inkling_jax/dense_nvfp4.py) stay whole on every device."""
+    fused matrices (inkling_jax/dense_nvfp4.py) stay whole on every device; its case runs with fp8 twins,
+    which every product here takes (the thresholds lowered), the experts' split over `expert`."""
+    from inkling_jax import dense_nvfp4, mlp
     from inkling_jax.sharding import make_mesh, shard_model
+
+    monkeypatch.setattr(mlp, "TWIN_TOKENS", 1)
+    monkeypatch.setattr(dense_nvfp4, "TWIN_ROWS", 1)
 
     def quantised():
         model = random_model(preset("tiny"), jnp.float32, seed=2)
-        model.quantize(precision, precision)
+        model.quantize(precision, precision, fp8_twins=precision == "nvfp4")
         return model
 
     with kernels.use("jnp", moe="ragged"):
@@ -104,6 +110,8 @@ def test_quantised_model_on_a_mesh_equals_one_device(precision, spec):
             assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
         else:
             assert model.layers[0].attn.wqkvr_nvfp4.nvfp4_codes.get_value().sharding.is_fully_replicated
+            assert model.layers[0].attn.wqkvr_nvfp4.twin_fp8.get_value().sharding.is_fully_replicated
+            assert model.layers[1].mlp.w_gate_fp8.get_value().sharding.spec[0] == "expert"  # the experts' twin
         got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

@@ -160,6 +160,14 @@ def test_kv_pool_leaves_room_for_the_compiled_programs():
         memory_plan.pages_that_fit(programs, 50, page, need - 7500, fixed_pages=True)
 
 
+def test_only_wide_prefill_programs_compile_untuned():
+    from serve.model_runner import WIDE_TOKENS, _is_wide
+
+    assert _is_wide((WIDE_TOKENS // 128, 128, False)) and _is_wide((32, 128, True))
+    assert not _is_wide((1, 128, False)) and not _is_wide((WIDE_TOKENS, 1, False))  # a narrow prefill, a decode
+    assert not _is_wide("init_penalties")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Scheduler
 
