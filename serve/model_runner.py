@@ -33,10 +33,9 @@ log = logging.getLogger(__name__)
 CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 # Prefill programs of at least WIDE_TOKENS tokens (rows x chunk) on GPU: no GEMM autotuning. Their products are
 # large, where cuBLAS's own choice serves, and on the H200 autotuning the wide fp8 dots of `--fp8-twins` made the
-# 32-prompt prefill program alone take ~200 s to compile; without it the 33 x 128 prefill took 36.2 ms
-# (bench/results/serve.md, 2026-12-01). The others keep it, as decode steps' small products need it: untuned, a
-# 1 x 128 prefill with twins took 7.2 ms, against 5.2 tuned without twins in another call (which of the two made
-# the difference was not measured).
+# 32-prompt prefill program alone take ~200 s to compile; without it the 33 x 128 prefill took 36.2 ms. The other
+# programs keep it: untuned, the 33-row decode step took 3.57 ms against 3.31 tuned (bench/results/serve.md,
+# 2026-12-01).
 WIDE_TOKENS = 512
 WIDE_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 _compilations = []
@@ -135,8 +134,6 @@ class ModelRunner:
     def warm_up(self) -> float:
         """Compile every step bucket and helper; returns the seconds it took."""
         start = time.perf_counter()
-        # On CPU (tests, demos) compile time dominates: XLA's cheaper backend passes cut it by about half.
-        cpu = jax.default_backend() == "cpu"
         jit = self.placement.jit
         step_out = {"decode": None, "prefill": None}
         if self.cache_shardings is not None:
@@ -170,9 +167,7 @@ class ModelRunner:
                 self.cache, self.snapshots, scalar, scalar)
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda item: item[1].compile(
-                CPU_COMPILE_OPTIONS if cpu else WIDE_GPU_COMPILE_OPTIONS if _is_wide(item[0]) else None),
-                lowered.items())))
+            compiled = dict(zip(lowered, pool.map(lambda key: lowered[key].compile(compile_options(key)), lowered)))
         pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
                                            self.config.num_pages is not None)
@@ -318,6 +313,10 @@ class ModelRunner:
         return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)
 
 
-def _is_wide(key) -> bool:
-    """Whether a `warm_up` program key, (rows, chunk, full) for a step, is a prefill of WIDE_TOKENS or more."""
-    return isinstance(key, tuple) and key[1] > 1 and key[0] * key[1] >= WIDE_TOKENS
+def compile_options(key) -> dict | None:
+    """XLA options for the `warm_up` program of `key`, (rows, chunk, full) for a step or a helper's name. On CPU
+    (tests, demos) compile time dominates: XLA's cheaper backend passes cut it by about half."""
+    if jax.default_backend() == "cpu":
+        return CPU_COMPILE_OPTIONS
+    wide = isinstance(key, tuple) and key[1] > 1 and key[0] * key[1] >= WIDE_TOKENS  # a wide prefill
+    return WIDE_GPU_COMPILE_OPTIONS if wide else None

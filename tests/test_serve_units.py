@@ -160,12 +160,16 @@ def test_kv_pool_leaves_room_for_the_compiled_programs():
         memory_plan.pages_that_fit(programs, 50, page, need - 7500, fixed_pages=True)
 
 
-def test_only_wide_prefill_programs_compile_untuned():
-    from serve.model_runner import WIDE_TOKENS, _is_wide
+def test_only_wide_prefill_programs_compile_untuned_on_gpu(monkeypatch):
+    from serve import model_runner
+    from serve.model_runner import CPU_COMPILE_OPTIONS, WIDE_GPU_COMPILE_OPTIONS, WIDE_TOKENS, compile_options
 
-    assert _is_wide((WIDE_TOKENS // 128, 128, False)) and _is_wide((32, 128, True))
-    assert not _is_wide((1, 128, False)) and not _is_wide((WIDE_TOKENS, 1, False))  # a narrow prefill, a decode
-    assert not _is_wide("init_penalties")
+    assert compile_options((32, 128, False)) == CPU_COMPILE_OPTIONS
+    monkeypatch.setattr(model_runner.jax, "default_backend", lambda: "gpu")
+    assert compile_options((WIDE_TOKENS // 128, 128, False)) == compile_options((32, 128, True)) == \
+        WIDE_GPU_COMPILE_OPTIONS
+    for narrow in ((1, 128, False), (WIDE_TOKENS, 1, False), "init_penalties"):  # a short prefill, a decode, a helper
+        assert compile_options(narrow) is None
 
 
 # ------------------------------------------------------------------------------------------------------------
