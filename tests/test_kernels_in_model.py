@@ -84,8 +84,8 @@ def test_gradients_through_the_kernels_match(model):
 
     grads = {}
     for backend in ("jnp", "pallas"):
-        with kernels.use(backend, moe="ragged"):
-            grads[backend] = nnx.grad(loss)(model)
+        with kernels.use(backend, moe="ragged"):  # jitted: 49 s on CPU against 60 op by op
+            grads[backend] = nnx.jit(nnx.grad(loss))(model)
     pairs = list(zip(jax.tree.leaves(grads["pallas"]), jax.tree.leaves(grads["jnp"])))
     assert len(pairs) > 50
     for a, b in pairs:
