@@ -75,11 +75,14 @@ EXPERT_PRECISIONS = ("bf16", "fp8", "nvfp4")
 DENSE_PRECISIONS = ("bf16", "fp8", "nvfp4")
 
 
-def check_precisions(expert_precision: str = "bf16", dense_precision: str = "bf16") -> None:
+def check_precisions(expert_precision: str = "bf16", dense_precision: str = "bf16", fp8_twins: bool = False) -> None:
     for name, value, allowed in (("expert_precision", expert_precision, EXPERT_PRECISIONS),
                                  ("dense_precision", dense_precision, DENSE_PRECISIONS)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
+    if fp8_twins and "nvfp4" not in (expert_precision, dense_precision):
+        raise ValueError("fp8 twins are copies of NVFP4 weights: choose nvfp4 experts or dense weights "
+                         "(--expert-precision / --dense-precision nvfp4)")
 
 
 class InklingModel(nnx.Module):
@@ -108,9 +111,7 @@ class InklingModel(nnx.Module):
         MLPs and the LM head, "nvfp4" those and the attention projections and shared experts
         (`quantize_dense`), in that format from now on; "bf16" leaves them as they are. fp8_twins: every NVFP4
         weight also keeps an fp8 copy for wide steps (`add_fp8_twins`)."""
-        check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
-        if fp8_twins and "nvfp4" not in (expert_precision, dense_precision):
-            raise ValueError("fp8 twins are copies of NVFP4 weights: choose nvfp4 experts or dense weights")
+        check_precisions(expert_precision, dense_precision, fp8_twins)
         if expert_precision != "bf16":
             self.quantize_routed_experts(expert_precision)
         if dense_precision != "bf16":

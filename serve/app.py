@@ -36,7 +36,7 @@ log = logging.getLogger("serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS
+    from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS, check_precisions
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -97,8 +97,10 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
     args = p.parse_args(argv)
-    if args.fp8_twins and "nvfp4" not in (args.expert_precision, args.dense_precision):
-        p.error("--fp8-twins copies NVFP4 weights: use it with --expert-precision or --dense-precision nvfp4")
+    try:  # before any weights load
+        check_precisions(args.expert_precision, args.dense_precision, args.fp8_twins)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 

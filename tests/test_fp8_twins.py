@@ -16,12 +16,7 @@ from inkling_jax.mlp import MoE
 from pallas_kernels.moe.fp8 import Fp8Experts, dequantize_experts as fp8_float
 from pallas_kernels.moe.nvfp4 import Nvfp4Experts, dequantize_experts as nvfp4_float
 from serve.random_weights import random_model
-from tests.test_fp8_experts import moe_pair
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
+from tests.test_fp8_experts import _rel, moe_pair
 
 
 def _linear(shape=(96, 128), seed=0, twin=True):
