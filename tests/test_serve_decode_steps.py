@@ -3,6 +3,7 @@ call: greedy, seeded sampling with filters and penalties, rows with different re
 tokens that land inside a multi-step call (the tokens after them are discarded)."""
 
 import concurrent.futures
+import gc
 import re
 
 import numpy as np
@@ -126,3 +127,7 @@ def test_prefill_writes_the_rings_in_place(engine):
     assert programs
     for key, program in programs.items():
         assert not copies.findall(program.as_text()), f"the prefill program {key} copies a ring pool"
+
+
+def test_a_started_engine_keeps_its_warm_objects_out_of_full_collections(engine):
+    assert gc.get_freeze_count() > 10_000  # the model, programs and caches alive at the end of warm-up
