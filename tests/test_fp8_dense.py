@@ -16,6 +16,7 @@ from serve.engine import Engine
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.sampling import SamplingParams
+from tests.greedy import greedy_tokens
 
 TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
 
@@ -69,9 +70,7 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
     assert model.layers[1].mlp.fp8 and model.layers[0].mlp.fp8 == (dense_precision != "bf16")
     prompt = [3, 14, 15, 92, 65, 35]
     with kernels.use("jnp", moe="ragged"):
-        want = list(prompt)
-        for _ in range(6):
-            want.append(int(jnp.argmax(model(jnp.asarray([want]))[0, -1])))
+        want = greedy_tokens(model, prompt, 6)
         engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
                                             chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
                         eos_token_id=config.eos_token_id)
@@ -80,7 +79,7 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
         got = generate(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))[0]
     finally:
         engine.shutdown(drain_seconds=0)
-    assert got.token_ids == want[len(prompt):]
+    assert got.token_ids == want
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
