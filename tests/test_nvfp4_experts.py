@@ -70,8 +70,9 @@ def test_an_nvfp4_checkpoint_loads_into_nvfp4_experts_as_stored(nvfp4_source, mo
         assert not np.any(w13[:, :, width:]) and not np.any(w2[:, :, width:])
 
     tokens = jnp.arange(1, 13, dtype=jnp.int32)[None]
-    want = after(tokens)  # the same weights, each packed tensor's scales factored differently
-    np.testing.assert_allclose(direct(tokens), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    forward = nnx.jit(lambda model, tokens: model(tokens))  # one compiled program for both
+    want = forward(after, tokens)  # the same weights, each packed tensor's scales factored differently
+    np.testing.assert_allclose(forward(direct, tokens), want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

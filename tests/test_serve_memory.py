@@ -45,8 +45,14 @@ def _serve(monkeypatch=None, pages_short=0):
     return [o.token_ids for o in out], pages
 
 
-def test_pool_shrinks_to_leave_room_for_the_programs(monkeypatch):
-    want, pages = _serve()
+@pytest.fixture(scope="module")
+def plain():
+    """_serve() with nothing faked: the tokens and pool size that the faked runs are compared with."""
+    return _serve()
+
+
+def test_pool_shrinks_to_leave_room_for_the_programs(plain, monkeypatch):
+    want, pages = plain
     assert pages == 8  # 2 slots x 4 pages of 8 tokens (CPU: no memory statistics)
     got, fewer = _serve(monkeypatch, pages_short=3)
     assert fewer == 5
@@ -76,10 +82,10 @@ def test_free_memory_counts_as_far_as_one_block_holds_it():
     assert memory_plan.largest_allocation([_Device()]) is None and not memory_plan.grows_on_demand([_Device()])
 
 
-def test_an_allocator_that_grows_takes_the_cache_as_one_block_first(monkeypatch):
+def test_an_allocator_that_grows_takes_the_cache_as_one_block_first(plain, monkeypatch):
     """Where the allocator grows region by region, the runner has it take the whole cache (pool, ring and conv
     states, snapshots) as one block before making it; the engine then serves as before."""
-    want, _ = _serve()
+    want, _ = plain
     reserved = []
     reserve = Placement.reserve
     monkeypatch.setattr(memory_plan, "grows_on_demand", lambda devices: True)
