@@ -25,14 +25,18 @@ bench/results/dense_matmuls.md). Built from the NVFP4 values, so both forms carr
 fp8's rounding. It costs one byte per weight.
 
 On the H200 (bench/results/serve.md, dense_matmuls.md, 2026-12-01) the 32-row decode program went from 3.35 to
-3.20 ms per token with the attention and shared experts in NVFP4. The products alone read at only 0.15-0.27 of
-the bandwidth (~30 us of fixed cost each). Splitting K into chunks run as slabs of their own, so that the
-products with few output tiles fill the SMs, did not change the step in place (3.079 / 3.135 ms against
-3.085 / 3.152 unsplit) and was dropped. At 129 rows (two 128-row slabs; one slab of 144 was slower still) the
-step took 5.02 ms against 4.68 with bf16 products.
+3.20 ms per token with the attention and shared experts in NVFP4. In that step's trace (2026-12-02) each product
+ran at a fixed ~21 GB/s per SM in use, so those of 48 output tiles (wo, the shared experts' down) used 48 of the
+132 SMs; `kernel_product` now splits K where that keeps all tiles in one wave (`kernel_w4.k_splits_to_fill`):
+wo 26 -> 16 us, the shared down 20 -> 12 us, the sum of partials within bf16 rounding of the unsplit product.
+A split into two waves of tiles (2026-12-01) had changed nothing. At 129 rows (two 128-row slabs; one slab of
+144 was slower still) the step took 5.02 ms against 4.68 with bf16 products.
 """
 
 from __future__ import annotations
+
+import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -141,17 +145,24 @@ def reference_product(rows, codes, block_scales):
                    precision=jax.lax.Precision.HIGHEST)
 
 
-def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, cfg=None):
+def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, cfg=None,
+                   k_splits: int | None = None):
     """The W4A16 kernel's f16(rows) @ (code * block_scale), [M, out_pad] fp32 (rounded to bf16 on the way): up to
-    DECODE_TOKENS rows as one slab, more in slabs of PREFILL_SLAB rows."""
+    DECODE_TOKENS rows as one slab, more in slabs of PREFILL_SLAB rows. A slab with fewer output tiles than the
+    GPU has SMs splits K (k_splits; None: `kernel_w4.k_splits_to_fill`) and sums the bf16 partials in fp32."""
     interpret = interpret_default() if interpret is None else interpret
     m, k = rows.shape
     out_rows = codes.shape[1] * ROWS
     n = round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
     slabs = -(-m // n)
+    cfg = cfg or kernel_w4.config_for(n)
+    if k_splits is None:
+        k_splits = kernel_w4.k_splits_to_fill(slabs * out_rows // (cfg.compute_wgs * ROWS), k, cfg, interpret)
     x = jnp.pad(rows, ((0, slabs * n - m), (0, 0))).astype(jnp.float16).reshape(slabs, n, k)
     out = kernel_w4.w4_gmm(x, codes, block_scales, slab_group=jnp.zeros((slabs,), jnp.int32),
                            slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
-                           epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg or kernel_w4.config_for(n),
-                           interpret=interpret)
+                           epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
+                           k_splits=k_splits)
+    if k_splits > 1:  # adds of whole partials, which XLA fuses into the caller's scale (a reduce may not)
+        out = functools.reduce(operator.add, [part.astype(jnp.float32) for part in out])
     return out.reshape(slabs * n, out_rows)[:m].astype(jnp.float32)

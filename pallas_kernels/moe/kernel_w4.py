@@ -28,6 +28,12 @@ waits between steps, and a step's work is instructions (gate/up, per thread: 32 
   of 8 codes before its 4 `cvt` instead of 9: 425 -> 414 us at 32 tokens, 552 -> 524 at 128;
 - token-major x and output (module doc, above), the FFN with its slab copies: 418 -> 406 us at 32 tokens,
   536 -> 517 at 128, bit-identical outputs.
+- the down projection's two adjacent 64-row blocks per warpgroup (`paired_rows`): in the decode step 119-121 ->
+  104-108 us (2026-12-02), bit-identical;
+- products with fewer output tiles than SMs split along K (`k_splits`, `k_splits_to_fill`): a warpgroup converts
+  codes at a fixed rate, so a product on 48 of the 132 SMs (the attention output, the shared experts' down) ran
+  at ~1.06 TB/s; split in two, in the decode step, 26 -> 16 us and 20 -> 12 us (2026-12-02). An earlier split
+  that made two waves of tiles gained nothing (2026-12-01).
 Tried and slower: all of a step's conversions before its wgmmas (639 us against 573); the conversion by
 rotations and masks only (no `cvt`, 11 integer instructions per 8 codes against 9 and 4 `cvt`: 590 us against
 533, before the thread-order layout), which suggests that the integer pipe, not the conversion unit, is the
@@ -79,6 +85,22 @@ def config_for(n: int) -> W4Config:
     return dataclasses.replace(cfg, stages=max(2, min(4, (budget - fixed) // stage)))
 
 
+def block_k(k: int, cfg: W4Config) -> int:
+    """K values per pipeline step: cfg's, halved until it divides k (small shapes: tests, the tiny preset)."""
+    bk = cfg.block_k
+    while k % bk and bk > PAIR:
+        bk //= 2
+    return bk
+
+
+def k_splits_to_fill(tiles: int, k: int, cfg: W4Config, interpret: bool, most: int = 4) -> int:
+    """The most K splits (up to `most`, dividing the K steps) that keep `tiles` x splits within one tile per SM:
+    a product of few output tiles (a decode step's attention output, 48 tiles of 128 rows) otherwise leaves most
+    SMs idle, and each SM converts codes at a fixed rate (module doc)."""
+    steps = k // block_k(k, cfg)
+    return max(s for s in range(1, most + 1) if s == 1 or (s * tiles <= mgpu.num_sms(interpret) and steps % s == 0))
+
+
 def _along_k(planes):
     """[64, 16] f16 operands in the WGMMA layout -> one [64, 16 len(planes)], the planes' columns in order (the
     layout holds 8 columns per register tile, so this only renumbers registers)."""
@@ -112,7 +134,7 @@ def _multiply(acc, planes, x_smem, k0, staging):
 
 
 def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: int, epilogue, out_dtype,
-           cfg: W4Config, interpret: bool):
+           cfg: W4Config, interpret: bool, paired_rows: bool = False, k_splits: int = 1):
     """Runs the kernel.
 
     Args:
@@ -123,26 +145,36 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
       col_vectors: fp32 [S, N] arrays handed to the epilogue as [N] vectors of the tile's slab.
       epilogue: (list of fp32 accumulators [64, N], list of column vectors [N]) -> [one output tile [64, N]]
         (epilogues.py's, with axis=1).
+      paired_rows: one matrix only: each warpgroup owns two adjacent 64-row blocks (two accumulators, as gate
+        and up), each through the epilogue on its own. Tiles twice as tall, half as many: fewer pipeline fills
+        and epilogues where there are many more tiles than SMs (module doc).
+      k_splits: K's steps cut into this many equal parts, each a tile of its own writing a partial product
+        (the epilogue must be linear): more tiles where there are fewer than SMs.
     Returns:
-      out_dtype [S, N, out_rows].
+      out_dtype [S, N, out_rows]; with k_splits > 1 the partial products [k_splits, S, N, out_rows].
     """
     num_slabs, n, k = x.shape
     groups, row_groups, num_units = packed.shape[:3]
+    if paired_rows and matrices != 1:
+        raise ValueError("paired_rows pairs the row blocks of one matrix")
     out_rows = row_groups * ROWS // matrices
-    bk, wgs = cfg.block_k, cfg.compute_wgs
-    while k % bk and bk > PAIR:  # small shapes (tests, the tiny preset)
-        bk //= 2
-    if out_rows % (wgs * ROWS):
+    accs_per_wg = 2 if paired_rows else matrices  # the row blocks a warpgroup loads per step, an accumulator each
+    bk, wgs = block_k(k, cfg), cfg.compute_wgs
+    if out_rows % (wgs * ROWS * accs_per_wg // matrices):
         wgs = 1
-    tile_rows = wgs * ROWS
+    tile_rows = wgs * ROWS * accs_per_wg // matrices  # output rows of a tile
     per_call = min(cfg.blocks_per_wgmma, bk // BLOCK)
     if (packed.shape[3:] != UNIT_SHAPE or num_units * PAIR != k or k % bk or bk % PAIR or out_rows % tile_rows
-            or n % N_ALIGN or (bk // BLOCK) % per_call):
-        raise ValueError(f"bad W4 shapes: x {x.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups")
+            or n % N_ALIGN or (bk // BLOCK) % per_call or (k // bk) % k_splits):
+        raise ValueError(f"bad W4 shapes: x {x.shape}, packed {packed.shape}, block_k {bk}, {wgs} warpgroups, "
+                         f"{k_splits} K splits, paired rows {paired_rows}")
     nk, nblocks = k // bk, out_rows // tile_rows
+    split_steps = nk // k_splits
     out_dtype = jnp.dtype(out_dtype)
-    w_view = packed.reshape(groups * nblocks * wgs * matrices, num_units, *UNIT_SHAPE)
-    s_view = scales.reshape(groups * (k // BLOCK), out_rows // ROWS, matrices, ROWS)
+    # row group r of a matrix is a tile's row block: tile `block`, warpgroup `wg`, accumulator `m` load
+    # r = (block * wgs + wg) * accs_per_wg + m (for two matrices, m is the matrix: their row groups interleave)
+    w_view = packed.reshape(groups * nblocks * wgs * accs_per_wg, num_units, *UNIT_SHAPE)
+    s_view = scales.reshape(groups * (k // BLOCK), nblocks * wgs, accs_per_wg, ROWS)
     x_view = x.reshape(num_slabs * n, k)
     # x tiles [N, block_k]: swizzled along K, in whole swizzle spans per wgmma call (Mosaic takes K in groups
     # of one span)
@@ -154,19 +186,20 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
         col_refs, out_ref = refs[:len(cols_flat)], refs[-1]
         wg = lax.axis_index("wg")
 
-        def pipeline(slab, block, num_steps, step, context):
-            g = group_ref[slab]
+        def pipeline(slab, block, split, num_steps, step, context):
+            g, k0 = group_ref[slab], split * split_steps
             specs = [
-                plgpu.BlockSpec((wgs * matrices, bk // PAIR, *UNIT_SHAPE), lambda kk: (g * nblocks + block, kk, 0, 0)),
-                plgpu.BlockSpec((bk // BLOCK, wgs, matrices, ROWS), lambda kk: (g * nk + kk, block, 0, 0)),
-                plgpu.BlockSpec((n, bk), lambda kk: (slab, kk), transforms=x_transforms),
+                plgpu.BlockSpec((wgs * accs_per_wg, bk // PAIR, *UNIT_SHAPE),
+                                lambda kk: (g * nblocks + block, k0 + kk, 0, 0)),
+                plgpu.BlockSpec((bk // BLOCK, wgs, accs_per_wg, ROWS), lambda kk: (g * nk + k0 + kk, block, 0, 0)),
+                plgpu.BlockSpec((n, bk), lambda kk: (slab, k0 + kk), transforms=x_transforms),
             ]
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(num_steps,), memory_registers=mgpu.MEMORY_REGISTERS, in_specs=specs, wg_axis="wg",
                 num_compute_wgs=wgs, max_concurrent_steps=cfg.stages, compute_context=context)
 
         zero = jnp.int32(0)
-        allocs = pipeline(zero, zero, cfg.stages, None, None).get_allocations(w_ref, s_ref, x_ref)
+        allocs = pipeline(zero, zero, zero, cfg.stages, None, None).get_allocations(w_ref, s_ref, x_ref)
 
         scratch = dict(out_smem=plgpu.SMEM((wgs, 2, n, ROWS), out_dtype,
                                            transforms=mgpu.tile_transforms(ROWS, out_dtype)),
@@ -182,16 +215,17 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
         def scope(allocs, out_smem, col_smem, col_barriers, a_smem=None, b_smem=None):
             staging = None if a_smem is None else (a_smem.at[wg], b_smem.at[wg])
 
-            @plgpu.nd_loop((num_slabs * nblocks,), collective_axes="sm")
+            @plgpu.nd_loop((k_splits * num_slabs * nblocks,), collective_axes="sm")
             def tile(info):
-                slab, block = lax.div(info.index[0], nblocks), lax.rem(info.index[0], nblocks)
+                split, rest = lax.div(info.index[0], num_slabs * nblocks), lax.rem(info.index[0], num_slabs * nblocks)
+                slab, block = lax.div(rest, nblocks), lax.rem(rest, nblocks)
 
                 @mgpu.profiled("step")
                 def step(_, w_smem, s_smem, x_smem, accs):
-                    for m in range(matrices):
+                    for m in range(accs_per_wg):
                         planes = []
                         for q in range(bk // PAIR):  # a unit: 16 bytes of each row
-                            unit = w_smem.at[wg * matrices + m, q]
+                            unit = w_smem.at[wg * accs_per_wg + m, q]
                             for half, plane in enumerate(f16_planes(from_units(unit[...][None, None])) if interpret
                                                          else planes_in_registers(unit)):
                                 b = 2 * q + half  # the NVFP4 block within the step
@@ -209,10 +243,13 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
                     for i in range(len(col_refs)):
                         plgpu.barrier_wait(col_barriers.at[wg * n_cols + i])
                         cols.append(mgpu.column_vector(col_smem.at[wg, i, pl.ds(0, n)], interpret))
-                    (out,) = epilogue([a[...] for a in accs], cols)
-                    row0 = block * tile_rows + wg * ROWS
-                    mgpu.store_tile(out, out_smem.at[wg], out_ref.at[pl.ds(slab * n, n), pl.ds(row0, ROWS)], 0,
-                                    transposed=True, interpret=interpret)
+                    outs = [epilogue([a[...]], cols)[0] for a in accs] if paired_rows else \
+                        epilogue([a[...] for a in accs], cols)
+                    out_slab = pl.ds((split * num_slabs + slab) * n, n)
+                    for m, out in enumerate(outs):
+                        row0 = ((block * wgs + wg) * len(outs) + m) * ROWS
+                        mgpu.store_tile(out, out_smem.at[wg], out_ref.at[out_slab, pl.ds(row0, ROWS)], m,
+                                        transposed=True, interpret=interpret)
 
                 def context(run):
                     def with_accs(*accs):
@@ -222,20 +259,20 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
                         run(accs)
                         finish(accs)
 
-                    pl.run_scoped(with_accs, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in range(matrices)])
+                    pl.run_scoped(with_accs, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in range(accs_per_wg)])
 
-                steps = jnp.where(rows_ref[slab] > 0, nk, 0)
-                pipeline(slab, block, steps, step, context)(w_ref, s_ref, x_ref, allocations=allocs)
+                steps = jnp.where(rows_ref[slab] > 0, split_steps, 0)
+                pipeline(slab, block, split, steps, step, context)(w_ref, s_ref, x_ref, allocations=allocs)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_slabs * n, out_rows), out_dtype),
+        out_type=jax.ShapeDtypeStruct((k_splits * num_slabs * n, out_rows), out_dtype),
         grid=(mgpu.num_sms(interpret),), grid_names=("sm",),
         num_threads=wgs + 1, thread_name="wg",
         compiler_params=mgpu.compiler_params(),
         interpret=mgpu.interpret_params(interpret),
     )
     out = kernel(slab_group.astype(jnp.int32), slab_rows.astype(jnp.int32), w_view, s_view, x_view, *cols_flat)
-    return out.reshape(num_slabs, n, out_rows)
+    return out.reshape(num_slabs, n, out_rows) if k_splits == 1 else out.reshape(k_splits, num_slabs, n, out_rows)

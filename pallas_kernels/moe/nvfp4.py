@@ -41,6 +41,11 @@ PREFILL_SLAB = 128  # tokens per slab without a bound, or above this one
 # the 32-token slabs leaves room above 128 because the server's all-rows decode step has max_num_seqs + 1 rows
 # (129 for bench/serve.py's 128 sequences), which a bound of 128 sent to 128-token slabs
 DECODE_SLABS = ((32, 16), (160, 32))  # (largest bound, slab tokens)
+# The down projection's warpgroups each take two adjacent 64-row blocks (kernel_w4's paired_rows): its tiles
+# have half the k steps of gate/up's (K is the expert width), so unpaired it paid a pipeline fill and an epilogue
+# per tile for half the work. In the H200's 32-row decode step (bench/results/serve.md, 2026-12-02) the down
+# kernels took 104-108 us against 119-121; outputs bit-identical at bench widths
+PAIRED_DOWN = True
 
 
 class Nvfp4Experts(NamedTuple):
@@ -177,7 +182,8 @@ def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_gro
         h = w4_gmm(x_slabs.reshape(num_slabs, slab, -1).astype(jnp.float16), experts.w13, experts.w13_scale,
                    col_vectors=(rw, scale13), matrices=2, epilogue=_swiglu, out_dtype=jnp.float16, **common)
         y = w4_gmm(h, experts.w2, experts.w2_scale, col_vectors=(scale2,), matrices=1,
-                   epilogue=functools.partial(epilogues.scaled, axis=1), out_dtype=x.dtype, **common)
+                   epilogue=functools.partial(epilogues.scaled, axis=1), out_dtype=x.dtype,
+                   paired_rows=PAIRED_DOWN, **common)
         return y.reshape(num_slabs * slab, -1)
 
     return decode.in_slabs(x, group_sizes, (row_weights, s13, s2), one_slab_each, ffn, align=slab)

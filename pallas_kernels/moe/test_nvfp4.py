@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
-from pallas_kernels.moe.kernel_w4 import W4Config
+from pallas_kernels.moe import epilogues
+from pallas_kernels.moe.kernel_w4 import W4Config, config_for, k_splits_to_fill, w4_gmm
 from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
                                       moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
 from pallas_kernels.moe.test_fp8 import operands
@@ -117,6 +118,36 @@ def test_nvfp4_ffn_matches_its_formula_in_prefill_slabs():
 
 def test_nvfp4_ffn_matches_its_formula_in_slabs_of_16_tokens_and_two_blocks_per_wgmma_call():
     _check((3, 0, 20, 1), 30, max_group_rows=20, slab=16, cfg=dataclasses.replace(CFG, blocks_per_wgmma=2))
+
+
+def test_paired_row_blocks_and_k_splits_give_the_formulas_products():
+    """One matrix of 768 rows (3 tiles of 2 warpgroups x 2 paired 64-row blocks) and 3 k steps, three slabs of
+    16 tokens (two experts, one slab skipped): the paired tiles' products, and the sum of 3 K splits' partials."""
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((2, 1, 768, 192)), jnp.float32)
+    codes, scale, _ = quantize_matrices(w)
+    packed, scales = layout(codes, scale)
+    x = jnp.asarray(rng.standard_normal((3, 16, 192)), jnp.float16)
+    weights = dequantize(packed, scales, jnp.ones((2,), jnp.float32), 1)[:, 0]  # [G, rows, K]
+    want = jnp.einsum("snk,srk->snr", x[:2].astype(jnp.float32), weights[jnp.asarray([0, 1])])
+    common = dict(slab_group=jnp.asarray([0, 1, 1]), slab_rows=jnp.asarray([16, 5, 0]), col_vectors=(),
+                  matrices=1, epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=CFG, interpret=True)
+    paired = np.asarray(w4_gmm(x, packed, scales, paired_rows=True, **common), np.float32)
+    assert rel_err(paired[:2], want) < 1e-2
+    parts = np.asarray(w4_gmm(x, packed, scales, k_splits=3, **common), np.float32)
+    assert parts.shape == (3, 3, 16, 768)
+    assert rel_err(parts.sum(0)[:2], want) < 1e-2
+    assert rel_err(parts[0, :2], want) > 0.1  # each split holds only its part
+    assert not paired[2].any() and not parts[:, 2].any()  # the skipped slab's tiles multiply nothing
+
+
+def test_k_splits_fill_the_sms_without_a_second_wave():
+    # the bench preset's decode products: wo and the shared experts' down (48 tiles of 128 rows), q|k|v|r (88)
+    decode = config_for(32)
+    assert k_splits_to_fill(48, 8192, decode, interpret=False) == 2
+    assert k_splits_to_fill(48, 6144, decode, interpret=False) == 2
+    assert k_splits_to_fill(88, 6144, decode, interpret=False) == 1
+    assert k_splits_to_fill(3, 6 * 256, decode, interpret=False) == 3  # 4 would not divide the 6 k steps
 
 
 def test_the_all_rows_decode_step_of_a_128_sequence_server_takes_decode_slabs():
