@@ -146,7 +146,7 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
       epilogue: (list of fp32 accumulators [64, N], list of column vectors [N]) -> [one output tile [64, N]]
         (epilogues.py's, with axis=1).
       paired_rows: one matrix only: each warpgroup owns two adjacent 64-row blocks (two accumulators, as gate
-        and up), each through the epilogue on its own. Tiles twice as tall, half as many: fewer pipeline fills
+        and up), each through the epilogue on its own (ignored where the rows are an odd number of blocks). Tiles twice as tall, half as many: fewer pipeline fills
         and epilogues where there are many more tiles than SMs (module doc).
       k_splits: K's steps cut into this many equal parts, each a tile of its own writing a partial product
         (the epilogue must be linear): more tiles where there are fewer than SMs.
@@ -158,6 +158,7 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
     if paired_rows and matrices != 1:
         raise ValueError("paired_rows pairs the row blocks of one matrix")
     out_rows = row_groups * ROWS // matrices
+    paired_rows = paired_rows and out_rows % (2 * ROWS) == 0  # a single 64-row block stays unpaired
     accs_per_wg = 2 if paired_rows else matrices  # the row blocks a warpgroup loads per step, an accumulator each
     bk, wgs = block_k(k, cfg), cfg.compute_wgs
     if out_rows % (wgs * ROWS * accs_per_wg // matrices):

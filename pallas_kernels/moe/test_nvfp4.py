@@ -120,9 +120,9 @@ def test_nvfp4_ffn_matches_its_formula_in_slabs_of_16_tokens_and_two_blocks_per_
     _check((3, 0, 20, 1), 30, max_group_rows=20, slab=16, cfg=dataclasses.replace(CFG, blocks_per_wgmma=2))
 
 
-def test_paired_row_blocks_and_k_splits_give_the_formulas_products():
-    """One matrix of 768 rows (3 tiles of 2 warpgroups x 2 paired 64-row blocks) and 3 k steps, three slabs of
-    16 tokens (two experts, one slab skipped): the paired tiles' products, and the sum of 3 K splits' partials."""
+def test_paired_row_blocks_split_along_k_give_the_formulas_products():
+    """One matrix of 768 rows (3 tiles of 2 warpgroups x 2 paired 64-row blocks) and 3 k steps split in 3, three
+    slabs of 16 tokens (two experts, one slab skipped): the partials sum to the formula's product."""
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((2, 1, 768, 192)), jnp.float32)
     codes, scale, _ = quantize_matrices(w)
@@ -130,15 +130,14 @@ def test_paired_row_blocks_and_k_splits_give_the_formulas_products():
     x = jnp.asarray(rng.standard_normal((3, 16, 192)), jnp.float16)
     weights = dequantize(packed, scales, jnp.ones((2,), jnp.float32), 1)[:, 0]  # [G, rows, K]
     want = jnp.einsum("snk,srk->snr", x[:2].astype(jnp.float32), weights[jnp.asarray([0, 1])])
-    common = dict(slab_group=jnp.asarray([0, 1, 1]), slab_rows=jnp.asarray([16, 5, 0]), col_vectors=(),
-                  matrices=1, epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=CFG, interpret=True)
-    paired = np.asarray(w4_gmm(x, packed, scales, paired_rows=True, **common), np.float32)
-    assert rel_err(paired[:2], want) < 1e-2
-    parts = np.asarray(w4_gmm(x, packed, scales, k_splits=3, **common), np.float32)
+    parts = w4_gmm(x, packed, scales, slab_group=jnp.asarray([0, 1, 1]), slab_rows=jnp.asarray([16, 5, 0]),
+                   col_vectors=(), matrices=1, epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=CFG,
+                   interpret=True, paired_rows=True, k_splits=3)
+    parts = np.asarray(parts, np.float32)
     assert parts.shape == (3, 3, 16, 768)
     assert rel_err(parts.sum(0)[:2], want) < 1e-2
     assert rel_err(parts[0, :2], want) > 0.1  # each split holds only its part
-    assert not paired[2].any() and not parts[:, 2].any()  # the skipped slab's tiles multiply nothing
+    assert not parts[:, 2].any()  # the skipped slab's tiles multiply nothing
 
 
 def test_k_splits_fill_the_sms_without_a_second_wave():
