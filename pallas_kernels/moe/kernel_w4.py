@@ -146,8 +146,9 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
       epilogue: (list of fp32 accumulators [64, N], list of column vectors [N]) -> [one output tile [64, N]]
         (epilogues.py's, with axis=1).
       paired_rows: one matrix only: each warpgroup owns two adjacent 64-row blocks (two accumulators, as gate
-        and up), each through the epilogue on its own (ignored where the rows are an odd number of blocks). Tiles twice as tall, half as many: fewer pipeline fills
-        and epilogues where there are many more tiles than SMs (module doc).
+        and up), each through the epilogue on its own. Tiles twice as tall, half as many: fewer pipeline fills
+        and epilogues where there are many more tiles than SMs (module doc). Ignored where the rows are an odd
+        number of 64-row blocks.
       k_splits: K's steps cut into this many equal parts, each a tile of its own writing a partial product
         (the epilogue must be linear): more tiles where there are fewer than SMs.
     Returns:
