@@ -163,6 +163,6 @@ def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, 
                            slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
                            epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
                            k_splits=k_splits)
-    if k_splits > 1:  # adds of whole partials, which XLA fuses into the caller's scale (a reduce may not)
+    if k_splits > 1:  # elementwise adds: in the H200's decode step they fused into the caller's scale, no kernel
         out = functools.reduce(operator.add, [part.astype(jnp.float32) for part in out])
     return out.reshape(slabs * n, out_rows)[:m].astype(jnp.float32)

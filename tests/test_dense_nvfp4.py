@@ -29,13 +29,14 @@ def _matrix(shape, seed=0):
     return 0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
-@pytest.mark.parametrize("rows", [20, 200])
-def test_kernel_products_equal_their_formula(rows):
-    """20 rows in one decode slab of 32, and 200 in two prefill slabs of 128 (the second part padding)."""
+@pytest.mark.parametrize("rows, k_splits", [(20, 2), (200, None)])
+def test_kernel_products_equal_their_formula(rows, k_splits):
+    """20 rows in one decode slab of 32, K split in two (partials summed), and 200 in two prefill slabs of 128
+    (the second part padding)."""
     linear = Nvfp4Linear.quantize(_matrix((384, 384)))
     x = jax.random.normal(jax.random.key(1), (rows, 384), jnp.bfloat16)
     codes, scales = linear.nvfp4_codes[...], linear.nvfp4_scales[...]
-    got = kernel_product(x, codes, scales, cfg=CFG)
+    got = kernel_product(x, codes, scales, cfg=CFG, k_splits=k_splits)
     want = reference_product(x, codes, scales)
     assert got.shape == want.shape == (rows, 384)
     assert _rel(got, want) < 1e-2  # the kernel's outputs are bf16
