@@ -40,18 +40,9 @@ def kernel_events(trace_dir: str) -> dict[str, list[tuple[float, float, str]]]:
     return out
 
 
-def busy_us(events: list[tuple[float, float, str]]) -> float:
-    """Time at least one kernel ran (kernels on several streams overlap)."""
-    busy, end = 0.0, float("-inf")
-    for start, dur, _ in sorted(events):
-        busy += max(0.0, start + dur - max(start, end))
-        end = max(end, start + dur)
-    return busy
-
-
 def idle_us(events: list[tuple[float, float, str]], gap_us: float) -> tuple[float, float, int]:
-    """Time no kernel ran between the first and the last: (in gaps shorter than gap_us, in longer ones, how many
-    longer ones)."""
+    """Time no kernel ran between the first and the last (kernels on several streams overlap): (in gaps shorter
+    than gap_us, in longer ones, how many longer ones). The rest of the span is busy."""
     short = long = 0.0
     count, end = 0, None
     for start, dur, _ in sorted(events):
@@ -75,9 +66,9 @@ def summarize(trace_dir: str, top: int = 25, gap_us: float = 20.0) -> str:
             launches[name] += 1
         total = sum(times.values())
         span = max(t + d for t, d, _ in events) - min(t for t, _, _ in events)
-        lines.append(f"{trace_dir} {device}: {total / 1e3:.3f} ms of kernels, {len(times)} distinct; busy "
-                     f"{busy_us(events) / span:.2f} of the {span / 1e3:.3f} ms from first to last kernel")
         short, long, count = idle_us(events, gap_us)
+        lines.append(f"{trace_dir} {device}: {total / 1e3:.3f} ms of kernels, {len(times)} distinct; busy "
+                     f"{(span - short - long) / span:.2f} of the {span / 1e3:.3f} ms from first to last kernel")
         lines.append(f"  idle: {short / 1e3:.3f} ms in gaps under {gap_us:g} us, {long / 1e3:.3f} ms in {count} longer "
                      f"ones")
         for name, us in times.most_common(top):
