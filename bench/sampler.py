@@ -1,6 +1,6 @@
 """The sampler's top-k / top-p filter on one GPU: `serve.sampler.top_k_top_p` (cutoffs found digit by digit, no
 sort) against the sort of its definition (the peer, in the same run), at the engine's row counts and Inkling's
-vocabulary; and the whole `full` sampler (filter, draw, top logprobs) against the plain-temperature one.
+vocabulary; and the whole `full` sampler (penalties, filters, draw, logprobs) against the plain temperature draw.
 
     PYTHONPATH=. python bench/sampler.py [--rows 8,32,128] [--vocab 200058] [--digit-bits 2,4,8]
 
@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from bench.ceilings import median_seconds, read_bandwidth  # noqa: E402
 from serve import sampler  # noqa: E402
-from serve.sampler import SamplingBatch, choose, top_k_top_p  # noqa: E402
+from serve.sampler import SamplingBatch, sample, top_k_top_p  # noqa: E402
 
 
 def top_k_top_p_sorted(x, top_k, top_p):
@@ -90,9 +90,10 @@ def main():
         sampler._count_at_least = count_at_least_rows_major
         t_rows_major = time_it(jax.jit(top_k_top_p), logits, p.top_k, p.top_p)
         sampler._count_at_least = default_count
-        full, plain = (jax.jit(functools.partial(choose, params=p, num_top=5, full=f)) for f in (True, False))
-        t_full = time_it(lambda x: full(x, x), logits)
-        t_plain = time_it(lambda x: plain(x, x), logits)
+        counts, mask = jnp.zeros(logits.shape, jnp.int32), jnp.zeros(logits.shape, bool)
+        full, plain = (jax.jit(functools.partial(sample, params=p, num_top=5, full=f)) for f in (True, False))
+        t_full = time_it(lambda x: full(x, counts=counts, prompt_mask=mask), logits)
+        t_plain = time_it(lambda x: plain(x, counts=None, prompt_mask=None), logits)
         print(f"| {rows} | {t_sort * 1e3:.3f} | " + " | ".join(cells) + f" | {t_rows_major * 1e3:.3f} | "
               f"{alike} of {rows} | {t_full * 1e3:.3f} | {t_plain * 1e3:.3f} |", flush=True)
 

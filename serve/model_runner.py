@@ -148,7 +148,7 @@ class ModelRunner:
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
-            for full in (False, True):  # a program per sampler kind (see `sampler.choose`)
+            for full in (False, True):  # a program per sampler kind (see `sampler.sample`)
                 if chunk > 1:
                     lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
                                                                gather=gather, full=full)

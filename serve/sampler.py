@@ -55,30 +55,27 @@ def unpack_samples(packed) -> Sampled:
 
 
 def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool = True) -> Sampled:
-    """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties."""
-    adjusted = apply_penalties(logits.astype(jnp.float32), counts, prompt_mask, params)
-    return choose(logits, adjusted, params, num_top, full)
-
-
-def choose(logits, adjusted, params: SamplingBatch, num_top: int, full: bool) -> Sampled:
-    """Pick each row's token from its penalised logits `adjusted`; logprobs come from the model's `logits`.
+    """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties.
 
     Branch-free: a data-dependent `lax.cond` makes the GPU program wait for its predicate on the host, which
-    stops the host from queueing the next decode step ahead. `full` (static) adds the top-k / top-p filters
-    and the top-`num_top` logprobs, which cost ~20 passes and a top-k over [R, V]; without it those are off (the
-    caller sends rows that need them to a `full` program)."""
+    stops the host from queueing the next decode step ahead. `full` (static) is what the caller decides on the
+    host instead: with it, penalties, the top-k / top-p / min-p filters, the chosen token's logprob and the top
+    `num_top` ones (~20 passes and a top-k over [R, V]); without it, a temperature draw that reads the logits
+    once, so that XLA fuses the LM head's epilogue into it (its logprobs are zeros; counts and prompt_mask are
+    not read). In the H200's 32-row decode step the penalties' int32 counts and the passes for logprobs and
+    min-p made the plain sampler ~96 us (bench/results/serve.md, 2026-12-02)."""
+    rows = logits.shape[0]
+    if not full:
+        tokens = _draw(logits.astype(jnp.float32), params, filtered=False)
+        return Sampled(tokens, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_top), jnp.int32),
+                       jnp.zeros((rows, num_top), jnp.float32))
     # logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V] log-softmax
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tokens = _draw(adjusted.astype(jnp.float32), params, full)
+    tokens = _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=True)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    rows = logits.shape[0]
-    if full:
-        top_logits, top_ids = jax.lax.top_k(logits, num_top)
-        top_logprobs = top_logits - lse[:, None]
-    else:
-        top_logprobs, top_ids = jnp.zeros((rows, num_top), jnp.float32), jnp.zeros((rows, num_top), jnp.int32)
-    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logprobs)
+    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logits - lse[:, None])
 
 
 def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
@@ -89,15 +86,16 @@ def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
 
 
 def _draw(x, params: SamplingBatch, filtered: bool):
-    """Each row's token: a Gumbel-max draw from x / temperature after the filters, or for greedy rows (temperature
-    0) the argmax of x. One argmax serves both (an argmax over [R, V] fewer than a greedy argmax beside the draw):
-    greedy rows get no noise, and the filters keep every row's largest entry."""
+    """Each row's token: a Gumbel-max draw from x / temperature after the filters (`filtered`: top-k, top-p,
+    min-p), or for greedy rows (temperature 0) the argmax of x. One argmax serves both (an argmax over [R, V]
+    fewer than a greedy argmax beside the draw): greedy rows get no noise, and the filters keep every row's
+    largest entry."""
     sampling = params.temperature > 0
     x = x / jnp.where(sampling, params.temperature, 1.0)[:, None]
     if filtered:
         x = top_k_top_p(x, params.top_k, params.top_p)
-    floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
-    x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
+        floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
+        x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
     noise = jnp.where(sampling[:, None], gumbel_noise(params.seed, params.index, x.shape[-1]), 0.0)
     return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
 

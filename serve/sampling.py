@@ -57,8 +57,10 @@ class SamplingParams:
 
     @property
     def needs_full_sampler(self) -> bool:
-        """Top-k / top-p filters or top logprobs, which only the engine's `full` sampler programs compute."""
-        return self.top_k > 0 or self.top_p < 1.0 or bool(self.logprobs)
+        """More than a temperature draw: filters, penalties or logprobs, which only the engine's `full` sampler
+        programs compute (`sampler.sample`)."""
+        return (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.uses_penalties
+                or self.logprobs is not None)
 
     def for_choice(self, index: int, default_seed: int) -> "SamplingParams":
         """The parameters of choice `index` of an n > 1 request: each choice draws from its own seed."""

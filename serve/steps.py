@@ -122,7 +122,7 @@ class StepPrograms:
                gather: bool, full: bool):
         """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R, 2 + 2K]
         (`sampler.pack_samples`), tokens [R]).
-        `full`: the sampler with top-k / top-p filters and top logprobs (see `sampler.choose`)."""
+        `full`: the sampler with penalties, filters and logprobs (see `sampler.sample`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         active = step < inp.steps
@@ -137,13 +137,15 @@ class StepPrograms:
         return cache, penalties.replace(counts=counts), pack_samples(out)[None], out.tokens
 
     def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, counts, full):
-        """One token per row. Returns the samples and the output-token counts with the active penalised rows'
-        new tokens added. Penalties are applied to every row (neutral values change nothing): a branch on
-        whether any row uses them would cost a host round-trip (see `sampler.choose`)."""
+        """One token per row. Returns the samples and the output-token counts, with the active penalised rows'
+        new tokens added (`full` only: penalised rows always run the full sampler). The full sampler applies
+        penalties to every row (neutral values change nothing): a branch on whether any row uses them would
+        cost a host round-trip (see `sampler.sample`)."""
+        if not full:
+            return sample(logits, p, None, None, self.num_top, full=False), counts
         penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
         rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        out = sample(self.whole(logits) if full else logits, p, rows(counts), rows(penalties.prompt_mask), self.num_top,
-                     full)
+        out = sample(self.whole(logits), p, rows(counts), rows(penalties.prompt_mask), self.num_top)
         counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
         return out, counts
 

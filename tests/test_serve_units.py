@@ -476,6 +476,22 @@ def test_sampler_penalties():
     assert draw(logits, counts, mask, repetition=1.1, **greedy).tokens.tolist() == [1, 1, 1]
 
 
+def test_the_plain_sampler_draws_what_the_full_one_draws_where_nothing_else_is_asked():
+    logits = jnp.asarray(RNG.normal(0, 2, (96, 300)), jnp.float32)
+    params = batch(96, temperature=jnp.tile(jnp.asarray([0.0, 0.7, 1.3]), 32), seed=jnp.arange(96), index=5)
+    zeros = jnp.zeros(logits.shape, jnp.int32)
+    full = jax.jit(lambda x: sample(x, params, zeros, zeros > 0, 3))(logits)
+    plain = jax.jit(lambda x: sample(x, params, None, None, 3, full=False))(logits)
+    np.testing.assert_array_equal(plain.tokens, full.tokens)
+    assert len(set(np.asarray(plain.tokens)[1::3].tolist())) > 10  # sampled rows drew, not all the argmax
+    assert not np.asarray(plain.logprobs).any() and plain.top_ids.shape == (96, 3)
+    # what the plain one leaves out sends a request to the full sampler
+    assert not SamplingParams(temperature=0.7, seed=3).needs_full_sampler
+    for extra in (dict(top_k=5), dict(top_p=0.9), dict(min_p=0.1), dict(presence_penalty=0.1),
+                  dict(frequency_penalty=-0.1), dict(repetition_penalty=1.1), dict(logprobs=0)):
+        assert SamplingParams(**extra).needs_full_sampler, extra
+
+
 def test_command_line_defaults_suit_the_backend():
     from serve.app import engine_config, parse_args
 
