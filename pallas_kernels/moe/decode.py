@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import ops
-from pallas_kernels.moe.groups import group_bounds, group_of_rows
+from pallas_kernels.moe.groups import group_bounds, group_of_rows, running_sum
 from pallas_kernels.moe.tuning import KernelConfigs
 
 SLAB_ROWS = 64  # wgmma's row granularity per warpgroup
@@ -48,7 +48,7 @@ def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, al
         slab = round_up(max_group_rows, align)
         slab_sizes = jnp.where(ends > starts, slab, 0).astype(jnp.int32)
         total = num_groups * slab
-    slab_starts = jnp.cumsum(slab_sizes) - slab_sizes
+    slab_starts = running_sum(slab_sizes) - slab_sizes
 
     padded = jnp.arange(total, dtype=jnp.int32)
     slab_ends = slab_starts + slab_sizes

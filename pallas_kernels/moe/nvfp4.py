@@ -25,7 +25,7 @@ import numpy as np
 
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
-from pallas_kernels.moe.groups import group_of_rows
+from pallas_kernels.moe.groups import group_of_rows, running_sum
 from pallas_kernels.moe.kernel_w4 import W4Config, w4_gmm
 from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, pack_codes, to_units,
                                          unpack_codes)
@@ -144,7 +144,7 @@ def dequantize_experts(experts: Nvfp4Experts):
 
 
 def _row_scale2(experts: Nvfp4Experts, group_sizes, num_rows):
-    g = group_of_rows(jnp.cumsum(group_sizes), num_rows)
+    g = group_of_rows(running_sum(group_sizes), num_rows)
     return experts.w13_scale2[g], experts.w2_scale2[g]
 
 
@@ -174,7 +174,7 @@ def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_gro
 
     def ffn(x_slabs, slab_sizes, row_vectors):
         num_slabs = x_slabs.shape[0] // slab
-        used = jnp.cumsum(slab_sizes) // slab  # each group's slabs end here
+        used = running_sum(slab_sizes) // slab  # each group's slabs end here
         slab_group = group_of_rows(used, num_slabs)
         slab_fill = (jnp.arange(num_slabs) < used[-1]).astype(jnp.int32)
         rw, scale13, scale2 = (v.reshape(num_slabs, slab) for v in row_vectors)
