@@ -355,8 +355,8 @@ def order_by_group(group):
     if rows > SORT_FREE_ROWS:
         order = jnp.argsort(group, stable=True).astype(jnp.int32)
         return order, jnp.zeros_like(order).at[order].set(index)
-    earlier, other = index[:, None], index[None, :]  # [row, other row]
-    before = (group[None, :] < group[:, None]) | ((group[None, :] == group[:, None]) & (other < earlier))
+    this, other = index[:, None], index[None, :]  # [row, other row]
+    before = (group[None, :] < group[:, None]) | ((group[None, :] == group[:, None]) & (other < this))
     place = jnp.sum(before, axis=1, dtype=jnp.int32)
     order = jnp.sum(jnp.where(place[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32)
     return order, place
