@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax import nvfp4 as checkpoint_format
+from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import epilogues
 from pallas_kernels.moe.kernel_w4 import W4Config, config_for, k_splits_to_fill, w4_gmm
 from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
@@ -132,7 +133,7 @@ def test_paired_row_blocks_split_along_k_give_the_formulas_products():
     want = jnp.einsum("snk,srk->snr", x[:2].astype(jnp.float32), weights[jnp.asarray([0, 1])])
     parts = w4_gmm(x, packed, scales, slab_group=jnp.asarray([0, 1, 1]), slab_rows=jnp.asarray([16, 5, 0]),
                    col_vectors=(), matrices=1, epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=CFG,
-                   interpret=True, paired_rows=True, k_splits=3)
+                   interpret=interpret_default(), paired_rows=True, k_splits=3)
     parts = np.asarray(parts, np.float32)
     assert parts.shape == (3, 3, 16, 768)
     assert rel_err(parts.sum(0)[:2], want) < 1e-2
