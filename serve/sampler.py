@@ -63,7 +63,7 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
     `num_top` ones (~20 passes and a top-k over [R, V]); without it, a temperature draw that reads the logits
     once, so that XLA fuses the LM head's epilogue into it (its logprobs are zeros; counts and prompt_mask are
     not read). In the H200's 32-row decode step the penalties' int32 counts and the passes for logprobs and
-    min-p made the plain sampler ~96 us (bench/results/serve.md, 2026-12-02)."""
+    min-p made the plain sampler ~95 us (bench/results/serve.md, 2026-12-02)."""
     rows = logits.shape[0]
     if not full:
         tokens = _draw(logits.astype(jnp.float32), params, filtered=False)
