@@ -20,15 +20,16 @@ holds columns of w_gate / w_up and the matching rows of w_down, so its SwiGLU an
 output, summed over `tensor` in fp32 (before the `all_gather`, on the smaller array). The grouped matmul reads only
 the shard's slice of every weight: a Pallas kernel is a custom call XLA cannot partition, so without this the
 sharded weights would be gathered on every device at every step. Without an `expert` axis (`experts_tp`) it is
-the same split around `mlp.local_experts` on each batch shard's tokens.
+the same split around `moe_dispatch.local_experts` on each batch shard's tokens.
 """
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from inkling_jax.mlp import (MoE, expert_ffn, grouped_rows, local_experts, precision_of, shared_dense,
-                             with_shared_rows)
+from inkling_jax.mlp import MoE
+from inkling_jax.moe_dispatch import (expert_ffn, grouped_rows, local_experts, precision_of, shared_dense,
+                                      with_shared_rows)
 from inkling_jax.sharding import RULES, axes_of, logical_axes, spec_for
 
 AXIS = RULES["experts"]
@@ -51,7 +52,7 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
 
 def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
                shared_in_launch: bool = False):
-    """`mlp.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
+    """`moe_dispatch.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
     width = width_axis(mesh, routed, shared)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
@@ -64,10 +65,10 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
 
 def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
                shared_in_launch: bool = False, transport=None):
-    """`mlp.experts` with the routed experts sharded over `expert` (and their width over `tensor` when
+    """`moe_dispatch.experts` with the routed experts sharded over `expert` (and their width over `tensor` when
     `width_axis` says so).
 
-    backend: the MoE backend whose `mlp.grouped_ffn` runs one shard's experts on the rows it received.
+    backend: the MoE backend whose `moe_dispatch.grouped_ffn` runs one shard's experts on the rows it received.
     transport: the ragged all-to-all (default: `ragged_all_to_all_padded`, see module doc).
     """
     num_experts, shards = routed[0].shape[0], mesh.shape[AXIS]

@@ -18,6 +18,11 @@ def normal(rngs: nnx.Rngs, shape, dtype):
     return (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
+def swiglu(gate, up):
+    """silu(gate) * up in fp32, cast back to gate's dtype."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 class Linear(nnx.Module):
     """Bias-free linear map (Inkling has no biases anywhere)."""
 

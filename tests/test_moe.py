@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from inkling_jax import kernels, mlp, preset
+from inkling_jax import kernels, moe_dispatch, preset
 from inkling_jax.mlp import MoE
 from inkling_jax.sharding import make_mesh, shard_model, spec_for
 from pallas_kernels.moe.groups import running_sum
@@ -190,11 +190,11 @@ def test_padded_transport_follows_the_ragged_all_to_all_contract():
 
 @pytest.mark.parametrize("sort_free_rows", [0, 1024])  # the sort, then the comparison of all pairs
 def test_rows_are_ordered_by_group_as_a_stable_sort_orders_them(monkeypatch, sort_free_rows):
-    monkeypatch.setattr(mlp, "SORT_FREE_ROWS", sort_free_rows)
+    monkeypatch.setattr(moe_dispatch, "SORT_FREE_ROWS", sort_free_rows)
     rng = np.random.default_rng(1)
     for rows, groups in ((192, 32), (5, 1), (300, 9)):
         group = rng.integers(0, groups + 2, rows)  # groups >= `groups`: rows of no expert, which go last
-        order, place = jax.jit(mlp.order_by_group)(jnp.asarray(group, jnp.int32))
+        order, place = jax.jit(moe_dispatch.order_by_group)(jnp.asarray(group, jnp.int32))
         np.testing.assert_array_equal(order, np.argsort(group, kind="stable"))
         np.testing.assert_array_equal(np.asarray(place)[np.asarray(order)], np.arange(rows))
     sizes = jnp.asarray(rng.integers(0, 50, 37), jnp.int32)

@@ -1,0 +1,184 @@
+"""How an MoE's routed tokens reach the experts on one device: each token's top-k copies ordered by expert, the
+grouped matmuls of the selected backend (Pallas kernels, `jax.lax.ragged_dot`, or every expert on every token for
+tiny models), quantised experts' kernels or formulas, and the shared experts beside them. On a mesh `experts`
+hands over to `expert_parallel`, which runs the same pieces on each shard.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from inkling_jax import kernels
+from inkling_jax.layers import swiglu
+
+# Rows (tokens x top-k) up to which `order_by_group` compares all pairs instead of sorting: [rows, rows] each
+SORT_FREE_ROWS = 1024
+
+
+def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None, shared_in_launch=False):
+    """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32 (the
+    second sum left out for shared None).
+
+    x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
+    Fp8Experts or Nvfp4Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula);
+    weights [N, k] and shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis
+    is larger than 1, by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides
+    the experts' width, every tensor shard runs its slice of the width and the partial outputs are summed (both
+    in `expert_parallel`).
+    """
+    backend = kernels.moe_backend()
+    # quantised routed experts: the shared ones stay in their own launch, unquantised
+    shared_in_launch = shared_in_launch and shared is not None and precision_of(routed) == "bf16"
+    if mesh is not None:
+        from inkling_jax import expert_parallel as parallel
+
+        if mesh.shape[parallel.AXIS] > 1:
+            return parallel.experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
+                                       shared_in_launch=shared_in_launch)
+        if parallel.width_axis(mesh, routed, shared):
+            return parallel.experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
+                                       shared_in_launch=shared_in_launch)
+    return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch)
+
+
+def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False, *,
+                  width_axis=None):
+    """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
+    slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum."""
+    if backend == "dense" and precision_of(routed) == "bf16":
+        return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
+    num_tokens, top_k = expert_ids.shape
+    source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
+    group, row_weights, stack = expert_ids.reshape(-1), weights.reshape(-1), routed
+    if shared_in_launch:
+        source, group, row_weights, stack = with_shared_rows(source, group, row_weights, stack, shared,
+                                                             jnp.arange(num_tokens, dtype=jnp.int32),
+                                                             shared_weights)
+    y = grouped_rows(x, source, group, row_weights, stack, expert_ffn(backend, stack, num_tokens, width_axis))
+    y = y.astype(jnp.float32)
+    out = y[:num_tokens * top_k].reshape(num_tokens, top_k, -1).sum(1)
+    if shared_in_launch:
+        return out + y[num_tokens * top_k:].reshape(-1, num_tokens, out.shape[-1]).sum(0)
+    return out + shared_dense(x, shared, shared_weights)
+
+
+def with_shared_rows(source, group, row_weights, routed, shared, tokens, shared_weights):
+    """Appends S groups after the E routed ones, each visited by every token of `tokens` (its source rows)
+    with its sink weight: the linearised layout. Returns (source, group, row_weights, stacked weights)."""
+    num_routed, num_shared = routed[0].shape[0], shared[0].shape[0]
+    shared_group = num_routed + jnp.repeat(jnp.arange(num_shared, dtype=jnp.int32), tokens.shape[0])
+    # Rows already marked "no expert" (group >= E) move past the shared groups.
+    group = jnp.where(group < num_routed, group, num_routed + num_shared)
+    return (jnp.concatenate([source, jnp.tile(tokens, num_shared)]), jnp.concatenate([group, shared_group]),
+            jnp.concatenate([row_weights, shared_weights.T.reshape(-1).astype(row_weights.dtype)]),
+            tuple(jnp.concatenate([r, s]) for r, s in zip(routed, shared)))
+
+
+def grouped_rows(x, source, group, row_weights, stack, ffn):
+    """y[r] = row_weights[r] * E_{group[r]}(x[source[r]]) for rows in any order, by one grouped matmul per
+    projection on the rows sorted by group; a group >= G (the number of experts in `stack`) means no expert
+    and gives zeros. Returns [R, H] in x.dtype, in the order of `source`."""
+    num_groups = stack[0].shape[0]
+    order, place = order_by_group(group)
+    group_sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)  # drops the "no expert" rows
+    y = ffn(x[source[order]], *stack, group_sizes, row_weights[order])
+    return y[place]
+
+
+def order_by_group(group):
+    """(order, place): the rows' stable order by group, and each row's place in it (order's inverse). Up to
+    SORT_FREE_ROWS rows, by comparing all pairs (one fusion each), not a sort: in the H200's 32-row decode step
+    the sort of 192 rows, the scatter of its inverse and the index select took ~6 us per MoE layer."""
+    rows = group.shape[0]
+    index = jnp.arange(rows, dtype=jnp.int32)
+    if rows > SORT_FREE_ROWS:
+        order = jnp.argsort(group, stable=True).astype(jnp.int32)
+        return order, jnp.zeros_like(order).at[order].set(index)
+    this, other = index[:, None], index[None, :]  # [row, other row]
+    before = (group[None, :] < group[:, None]) | ((group[None, :] == group[:, None]) & (other < this))
+    place = jnp.sum(before, axis=1, dtype=jnp.int32)
+    order = jnp.sum(jnp.where(place[None, :] == index[:, None], index[None, :], 0), axis=1, dtype=jnp.int32)
+    return order, place
+
+
+def grouped_ffn(backend, num_tokens: int | None = None):
+    """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
+    row_weights) -> [M, H], zeros past sum(group_sizes). `num_tokens` (static, when the rows are the top-k
+    copies of that many tokens) bounds every group's size, which lets decode-sized batches use the kernel's
+    layout that reads each touched expert once (at 32 tokens x top-6 the rows exceed its row threshold)."""
+    if backend == "pallas":
+        from pallas_kernels.moe import DECODE_MAX_ROWS, moe_ffn, moe_ffn_decode
+
+        if num_tokens is not None and num_tokens <= DECODE_MAX_ROWS:
+            return functools.partial(moe_ffn_decode, max_group_rows=num_tokens)
+        return moe_ffn
+    return _ragged_ffn
+
+
+def expert_forms() -> dict:
+    """precision -> the NamedTuple that routed experts in it travel in (pallas_kernels/moe, imported on use)."""
+    from pallas_kernels.moe.fp8 import Fp8Experts
+    from pallas_kernels.moe.nvfp4 import Nvfp4Experts
+
+    return {"fp8": Fp8Experts, "nvfp4": Nvfp4Experts}
+
+
+def precision_of(routed) -> str:
+    """"fp8" for an Fp8Experts, "nvfp4" for an Nvfp4Experts, "bf16" for (w_gate, w_up, w_down)."""
+    return next((p for p, form in expert_forms().items() if isinstance(routed, form)), "bf16")
+
+
+def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
+    """The `grouped_ffn` for `routed`; for quantised experts, one called with the six fields of an Fp8Experts
+    or Nvfp4Experts: their kernels with the Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py,
+    nvfp4.py). width_axis: the mesh axis over which the experts' width is split, so that fp8's h is quantised
+    with its whole row's scale."""
+    precision = precision_of(routed)
+    if precision == "bf16":
+        return grouped_ffn(backend, num_tokens)
+    if precision == "fp8":
+        from pallas_kernels.moe.fp8 import Fp8Experts as form, moe_ffn_fp8 as kernel, moe_ffn_fp8_reference as formula
+
+        extra = dict(width_axis=width_axis)
+    else:
+        from pallas_kernels.moe.nvfp4 import (Nvfp4Experts as form, moe_ffn_nvfp4 as kernel,
+                                              moe_ffn_nvfp4_reference as formula)
+
+        extra = {}
+
+    def ffn(rows, *args):
+        experts, (group_sizes, row_weights) = form(*args[:6]), args[6:]
+        if backend == "pallas":
+            return kernel(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens, **extra)
+        return formula(rows, experts, group_sizes, row_weights, **extra)
+    return ffn
+
+
+def _ragged_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
+    h = swiglu(jax.lax.ragged_dot(rows, w_gate, group_sizes), jax.lax.ragged_dot(rows, w_up, group_sizes))
+    return (jax.lax.ragged_dot(h, w_down, group_sizes) * row_weights[:, None].astype(rows.dtype)).astype(rows.dtype)
+
+
+def shared_dense(x, shared, shared_weights):
+    """The S shared experts on every token, each weighted by its sink weight before the down projection; 0 for
+    shared None (the MoE runs its widened shared experts itself)."""
+    if shared is None:
+        return 0.0
+    gate, up, down = shared
+    # Batched over s on both sides: contracting x [n, h] with [s, h, i] directly makes XLA transpose the weights
+    # on every call (two 38 us copies per layer of the H200's decode step); the broadcast x costs nothing there.
+    xs = jnp.broadcast_to(x, (gate.shape[0],) + x.shape)
+    h = swiglu(jnp.einsum("snh,shi->sni", xs, gate), jnp.einsum("snh,shi->sni", xs, up))
+    h = h * shared_weights.T[:, :, None].astype(x.dtype)
+    return jnp.einsum("sni,sih->snh", h, down).astype(jnp.float32).sum(0)
+
+
+def _routed_dense(x, w_gate, w_up, w_down, expert_ids, weights):
+    """Every expert on every token, masked: the plain reference (tiny models only)."""
+    num_experts = w_gate.shape[0]
+    combine = jnp.zeros((x.shape[0], num_experts), weights.dtype)
+    combine = combine.at[jnp.arange(x.shape[0])[:, None], expert_ids].add(weights)
+    h = swiglu(jnp.einsum("nh,ehi->eni", x, w_gate), jnp.einsum("nh,ehi->eni", x, w_up))
+    y = jnp.einsum("eni,eih->enh", h, w_down)
+    return jnp.einsum("enh,ne->nh", y.astype(jnp.float32), combine.astype(jnp.float32))
