@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import ops
-from pallas_kernels.moe.groups import group_bounds, group_of_rows, running_sum
+from pallas_kernels.moe.groups import group_bounds, group_of_rows, row_groups, running_sum
 from pallas_kernels.moe.tuning import KernelConfigs
 
 SLAB_ROWS = 64  # wgmma's row granularity per warpgroup
@@ -62,7 +62,7 @@ def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, al
     y_slabs = ffn(x_slabs, slab_sizes, vector_slabs)
 
     rows = jnp.arange(num_rows, dtype=jnp.int32)
-    rg = group_of_rows(ends, num_rows)
+    rg = row_groups(group_sizes, num_rows)
     in_group = rows < ends[rg]
     dst = jnp.where(in_group, slab_starts[rg] + rows - starts[rg], 0)
     return jnp.where(in_group[:, None], y_slabs[dst], jnp.zeros((), y_slabs.dtype))

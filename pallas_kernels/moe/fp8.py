@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, matmuls, ops
 from pallas_kernels.moe.ffn import DECODE_MAX_ROWS
-from pallas_kernels.moe.groups import group_of_rows, running_sum
+from pallas_kernels.moe.groups import row_groups
 from pallas_kernels.moe.tuning import KernelConfigs
 
 E4M3 = jnp.float8_e4m3fn
@@ -82,7 +82,7 @@ def dequantize_experts(experts: Fp8Experts):
 def _row_scales(experts: Fp8Experts, group_sizes, num_rows):
     """Each row's expert's (gate, up, down) weight scale; rows of no expert take the last expert's (their output
     is 0)."""
-    g = group_of_rows(running_sum(group_sizes), num_rows)
+    g = row_groups(group_sizes, num_rows)
     return experts.gate_scale[g], experts.up_scale[g], experts.down_scale[g]
 
 

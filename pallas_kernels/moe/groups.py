@@ -36,6 +36,13 @@ def group_of_rows(ends, num_rows: int):
     return jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), ends.shape[0] - 1)
 
 
+def row_groups(group_sizes, num_rows: int):
+    """The group of each of `num_rows` rows sorted by group (rows past the last group: the last group). The one
+    expression for it (the kernels' per-row scales, `decode.in_slabs`), so that XLA can share it within a step
+    rather than compute two variants of it."""
+    return group_of_rows(group_bounds(group_sizes, num_rows)[1], num_rows)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RowBlockPasses:

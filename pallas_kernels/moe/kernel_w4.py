@@ -161,10 +161,11 @@ def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: i
     out_rows = row_groups * ROWS // matrices
     paired_rows = paired_rows and out_rows % (2 * ROWS) == 0  # a single 64-row block stays unpaired
     accs_per_wg = 2 if paired_rows else matrices  # the row blocks a warpgroup loads per step, an accumulator each
+    wg_rows = ROWS * accs_per_wg // matrices  # output rows of a warpgroup
     bk, wgs = block_k(k, cfg), cfg.compute_wgs
-    if out_rows % (wgs * ROWS * accs_per_wg // matrices):
+    if out_rows % (wgs * wg_rows):
         wgs = 1
-    tile_rows = wgs * ROWS * accs_per_wg // matrices  # output rows of a tile
+    tile_rows = wgs * wg_rows
     per_call = min(cfg.blocks_per_wgmma, bk // BLOCK)
     if (packed.shape[3:] != UNIT_SHAPE or num_units * PAIR != k or k % bk or bk % PAIR or out_rows % tile_rows
             or n % N_ALIGN or (bk // BLOCK) % per_call or (k // bk) % k_splits):

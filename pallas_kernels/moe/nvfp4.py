@@ -25,7 +25,7 @@ import numpy as np
 
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
-from pallas_kernels.moe.groups import group_of_rows, running_sum
+from pallas_kernels.moe.groups import group_of_rows, row_groups, running_sum
 from pallas_kernels.moe.kernel_w4 import W4Config, w4_gmm
 from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, pack_codes, to_units,
                                          unpack_codes)
@@ -144,7 +144,7 @@ def dequantize_experts(experts: Nvfp4Experts):
 
 
 def _row_scale2(experts: Nvfp4Experts, group_sizes, num_rows):
-    g = group_of_rows(running_sum(group_sizes), num_rows)
+    g = row_groups(group_sizes, num_rows)
     return experts.w13_scale2[g], experts.w2_scale2[g]
 
 
