@@ -114,7 +114,7 @@ class StepPrograms:
             tokens = model.embed_tokens(inp.ids)
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=jnp.maximum(inp.n_new - 1, 0))
-        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, penalties.counts, full)
+        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
         cache = self._rows_out(cache, inp, sub, gather)
         return cache, penalties.replace(counts=counts), pack_samples(out)[None]
 
@@ -132,21 +132,21 @@ class StepPrograms:
         rows = ids.shape[0]
         logits, sub = model.extend(ids, sub, active.astype(jnp.int32), logits_at=jnp.zeros((rows,), jnp.int32))
         params = inp.params.replace(index=inp.params.index + step)
-        out, counts = self._sample(logits, penalties, inp, params, active, penalties.counts, full)
+        out, counts = self._sample(logits, penalties, inp, params, active, full)
         cache = self._rows_out(cache, inp, sub, gather)
         return cache, penalties.replace(counts=counts), pack_samples(out)[None], out.tokens
 
-    def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, counts, full):
+    def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, full):
         """One token per row. Returns the samples and the output-token counts, with the active penalised rows'
         new tokens added (`full` only: penalised rows always run the full sampler). The full sampler applies
         penalties to every row (neutral values change nothing): a branch on whether any row uses them would
         cost a host round-trip (see `sampler.sample`)."""
         if not full:
-            return sample(logits, p, None, None, self.num_top, full=False), counts
+            return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
         penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
         rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        out = sample(self.whole(logits), p, rows(counts), rows(penalties.prompt_mask), self.num_top)
-        counts = counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
+        out = sample(self.whole(logits), p, rows(penalties.counts), rows(penalties.prompt_mask), self.num_top)
+        counts = penalties.counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
