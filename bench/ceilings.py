@@ -21,10 +21,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from flax import nnx
 
-from inkling_jax.mlp import MoE
+from inkling_jax.nn.moe import MoE
 
 DATA = ("ones", "normal")
 CALLS = 5

@@ -3,7 +3,7 @@
 Writes a synthetic hub-layout checkpoint with the `bench` preset's tensor shapes (random BF16 weights, written
 block by block, never whole), evicts it from the page cache, reads it raw (the roofline: every file front to
 back with the converter's number of readers, nothing else), evicts it again and converts it with
-`python -m inkling_jax.convert` in a child process (its peak RSS is the child's ru_maxrss), then exports it
+`python -m inkling_jax.checkpoint.convert` in a child process (its peak RSS is the child's ru_maxrss), then exports it
 back with `--to hf`. The raw read is done twice, buffered and with O_DIRECT (which the converter uses where the
 file system takes it); the faster is the roofline (100%). Prints one table (and writes it, with the numbers as
 JSON, to --out); deletes everything it wrote unless --keep.
@@ -33,11 +33,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from inkling_jax.config import preset  # noqa: E402
-from inkling_jax.hub_source import open_for_reading, read_bytes  # noqa: E402
-from inkling_jax.loading import abstract_model, hub_layout, keeps_fp32, model_variables  # noqa: E402
-from inkling_jax.safetensors_io import group_into_shards, header_bytes, shard_name  # noqa: E402
-from inkling_jax.to_orbax import Tuning  # noqa: E402
+from inkling_jax.checkpoint.hub_source import open_for_reading, read_bytes  # noqa: E402
+from inkling_jax.checkpoint.loading import abstract_model, hub_layout, keeps_fp32, model_variables  # noqa: E402
+from inkling_jax.checkpoint.safetensors_io import group_into_shards, header_bytes, shard_name  # noqa: E402
+from inkling_jax.checkpoint.to_orbax import Tuning  # noqa: E402
+from inkling_jax.config import preset, to_published  # noqa: E402
 
 BLOCK = 64 << 20
 SHARD = 4 << 30
@@ -87,7 +87,7 @@ def write_checkpoint(directory: str, layers: int) -> list[str]:
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as fh:
         json.dump({"metadata": {}, "weight_map": weight_map}, fh)
     with open(os.path.join(directory, "config.json"), "w") as fh:
-        json.dump(config.to_dict(), fh)
+        json.dump(to_published(config), fh)
     return files
 
 
@@ -130,7 +130,7 @@ def run_cli(args) -> tuple[float, float, float]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
-        child = subprocess.Popen([sys.executable, "-m", "inkling_jax.convert", *args, "--quiet"], stdout=log,
+        child = subprocess.Popen([sys.executable, "-m", "inkling_jax.checkpoint.convert", *args, "--quiet"], stdout=log,
                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": root})
         _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - start

@@ -7,8 +7,8 @@ With --fp8, also e4m3 weights with one fp32 scale per output column: "fp8 w-only
 converted to bf16 (XLA may fuse the convert into its gemm, so that only fp8 bytes are read), "fp8 w8a8" first
 quantises x per row and runs an fp8 x fp8 dot (the weight stored [out, in], as fp8 tensor cores read it).
 
-With --nvfp4, also NVFP4 weights through the W4A16 kernel, as the model multiplies them (inkling_jax/dense_nvfp4.py).
-The LM head is not run in NVFP4 (the model keeps it in fp8).
+With --nvfp4, also NVFP4 weights through the W4A16 kernel, as the model multiplies them
+(inkling_jax/quant/dense_nvfp4.py). The LM head is not run in NVFP4 (the model keeps it in fp8).
 
 Each case multiplies enough copies of its weight (> 4x the 50 MB L2) in one jitted program that every product
 reads its weight from HBM, as the decode step does, with no host dispatch between them.
@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.ceilings import median_seconds, read_bandwidth
-from inkling_jax import dense_fp8, dense_nvfp4, kernels, preset
+from inkling_jax import preset
+from inkling_jax.nn import kernels
+from inkling_jax.quant import dense_fp8, dense_nvfp4
 
 
 def _fp8(w):

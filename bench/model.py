@@ -14,8 +14,9 @@ import numpy as np
 from flax import nnx
 
 from bench.ceilings import copy_bandwidth, decode_step_bytes, median_seconds
-from inkling_jax import InklingModel, kernels, preset
+from inkling_jax import InklingModel, preset
 from inkling_jax.generate import StepFunctions
+from inkling_jax.nn import kernels
 
 
 def build(config):

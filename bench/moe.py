@@ -7,7 +7,7 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
   jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a custom_vjp and `jax.lax.ragged_dot`
   (fused [gate|up] weight, SwiGLU in XLA). ragged_dot pads every group to all rows (a [34, M, 6144] buffer), so
   it runs at a reduced token count, stated in its row.
-- layer rows: `inkling_jax.mlp.experts` with the Pallas backend (routing sort, gathers, combine included) on
+- layer rows: `inkling_jax.nn.mlp.experts` with the Pallas backend (routing sort, gathers, combine included) on
   the model's separate routed / shared weights: shared experts as an XLA einsum, or in the same launch
   (which first copies the 34 experts' weights into one stack).
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
@@ -39,8 +39,8 @@ import numpy as np
 
 from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth
 from bench.moe_peers import mgpu_peer, unfused_ffn
-from inkling_jax import kernels
-from inkling_jax.mlp import experts
+from inkling_jax.nn import kernels
+from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.kernel_w4 import config_for as config_for_w4

@@ -30,9 +30,13 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bench.ceilings import median_seconds  # noqa: E402
-from inkling_jax import expert_parallel, kernels, preset  # noqa: E402
-from inkling_jax.mlp import MoE  # noqa: E402
-from inkling_jax.sharding import make_mesh, override_rules, shard_model  # noqa: E402
+from inkling_jax import preset
+from inkling_jax.nn import kernels  # noqa: E402
+from inkling_jax.nn.moe import MoE  # noqa: E402
+from inkling_jax.parallel import expert_parallel
+from inkling_jax.parallel.mesh import make_mesh
+from inkling_jax.parallel.placement import shard_model  # noqa: E402
+from inkling_jax.parallel.rules import override_rules
 from serve.placement import ROWS  # noqa: E402
 
 

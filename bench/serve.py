@@ -42,8 +42,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from bench.ceilings import copy_bandwidth, decode_step_bytes, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
+from bench.trace_summary import summarize  # noqa: E402
 from inkling_jax import InklingModel, preset  # noqa: E402
-from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS  # noqa: E402
+from inkling_jax.nn.model import DENSE_PRECISIONS, EXPERT_PRECISIONS  # noqa: E402
 from serve.config import EngineConfig  # noqa: E402
 from serve.engine import Engine  # noqa: E402
 from serve.memory_plan import program_bytes  # noqa: E402
@@ -51,9 +53,6 @@ from serve.placement import Placement  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
 from serve.sampling import SamplingParams  # noqa: E402
 from serve.steps import pack  # noqa: E402
-
-from bench.ceilings import copy_bandwidth, decode_step_bytes, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
-from bench.trace_summary import summarize  # noqa: E402
 from serve.text_stream import Delta  # noqa: E402
 
 PEER = r"""

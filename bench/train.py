@@ -81,8 +81,8 @@ def packed_batch(config, batch: int, seq: int):
 def train_jax(config, args, moe: str, remat: str) -> dict:
     import jax
 
-    from inkling_jax import kernels
-    from inkling_jax.sharding import make_mesh
+    from inkling_jax.nn import kernels
+    from inkling_jax.parallel.mesh import make_mesh
     from train.optim import OptimConfig
     from train.state import seeded_params
     from train.step import StepConfig, Trainer

@@ -14,7 +14,7 @@ from flax import nnx
 
 from inkling_jax import load_pretrained, preset
 from inkling_jax.generate import greedy_generate
-from inkling_jax.model import InklingModel, count_params
+from inkling_jax.nn.model import InklingModel, count_params
 
 
 def main(argv=None):

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inkling_jax.cache import Cache
-from inkling_jax.model import InklingModel
+from inkling_jax.nn.cache import Cache
+from inkling_jax.nn.model import InklingModel
 
 
 def flat_params(model: InklingModel):

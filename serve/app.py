@@ -36,7 +36,7 @@ log = logging.getLogger("serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS, check_precisions
+    from inkling_jax.nn.model import DENSE_PRECISIONS, EXPERT_PRECISIONS, check_precisions
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--max-n", type=int, default=16, help="largest n (choices x prompts) per request")
     a("--drain-seconds", type=float, default=10.0, help="on shutdown, how long in-flight requests may finish")
     a("--moe-backend", default="auto", choices=["auto", "dense", "ragged", "pallas"],
-      help="MoE implementation (see inkling_jax.kernels)")
+      help="MoE implementation (see inkling_jax.nn.kernels)")
     a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
@@ -119,7 +119,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def build_service(args: argparse.Namespace) -> Service:
     """Load (or build) the model and tokenizer, start the engine (warm-up included) and describe it."""
-    from inkling_jax import kernels, load_config, load_pretrained, preset
+    from inkling_jax import load_config, load_pretrained, preset
+    from inkling_jax.nn import kernels
     from serve.random_weights import random_model
 
     kernels.set_backend(moe=args.moe_backend)

@@ -13,8 +13,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from inkling_jax.cache import Cache
 from inkling_jax.config import TextConfig
+from inkling_jax.nn.cache import Cache
 
 _KV = ("k", "v")  # page pools on full-attention layers, rings on sliding ones
 

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable
 
-from inkling_jax.model import InklingModel
+from inkling_jax.nn.model import InklingModel
 from serve.block_manager import BlockManager
 from serve.config import EngineConfig
 from serve.metrics import Metrics

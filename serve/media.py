@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from inkling_jax.model import InklingModel
+from inkling_jax.nn.model import InklingModel
 from inkling_jax.preprocess import SAMPLE_RATE, dmel_ids, image_to_patches
 from serve.chat import ChatError
 

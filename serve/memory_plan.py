@@ -18,8 +18,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from inkling_jax.cache import cache_bytes
 from inkling_jax.config import TextConfig
+from inkling_jax.nn.cache import cache_bytes
 from serve.config import EngineConfig
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax.generate import flat_params
-from inkling_jax.model import InklingModel
+from inkling_jax.nn.model import InklingModel
 from serve import cache_rows, memory_plan
 from serve.config import EngineConfig
 from serve.placement import Placement

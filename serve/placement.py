@@ -1,6 +1,6 @@
 """Where the engine's arrays live: the default device, or a device mesh (`--mesh tensor=..,expert=..`).
 
-On a mesh the parameters are placed by `inkling_jax.sharding`'s logical-axis table (experts over `expert`,
+On a mesh the parameters are placed by `inkling_jax.parallel.rules`'s logical-axis table (experts over `expert`,
 heads and MLP widths over `tensor`), and the cache follows the attention's K/V heads: K/V and their ShortConv
 states split over `tensor` when the layer's KV heads divide evenly, else replicated; everything else (rows,
 lengths, page tables, the residual-width conv states, sampler state, step inputs) is replicated. Every program
@@ -17,18 +17,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from inkling_jax.cache import Cache
 from inkling_jax.config import TextConfig
-from inkling_jax.kernel_sharding import head_shards
-from inkling_jax.sharding import (MeshError, check_mesh, make_mesh, override_rules, parse_mesh_spec, shard_model,
-                                   spec_for)
+from inkling_jax.nn.cache import Cache
+from inkling_jax.parallel.kernel_sharding import head_shards
+from inkling_jax.parallel.mesh import MeshError, check_mesh, make_mesh, parse_mesh_spec
+from inkling_jax.parallel.placement import shard_model
+from inkling_jax.parallel.rules import override_rules, spec_for
 
 # The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). The KV pool is one
 # pool of pages, whole on every expert shard; with the rows split over `expert`, every step program would write it
 # from rows gathered across the shards (tests/test_serve_mesh.py finds such writes then).
 ROWS = ("data", "fsdp")
 
-# LayerCache field -> logical names of its dimensions (see `inkling_jax.cache`)
+# LayerCache field -> logical names of its dimensions (see `inkling_jax.nn.cache`)
 CACHE_AXES = {"k": (None, None, "kv_heads", None), "v": (None, None, "kv_heads", None),
               "k_conv": (None, None, "kv_heads"), "v_conv": (None, None, "kv_heads"),
               "attn_conv": (None, None, None), "mlp_conv": (None, None, None)}

@@ -11,8 +11,8 @@ import numpy as np
 from flax import nnx
 
 from inkling_jax.config import InklingConfig
-from inkling_jax.layers import INIT_STD
-from inkling_jax.model import InklingModel
+from inkling_jax.nn.layers import INIT_STD
+from inkling_jax.nn.model import InklingModel
 
 ZERO_INIT = ("router_bias",)  # 1-D parameters that start at zero; every other 1-D one starts at one
 

@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import load_pretrained, nvfp4, orbax_io, preset
-from inkling_jax.convert import build_parser, main, run
-from inkling_jax.convert_verify import VerificationError, verify_orbax
+from inkling_jax import load_pretrained, preset
+from inkling_jax.checkpoint import nvfp4, orbax_io
+from inkling_jax.checkpoint.convert import build_parser, main, run
+from inkling_jax.checkpoint.loading import abstract_model, hub_layout, model_variables, save_pretrained
+from inkling_jax.checkpoint.safetensors_io import HubCheckpoint, SafetensorsFile, write_safetensors
+from inkling_jax.checkpoint.verify import VerificationError, verify_orbax
 from inkling_jax.generate import StepFunctions
-from inkling_jax.loading import abstract_model, hub_layout, model_variables, save_pretrained
-from inkling_jax.safetensors_io import HubCheckpoint, SafetensorsFile, write_safetensors
-from inkling_jax.sharding import batch_sharding, make_mesh, param_shardings
+from inkling_jax.parallel.mesh import make_mesh
+from inkling_jax.parallel.rules import batch_sharding, param_shardings
 
 # Slabs of 10 KB and chunks of 4 KB: every tensor of the tiny models streams in several slabs and chunks.
 SMALL = ["--slab-mb", "0.01", "--chunk-mb", "0.004", "--workers", "3", "--quiet"]
@@ -329,7 +331,7 @@ def test_cli_help_and_exit_code(tmp_path):
     for flag in ("--src", "--dst", "--to", "--dtype", "--mesh", "--overwrite", "--verify", "--workers",
                  "--readers", "--slab-mb", "--chunk-mb", "--max-shard-gb", "--quiet"):
         assert flag in text
-    result = subprocess.run([sys.executable, "-m", "inkling_jax.convert", "--src", tmp_path / "absent", "--dst",
-                             tmp_path / "out"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "inkling_jax.checkpoint.convert", "--src", tmp_path / "absent",
+                             "--dst", tmp_path / "out"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr
     assert f"{tmp_path / 'absent'}: not a directory" in result.stderr and not (tmp_path / "out").exists()

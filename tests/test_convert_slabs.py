@@ -7,11 +7,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from inkling_jax import orbax_io
-from inkling_jax.hub_source import direct_span, open_for_reading, read_bytes
-from inkling_jax.safetensors_io import CheckpointError
-from inkling_jax.slabs import contiguous, target_slabs, transpose_into
-from inkling_jax.streaming import POOL_GRAIN, BufferPool
+from inkling_jax.checkpoint import orbax_io
+from inkling_jax.checkpoint.hub_source import direct_span, open_for_reading, read_bytes
+from inkling_jax.checkpoint.safetensors_io import CheckpointError
+from inkling_jax.checkpoint.slabs import contiguous, target_slabs, transpose_into
+from inkling_jax.checkpoint.streaming import POOL_GRAIN, BufferPool
 
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32, np.float64, np.uint8]
 
@@ -65,7 +65,7 @@ def test_buffer_pool_reuses_and_bounds_what_it_keeps():
 
 
 def test_read_bytes_hashes_every_piece(tmp_path, monkeypatch):
-    monkeypatch.setattr("inkling_jax.hub_source.READ_PIECE", 1000)  # several pieces
+    monkeypatch.setattr("inkling_jax.checkpoint.hub_source.READ_PIECE", 1000)  # several pieces
     data = np.random.default_rng(2).integers(0, 256, 5555, dtype=np.uint8).tobytes()
     path = tmp_path / "blob"
     path.write_bytes(data)
@@ -78,7 +78,7 @@ def test_read_bytes_hashes_every_piece(tmp_path, monkeypatch):
 
 def test_direct_reads_return_the_requested_bytes(tmp_path, monkeypatch):
     """Unaligned ranges, the file's last page, several pieces; O_DIRECT where tmp_path's file system takes it."""
-    monkeypatch.setattr("inkling_jax.hub_source.READ_PIECE", 8192)
+    monkeypatch.setattr("inkling_jax.checkpoint.hub_source.READ_PIECE", 8192)
     data = np.random.default_rng(3).integers(0, 256, 50_001, dtype=np.uint8).tobytes()
     path = tmp_path / "blob"
     path.write_bytes(data)

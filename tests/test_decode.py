@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from inkling_jax import load_pretrained
-from inkling_jax.cache import cache_bytes
 from inkling_jax.generate import StepFunctions, greedy_generate
+from inkling_jax.nn.cache import cache_bytes
 from tests.hf_oracle import relative_error
 
 TOL = 1e-5

@@ -1,4 +1,4 @@
-"""NVFP4 dense weights (inkling_jax/dense_nvfp4.py, `InklingModel.quantize_dense("nvfp4")`): the W4A16 kernel's
+"""NVFP4 dense weights (inkling_jax/quant/dense_nvfp4.py, `InklingModel.quantize_dense("nvfp4")`): the W4A16 kernel's
 decode and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
 NVFP4's error bound and concatenates without requantising, and the quantised model is fused, close to the float
 one, and refused with a tensor mesh (tests/test_fp8_dense.py runs it on a mesh)."""
@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import kernels, nvfp4, preset
-from inkling_jax.attention import Attention
-from inkling_jax.dense_nvfp4 import Nvfp4Linear, kernel_product, reference_product
-from inkling_jax.mlp import DenseMLP, MoE
+from inkling_jax import preset
+from inkling_jax.checkpoint import nvfp4
+from inkling_jax.nn import kernels
+from inkling_jax.nn.attention import Attention
+from inkling_jax.nn.mlp import DenseMLP
+from inkling_jax.nn.moe import MoE
+from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear, kernel_product, reference_product
 from pallas_kernels.moe.kernel_w4 import W4Config
 from serve.random_weights import random_model
 
@@ -110,7 +113,7 @@ def test_quantised_model_is_fused_and_stays_close():
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 def test_a_tensor_mesh_is_refused():
-    from inkling_jax.sharding import MeshError
+    from inkling_jax.parallel.mesh import MeshError
     from serve.placement import Placement
 
     with pytest.raises(MeshError, match="nvfp4"):

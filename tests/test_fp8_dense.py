@@ -1,4 +1,4 @@
-"""fp8 dense MLPs and LM head (`InklingModel.quantize_dense`, inkling_jax/dense_fp8.py): the W8A8 product is its
+"""fp8 dense MLPs and LM head (`InklingModel.quantize_dense`, inkling_jax/quant/dense_fp8.py): the W8A8 product is its
 formula, the bf16 weights are replaced and freed, the logits stay within fp8's error, and the sharded, loaded
 and served forms equal the one-device model (the sharded and served ones also with NVFP4 dense weights)."""
 
@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import dense_fp8, kernels, preset
-from inkling_jax.mlp import DenseMLP
+from inkling_jax import preset
+from inkling_jax.nn import kernels
+from inkling_jax.nn.mlp import DenseMLP
+from inkling_jax.quant import dense_fp8
 from pallas_kernels.moe.fp8 import quantize_rows
 from serve.config import EngineConfig
 from serve.engine import Engine
@@ -89,10 +91,12 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
 def test_quantised_model_on_a_mesh_equals_one_device(precision, spec, monkeypatch):
     """The fp8 values and their scales shard by the table (the dense width and the vocabulary over `tensor`),
     and the per-row activation scales span the whole row, so the sharded logits equal one device's. NVFP4's
-    fused matrices (inkling_jax/dense_nvfp4.py) stay whole on every device; its case runs with fp8 twins,
+    fused matrices (inkling_jax/quant/dense_nvfp4.py) stay whole on every device; its case runs with fp8 twins,
     which every product here takes (the thresholds lowered), the experts' split over `expert`."""
-    from inkling_jax import dense_nvfp4, mlp
-    from inkling_jax.sharding import make_mesh, shard_model
+    from inkling_jax.nn import mlp
+    from inkling_jax.parallel.mesh import make_mesh
+    from inkling_jax.parallel.placement import shard_model
+    from inkling_jax.quant import dense_nvfp4
 
     monkeypatch.setattr(mlp, "TWIN_TOKENS", 1)
     monkeypatch.setattr(dense_nvfp4, "TWIN_ROWS", 1)

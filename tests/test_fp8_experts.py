@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import kernels, preset
-from inkling_jax.mlp import MoE
+from inkling_jax import preset
+from inkling_jax.nn import kernels
+from inkling_jax.nn.moe import MoE
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.sampling import SamplingParams
@@ -90,7 +91,8 @@ def test_quantised_model_logits_stay_close(precision):
 def test_quantised_layer_on_a_mesh_equals_one_device(spec, tokens, backend, precision):
     """Expert parallel and width-split quantised experts give the single-device layer's output: fp8's h is
     quantised with its whole row's scale on every width shard; NVFP4's width splits in groups of 64 columns."""
-    from inkling_jax.sharding import make_mesh, shard_model
+    from inkling_jax.parallel.mesh import make_mesh
+    from inkling_jax.parallel.placement import shard_model
 
     def quantised():
         moe = MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(3))
@@ -133,7 +135,8 @@ def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints
 
 def test_an_nvfp4_checkpoint_loads_into_fp8_experts(checkpoints, tmp_path):
     """The NVFP4 repo's packed experts are dequantised as they are read, then quantised to fp8 like any others."""
-    from inkling_jax import load_pretrained, nvfp4
+    from inkling_jax import load_pretrained
+    from inkling_jax.checkpoint import nvfp4
 
     source = tmp_path / "nvfp4"
     assert nvfp4.quantize_checkpoint(checkpoints("base")[0], str(source))
@@ -184,7 +187,7 @@ def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, t
 
 @pytest.mark.parametrize("precision,name", [("fp8", r"w_\w+_fp8"), ("nvfp4", r"w13_nvfp4")])
 def test_training_refuses_a_model_with_quantised_experts(precision, name):
-    from inkling_jax.sharding import make_mesh
+    from inkling_jax.parallel.mesh import make_mesh
     from train.state import model_params
     from train.step import Trainer
 
@@ -198,8 +201,9 @@ def test_training_refuses_a_model_with_quantised_experts(precision, name):
 def test_a_converted_checkpoint_restores_into_fp8_experts_layer_by_layer(checkpoints, tmp_path):
     """An orbax checkpoint from the converter restores the rest first, then one MoE layer's experts at a time,
     each quantised before the next is read: the same fp8 model as loading the hub directory."""
-    from inkling_jax import load_pretrained, orbax_io
-    from inkling_jax.convert import main as convert
+    from inkling_jax import load_pretrained
+    from inkling_jax.checkpoint import orbax_io
+    from inkling_jax.checkpoint.convert import main as convert
 
     source, _ = checkpoints("base")
     assert convert(["--src", source, "--dst", str(tmp_path / "orbax"), "--quiet"]) == 0

@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 
 from bench.ceilings import decode_step_bytes
-from inkling_jax import dense_fp8, kernels, mlp, preset
-from inkling_jax.attention import Attention
-from inkling_jax.dense_nvfp4 import TWIN_ROWS, Nvfp4Linear
-from inkling_jax.mlp import MoE
-from pallas_kernels.moe.fp8 import Fp8Experts, dequantize_experts as fp8_float
-from pallas_kernels.moe.nvfp4 import Nvfp4Experts, dequantize_experts as nvfp4_float
+from inkling_jax import preset
+from inkling_jax.nn import kernels, mlp
+from inkling_jax.nn.attention import Attention
+from inkling_jax.nn.moe import MoE
+from inkling_jax.quant import dense_fp8
+from inkling_jax.quant.dense_nvfp4 import TWIN_ROWS, Nvfp4Linear
+from pallas_kernels.moe.fp8 import Fp8Experts
+from pallas_kernels.moe.fp8 import dequantize_experts as fp8_float
+from pallas_kernels.moe.nvfp4 import Nvfp4Experts
+from pallas_kernels.moe.nvfp4 import dequantize_experts as nvfp4_float
 from serve.random_weights import random_model
 from tests.test_fp8_experts import _rel, moe_pair
 

@@ -10,11 +10,13 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from inkling_jax import kernels, preset
-from inkling_jax.attention import Attention
-from inkling_jax.mlp import DenseMLP, MoE
+from inkling_jax import preset
 from inkling_jax.generate import StepFunctions
-from inkling_jax.sharding import logical_axes
+from inkling_jax.nn import kernels
+from inkling_jax.nn.attention import Attention
+from inkling_jax.nn.mlp import DenseMLP
+from inkling_jax.nn.moe import MoE
+from inkling_jax.parallel.rules import logical_axes
 from serve.config import EngineConfig
 from serve.model_runner import ModelRunner
 from serve.placement import Placement
@@ -108,7 +110,8 @@ def test_fused_fp8_dense_mlp_gives_the_unfused_one_output():
 @pytest.mark.parametrize("spec", ["expert=2", "fsdp=2,expert=2"])
 def test_fused_model_on_an_expert_parallel_mesh_equals_one_device(spec):
     """The widened shared experts run beside the expert-parallel dispatch (which then carries no shared stacks)."""
-    from inkling_jax.sharding import make_mesh, shard_model
+    from inkling_jax.parallel.mesh import make_mesh
+    from inkling_jax.parallel.placement import shard_model
 
     if jax.device_count() < 4:
         pytest.skip("needs 4 (simulated) devices")

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from inkling_jax import InklingModel, kernels, preset
+from inkling_jax import InklingModel, preset
 from inkling_jax.generate import flat_params
+from inkling_jax.nn import kernels
 from pallas_kernels._common import interpret_default, lowering_for_gpu
 
 

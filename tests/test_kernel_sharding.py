@@ -1,5 +1,5 @@
-"""The kernels of `inkling_jax.kernels` on a mesh with tensor=2 (8 simulated CPU devices: the rest is data): each runs
-once per device on its own heads (and rows, where the call splits them), inside `shard_map`, and gives what the
+"""The kernels of `inkling_jax.nn.kernels` on a mesh with tensor=2 (8 simulated CPU devices: the rest is data): each
+runs once per device on its own heads (and rows, where the call splits them), inside `shard_map`, and gives what the
 unsharded call gives. The Pallas kernels run in interpret mode here; on GPUs they are custom calls that XLA cannot
 partition, which is why no Pallas call may sit outside a `shard_map` when the model is sharded."""
 
@@ -8,10 +8,11 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from inkling_jax import kernels
-from inkling_jax.sharding import make_mesh
+from inkling_jax.nn import kernels
+from inkling_jax.parallel.mesh import make_mesh
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices (8 simulated ones on CPU)")
 

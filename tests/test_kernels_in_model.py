@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import InklingModel, kernels, preset
+from inkling_jax import InklingModel, preset
 from inkling_jax.generate import StepFunctions
+from inkling_jax.nn import kernels
 from tests.hf_oracle import relative_error
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from inkling_jax import CheckpointError, load_pretrained
-from inkling_jax.safetensors_io import SafetensorsFile, write_safetensors
+from inkling_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 
 TARGET = "model.llm.layers.1.attn.wq_du.weight"
 

@@ -12,9 +12,12 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from inkling_jax import kernels, moe_dispatch, preset
-from inkling_jax.mlp import MoE
-from inkling_jax.sharding import make_mesh, shard_model, spec_for
+from inkling_jax import preset
+from inkling_jax.nn import kernels, moe_dispatch
+from inkling_jax.nn.moe import MoE
+from inkling_jax.parallel.mesh import make_mesh
+from inkling_jax.parallel.placement import shard_model
+from inkling_jax.parallel.rules import spec_for
 from pallas_kernels.moe.groups import running_sum
 
 
@@ -168,9 +171,10 @@ def test_routing_replay_keeps_the_choice_and_gives_reference_gradients():
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 def test_padded_transport_follows_the_ragged_all_to_all_contract():
     """The CPU stand-in for `jax.lax.ragged_all_to_all` (which XLA:CPU lacks) on the example of its docs."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
-    from inkling_jax.expert_parallel import ragged_all_to_all_padded
+    from inkling_jax.parallel.expert_parallel import ragged_all_to_all_padded
 
     mesh = Mesh(np.array(jax.devices()[:2]), ("e",))
     per_device = [jnp.array(a) for a in ([[1.0, 2, 2], [3, 4, 0]], [[0.0] * 4] * 2, [[0, 1], [0, 1]],

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import kernels, preset
-from inkling_jax.mlp import MoE
-from inkling_jax.sharding import make_mesh, shard_model
+from inkling_jax import preset
+from inkling_jax.nn import kernels
+from inkling_jax.nn.moe import MoE
+from inkling_jax.parallel.mesh import make_mesh
+from inkling_jax.parallel.placement import shard_model
 from tests.test_moe import _assert_same, _input, _moe, _reference, _run
 
 needs_8_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")

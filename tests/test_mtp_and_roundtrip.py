@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from inkling_jax import InklingModel, load_pretrained, preset
-from inkling_jax.loading import save_pretrained
-from inkling_jax.safetensors_io import HubCheckpoint
+from inkling_jax.checkpoint.loading import save_pretrained
+from inkling_jax.checkpoint.safetensors_io import HubCheckpoint
 
 
 @pytest.fixture(scope="module")

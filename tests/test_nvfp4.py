@@ -3,7 +3,7 @@
 import ml_dtypes
 import numpy as np
 
-from inkling_jax import nvfp4
+from inkling_jax.checkpoint import nvfp4
 
 
 def test_packing_order_and_exact_values():

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from inkling_jax import preset
-from inkling_jax.mlp import MoE
+from inkling_jax.nn.moe import MoE
 from pallas_kernels.moe.nvfp4 import dequantize
 from serve.random_weights import random_model
 from tests.test_fp8_experts import moe_pair
@@ -28,7 +28,7 @@ def test_quantised_layer_drops_its_bf16_experts():
 @pytest.fixture(scope="module")
 def nvfp4_source(checkpoints, tmp_path_factory):
     """A tiny checkpoint in the NVFP4 repo's layout (routed experts of layers 3.. packed)."""
-    from inkling_jax import nvfp4
+    from inkling_jax.checkpoint import nvfp4
 
     source = tmp_path_factory.mktemp("nvfp4") / "model"
     assert nvfp4.quantize_checkpoint(checkpoints("base")[0], str(source))
@@ -38,8 +38,9 @@ def nvfp4_source(checkpoints, tmp_path_factory):
 def test_an_nvfp4_checkpoint_loads_into_nvfp4_experts_as_stored(nvfp4_source, monkeypatch):
     """The NVFP4 repo's packed experts become NVFP4 experts with their stored codes and scales, never
     dequantised; the experts it stores in bf16 are quantised after loading as from any checkpoint."""
-    from inkling_jax import hub_source, load_pretrained, nvfp4
-    from inkling_jax.safetensors_io import HubCheckpoint
+    from inkling_jax import load_pretrained
+    from inkling_jax.checkpoint import hub_source, nvfp4
+    from inkling_jax.checkpoint.safetensors_io import HubCheckpoint
 
     source = nvfp4_source
     after = load_pretrained(source, progress=False)  # packed experts dequantised as read
@@ -77,8 +78,9 @@ def test_an_nvfp4_checkpoint_loads_into_nvfp4_experts_as_stored(nvfp4_source, mo
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_packed_experts_load_straight_into_their_shards(nvfp4_source):
-    from inkling_jax import load_pretrained, nvfp4
-    from inkling_jax.sharding import make_mesh
+    from inkling_jax import load_pretrained
+    from inkling_jax.checkpoint import nvfp4
+    from inkling_jax.parallel.mesh import make_mesh
 
     one = load_pretrained(nvfp4_source, progress=False, expert_precision="nvfp4")
     sharded = load_pretrained(nvfp4_source, progress=False, expert_precision="nvfp4",

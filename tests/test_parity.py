@@ -4,8 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inkling_jax import kernels, load_pretrained
+from inkling_jax import load_pretrained
 from inkling_jax.generate import StepFunctions
+from inkling_jax.nn import kernels
 from tests.hf_oracle import AUDIO_TOKEN, IMAGE_TOKEN, logits, relative_error
 
 FP32_TOL = 1e-5

@@ -20,16 +20,17 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from inkling_jax import kernels, preset
+from inkling_jax import preset
 from inkling_jax.generate import greedy_generate
+from inkling_jax.nn import kernels
 from serve.api import Service
 from serve.app import ServerThread, serving_app
 from serve.chat import ChatFormat, ChatOutput
 from serve.config import EngineConfig
 from serve.engine import Engine
-from serve.request import EngineStopped
 from serve.model_runner import compilation_count
 from serve.random_weights import random_model
+from serve.request import EngineStopped
 from serve.sampling import SamplingParams
 from serve.tokenizer import ByteTokenizer
 

@@ -9,7 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from inkling_jax import kernels, preset
+from inkling_jax import preset
+from inkling_jax.nn import kernels
 from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.offline import generate

@@ -13,7 +13,8 @@ import openai
 import pytest
 from PIL import Image
 
-from inkling_jax import kernels, preset
+from inkling_jax import preset
+from inkling_jax.nn import kernels
 from serve.api import Service
 from serve.app import ServerThread, serving_app
 from serve.chat import ChatError, ChatFormat

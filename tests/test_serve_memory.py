@@ -6,14 +6,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from inkling_jax import kernels, preset
+from inkling_jax import preset
+from inkling_jax.nn import kernels
 from serve import memory_plan
 from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.offline import generate
 from serve.placement import Placement
-from serve.request import EngineStopped
 from serve.random_weights import random_model
+from serve.request import EngineStopped
 from serve.sampling import SamplingParams
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))

@@ -1,7 +1,7 @@
 """The engine sharded over 8 simulated CPU devices (tensor=2, expert=4) gives the greedy tokens and logprobs
 of the one-device model, a prefix-cache hit included: K/V heads of the sliding layer split over `tensor`, the
 full layer's single KV head replicated, experts spread over `expert`. The attention and ShortConv run once per
-device through the same `shard_map`s as the Pallas kernels on GPUs (`inkling_jax.kernel_sharding`; the kernels
+device through the same `shard_map`s as the Pallas kernels on GPUs (`inkling_jax.parallel.kernel_sharding`; the kernels
 themselves are checked per device in tests/test_kernel_sharding.py)."""
 
 import jax
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from inkling_jax import kernels, preset
+from inkling_jax import preset
 from inkling_jax.generate import StepFunctions
+from inkling_jax.nn import kernels
 from serve.config import EngineConfig
 from serve.engine import Engine
 from serve.offline import generate

@@ -518,11 +518,11 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     with pytest.raises(MeshError, match="bad mesh axis"):
         Placement.from_spec("pipeline=2")
     text = preset("tiny").text
-    with caplog.at_level("WARNING", logger="inkling_jax.sharding"):
+    with caplog.at_level("WARNING", logger="inkling_jax.parallel.rules"):
         Placement.from_spec("tensor=3").check(text)
     assert "full-attention layers' 4 query / 1 KV heads" in caplog.text
     assert "does not divide the expert width 32" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="inkling_jax.sharding"):
+    with caplog.at_level("WARNING", logger="inkling_jax.parallel.rules"):
         Placement.from_spec("tensor=2").check(text)  # the full layer's single KV head stays whole
     assert "full-attention" in caplog.text and "sliding" not in caplog.text and "expert width" not in caplog.text

@@ -8,8 +8,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from inkling_jax import InklingModel, preset
 from inkling_jax.generate import StepFunctions
-from inkling_jax.sharding import (batch_sharding, logical_axes, make_mesh, parse_mesh_spec, shard_model, spec_for,
-                                   take_rows)
+from inkling_jax.parallel.mesh import make_mesh, parse_mesh_spec
+from inkling_jax.parallel.placement import shard_model
+from inkling_jax.parallel.rules import batch_sharding, logical_axes, spec_for
+from inkling_jax.parallel.vocab import take_rows
 
 
 def test_mesh_spec_parsing():

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from inkling_jax import preset
-from inkling_jax.loading import load_pretrained
-from train import lora
+from inkling_jax.checkpoint.loading import load_pretrained
 from inkling_jax.config import load_config
-from inkling_jax.sharding import make_mesh
+from inkling_jax.parallel.mesh import make_mesh
+from train import lora
 from train.run import first_layers, initial_params, main, parse_args
 from train.state import model_params, seeded_params
 from train.step import Trainer

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from inkling_jax import preset
-from inkling_jax.sharding import MeshError, make_mesh
+from inkling_jax.parallel.mesh import MeshError, make_mesh
 from train.run import first_layers
 from train.state import ModelParts, seeded_params
 from train.step import StepConfig, Trainer

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inkling_jax.safetensors_io import SafetensorsFile, write_safetensors
+from inkling_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 
 TARGETS = re.compile(r"^layers\.\d+\.(attn\.w[qkvro]\.kernel|mlp\.(w_gate|w_up|w_down|shared_gate|shared_up|"
                      r"shared_down))$")

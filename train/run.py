@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from inkling_jax import kernels
 from inkling_jax.config import InklingConfig, load_config, preset
-from inkling_jax.model import REMAT_POLICIES
-from inkling_jax.sharding import make_mesh
+from inkling_jax.nn import kernels
+from inkling_jax.nn.model import REMAT_POLICIES
+from inkling_jax.parallel.mesh import make_mesh
 from train import lora
 from train.checkpoint import Checkpoints
 from train.data import Batches, byte_tokenizer, file_tokenizer, pack, read_documents
@@ -101,7 +101,7 @@ def initial_params(args, config: InklingConfig, trainer: Trainer):
     shardings = trainer.param_shardings()
     if args.preset:
         return seeded_params(config, args.seed, shardings, trainer.compiler_options)
-    from inkling_jax.loading import load_pretrained
+    from inkling_jax.checkpoint.loading import load_pretrained
 
     place = lambda path, x: jax.device_put(x, shardings[name_of(path)])  # noqa: E731
     return model_params(load_pretrained(args.model, "float32", config=config, place=place,
@@ -171,7 +171,7 @@ def main(argv=None) -> None:
     if trainer.lora:
         lora.save_adapters(os.path.join(args.out, "adapters.safetensors"), state.params, args.lora_alpha)
     if args.export:
-        from inkling_jax.loading import save_pretrained
+        from inkling_jax.checkpoint.loading import save_pretrained
 
         model = ModelParts(config, jnp.float32).merge(jax.device_get(trainer.model_params(state, frozen)))
         save_pretrained(model, args.export, dtype=args.dtype)

@@ -20,8 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.config import InklingConfig
-from inkling_jax.model import InklingModel
-from inkling_jax.sharding import logical_axes, spec_for
+from inkling_jax.nn.model import InklingModel
+from inkling_jax.parallel.rules import logical_axes, spec_for
 
 Flat = dict[str, Any]
 BIAS_NAME = "router_bias"

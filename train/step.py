@@ -17,9 +17,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
-from inkling_jax import kernels
 from inkling_jax.config import InklingConfig
-from inkling_jax.sharding import activation_sharding, check_mesh, constrain, use_mesh
+from inkling_jax.nn import kernels
+from inkling_jax.parallel.mesh import check_mesh
+from inkling_jax.parallel.placement import use_mesh
+from inkling_jax.parallel.rules import activation_sharding, constrain
 from train import lora
 from train.loss import cross_entropy_sum, expert_loads, load_balance, next_token_targets
 from train.optim import OptimConfig, make_optimizer, schedule
@@ -34,7 +36,7 @@ _COMPILED: dict = {}
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     compute_dtype: str = "bfloat16"
-    remat: str = "none"  # a REMAT_POLICIES name (inkling_jax/model.py)
+    remat: str = "none"  # a REMAT_POLICIES name (inkling_jax/nn/model.py)
     loss_chunk: int = 1024  # positions per row whose logits exist at once
     bias_update_rate: float = 0.0  # aux-loss-free balancing: bias += rate * sign(mean load - load); 0: off
     lora_rank: int = 0  # 0: full fine-tuning

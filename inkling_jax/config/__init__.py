@@ -5,10 +5,18 @@
 - `presets`: `preset(name)`.
 """
 
-from inkling_jax.config.json_format import load_config, parse_config
+from inkling_jax.config.json_format import load_config, parse_config, to_published
 from inkling_jax.config.presets import preset
-from inkling_jax.config.schema import (AttentionShape, AudioConfig, ConfigError, InklingConfig, MTPConfig,
-                                       TextConfig, VisionConfig, log_scaling_tau)
+from inkling_jax.config.schema import (
+                                       AttentionShape,
+                                       AudioConfig,
+                                       ConfigError,
+                                       InklingConfig,
+                                       MTPConfig,
+                                       TextConfig,
+                                       VisionConfig,
+                                       log_scaling_tau,
+)
 
 __all__ = ["InklingConfig", "TextConfig", "VisionConfig", "AudioConfig", "MTPConfig", "AttentionShape",
-           "ConfigError", "parse_config", "load_config", "preset", "log_scaling_tau"]
+           "ConfigError", "parse_config", "load_config", "to_published", "preset", "log_scaling_tau"]

@@ -6,7 +6,6 @@ Built by `json_format.parse_config` from a model directory's `config.json` or by
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 
 class ConfigError(ValueError):
@@ -121,12 +120,6 @@ class InklingConfig:
     def replace(self, **text_changes) -> "InklingConfig":
         """A copy with some text fields changed (for tests and presets)."""
         return dataclasses.replace(self, text=dataclasses.replace(self.text, **text_changes))
-
-    def to_dict(self) -> dict[str, Any]:
-        """The raw published form; `parse_config(cfg.to_dict()) == cfg`. Its field names live with the parser."""
-        from inkling_jax.config.json_format import to_published
-
-        return to_published(self)
 
 
 def log_scaling_tau(positions, n_floor: int, alpha: float):

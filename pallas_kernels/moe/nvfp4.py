@@ -5,7 +5,7 @@ Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in r
 an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
 decode kernels took 406 us at 32 tokens against fp8's 611 (0.66; fp8 timed in earlier calls) and 517 us at 128
 against 750 (0.69), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
-fp8's time on a 16k-token prefill. The format is NVFP4's (inkling_jax/nvfp4.py, spec section 5.2): per
+fp8's time on a 16k-token prefill. The format is NVFP4's (inkling_jax/checkpoint/nvfp4.py, spec section 5.2): per
 expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale, per value an e2m1 code:
 
     W[g] = code * block_scale * scale2[g]
@@ -27,8 +27,7 @@ from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, epilogues, kernel_w4, ops
 from pallas_kernels.moe.groups import group_of_rows, row_groups, running_sum
 from pallas_kernels.moe.kernel_w4 import W4Config, w4_gmm
-from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, pack_codes, to_units,
-                                         unpack_codes)
+from pallas_kernels.moe.w4_codes import BLOCK, PAIR, ROWS, SCALE_FACTOR, from_units, pack_codes, to_units, unpack_codes
 
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 magnitudes 0 .5 1 1.5 2 3 4 6
@@ -92,9 +91,9 @@ def layout(codes, scale):
 
 
 def from_checkpoint(packed, scale, scale2, *, gate_up: bool):
-    """One routed-experts matrix as an NVFP4 checkpoint stores it (inkling_jax/nvfp4.py: packed uint8 [G, rows,
-    K / 2] with the even column in the low nibble, e4m3 `scale` [G, rows, K / 16], fp32 `scale2` [G]) -> its three
-    Nvfp4Experts fields, the same codes and scales (no requantisation), the width padded with zeros as
+    """One routed-experts matrix as an NVFP4 checkpoint stores it (inkling_jax/checkpoint/nvfp4.py: packed
+    uint8 [G, rows, K / 2] with the even column in the low nibble, e4m3 `scale` [G, rows, K / 16], fp32
+    `scale2` [G]) -> its three Nvfp4Experts fields, the same codes and scales (no requantisation), the width padded with zeros as
     `quantize_experts` pads it. gate_up: the checkpoint's w13, rows 2i gate and 2i + 1 up (-> w13, w13_scale,
     w13_scale2); else w2 [G, H, I / 2] (-> w2, w2_scale, w2_scale2). NumPy in, NumPy out."""
     packed, scale = np.asarray(packed), np.asarray(scale)

@@ -1,6 +1,6 @@
-"""NVFP4 routed experts (nvfp4.py, kernel_w4.py, w4_codes.py): the layout and quantiser against
-inkling_jax/nvfp4.py's, a checkpoint's packed tensors in the kernel layout, and the W4A16 kernels against their
-jnp formula in the slab layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU
+"""NVFP4 routed experts (nvfp4.py, kernel_w4.py, w4_codes.py): the layout and quantiser
+against inkling_jax/checkpoint/nvfp4.py's, a checkpoint's packed tensors in the kernel layout, and the W4A16
+kernels against their jnp formula in the slab layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU
 compiled. Shapes: 3 output-row tiles and 3+ k steps, an empty group, a group spread over several slabs, rows
 past sum(group_sizes), an expert width that needs padding."""
 
@@ -10,12 +10,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from inkling_jax import nvfp4 as checkpoint_format
+from inkling_jax.checkpoint import nvfp4 as checkpoint_format
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import epilogues
 from pallas_kernels.moe.kernel_w4 import W4Config, config_for, k_splits_to_fill, w4_gmm
-from pallas_kernels.moe.nvfp4 import (PREFILL_SLAB, dequantize, from_checkpoint, layout, moe_ffn_nvfp4,
-                                      moe_ffn_nvfp4_reference, quantize_experts, quantize_matrices, slab_tokens)
+from pallas_kernels.moe.nvfp4 import (
+    PREFILL_SLAB,
+    dequantize,
+    from_checkpoint,
+    layout,
+    moe_ffn_nvfp4,
+    moe_ffn_nvfp4_reference,
+    quantize_experts,
+    quantize_matrices,
+    slab_tokens,
+)
 from pallas_kernels.moe.test_fp8 import operands
 from pallas_kernels.moe.test_moe import normal, rel_err
 from pallas_kernels.moe.w4_codes import f16_planes, from_units, pack_codes, to_units, unpack_codes

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from inkling_jax.kernel_sharding import split
+from inkling_jax.parallel.kernel_sharding import split
 from pallas_kernels.rel_attention import reference as attention_reference
 from pallas_kernels.shortconv import reference as shortconv_reference
 

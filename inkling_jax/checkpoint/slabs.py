@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from inkling_jax.loading import Rule
+from inkling_jax.checkpoint.loading import Rule
 
 BAND = 16  # source rows per band of a transposing copy that changes the dtype
 TILE = 256  # source rows per tile of `transpose_into`

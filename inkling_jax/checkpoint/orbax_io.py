@@ -27,6 +27,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from inkling_jax.checkpoint.safetensors_io import CheckpointError
+
 MANIFEST = "inkling-convert.json"
 PARAMS_DIR = "params"
 FORMAT = "inkling-jax/orbax-params/1"
@@ -195,8 +197,6 @@ def load_converted(directory: str, variables: dict, shardings: dict | None, batc
     batches: lists of paths restored one list at a time (default: all at once), `restored(path)` called for each
     path of a list once it is set (loading.py quantises experts layer by layer so)."""
     import jax
-
-    from inkling_jax.safetensors_io import CheckpointError
 
     manifest = read_manifest(directory)
     where = os.path.join(os.fspath(directory), PARAMS_DIR)

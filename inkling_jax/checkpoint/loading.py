@@ -23,12 +23,20 @@ except ImportError:  # a declared dependency, but loading works without its prog
     def tqdm(items, **_):
         return items
 
-from inkling_jax.config import InklingConfig, load_config
-from inkling_jax.hub_source import HubSource
-from inkling_jax.mlp import MoE
-from inkling_jax.model import InklingModel, check_precisions
-from inkling_jax.safetensors_io import CheckpointError
-from inkling_jax.sharding import param_shardings
+from inkling_jax.checkpoint.hub_source import HubSource
+from inkling_jax.checkpoint.safetensors_io import (
+    INDEX,
+    CheckpointError,
+    group_into_shards,
+    index_text,
+    shard_name,
+    write_safetensors,
+)
+from inkling_jax.config import InklingConfig, load_config, to_published
+from inkling_jax.nn.model import InklingModel, check_precisions
+from inkling_jax.nn.moe import MoE
+from inkling_jax.nn.towers import plan_scales
+from inkling_jax.parallel.rules import param_shardings
 
 log = logging.getLogger(__name__)
 ROUTED_EXPERTS = MoE.ROUTED_BF16  # a MoE layer's parameters that expert_precision quantises
@@ -132,8 +140,6 @@ def hub_layout(config: InklingConfig) -> dict[str, Rule]:
     for i in range(text.num_layers):
         rules.update(_layer_rules(f"model.llm.layers.{i}", ("layers", i), text.is_dense(i)))
     if config.vision is not None:
-        from inkling_jax.towers import plan_scales
-
         stages = len(plan_scales(config.vision)) - 1
         for i in range(stages):
             rules[f"model.visual.layers.linear_{i}.weight"] = Rule("linear", (("vision", "linears", i, "kernel"),))
@@ -195,7 +201,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16",
                     dense_precision: str = "bf16"):
-    """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.convert`
+    """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.checkpoint.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
     dtype: parameter dtype ("float32" or "bfloat16"); ShortConv taps and the router's bias and scale stay fp32.
@@ -215,7 +221,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     config = config or load_config(path)
     model = abstract_model(config, jnp.dtype(dtype))
     variables = model_variables(model)
-    from inkling_jax import orbax_io  # orbax is imported only when a converted directory is loaded
+    from inkling_jax.checkpoint import orbax_io  # orbax is imported only when a converted directory is loaded
 
     checkpoint = None if orbax_io.is_converted(path) else HubSource(path)
     if checkpoint is not None:  # NVFP4 experts are dequantised as they are read, unless taken as stored
@@ -318,8 +324,6 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
     import json
     import shutil
 
-    from inkling_jax.safetensors_io import INDEX, group_into_shards, index_text, shard_name, write_safetensors
-
     directory = os.fspath(directory)
     if os.path.exists(directory):
         raise FileExistsError(f"{directory} already exists")
@@ -340,7 +344,7 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
         with open(os.path.join(tmp, INDEX), "w") as fh:
             fh.write(index_text(weight_map, sum(t.nbytes for t in tensors.values())))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
-            json.dump(model.config.to_dict(), fh, indent=1)
+            json.dump(to_published(model.config), fh, indent=1)
         os.rename(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,12 +25,21 @@ the same split around `moe_dispatch.local_experts` on each batch shard's tokens.
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from inkling_jax.mlp import MoE
-from inkling_jax.moe_dispatch import (expert_ffn, grouped_rows, local_experts, precision_of, shared_dense,
-                                      with_shared_rows)
-from inkling_jax.sharding import RULES, axes_of, logical_axes, spec_for
+from inkling_jax.nn.moe_dispatch import (
+    ROUTED_BF16,
+    ROUTED_QUANTISED,
+    SHARED_NAMES,
+    expert_ffn,
+    grouped_rows,
+    local_experts,
+    precision_of,
+    shared_dense,
+    with_shared_rows,
+)
+from inkling_jax.parallel.rules import RULES, axes_of, logical_axes, spec_for
 
 AXIS = RULES["experts"]
 WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the shared ones' ("mlp") alike
@@ -52,7 +61,7 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
 
 def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
                shared_in_launch: bool = False):
-    """`moe_dispatch.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
+    """`nn.moe.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
     width = width_axis(mesh, routed, shared)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
@@ -65,7 +74,7 @@ def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
 
 def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
                shared_in_launch: bool = False, transport=None):
-    """`moe_dispatch.experts` with the routed experts sharded over `expert` (and their width over `tensor` when
+    """`nn.moe.experts` with the routed experts sharded over `expert` (and their width over `tensor` when
     `width_axis` says so).
 
     backend: the MoE backend whose `moe_dispatch.grouped_ffn` runs one shard's experts on the rows it received.
@@ -150,12 +159,12 @@ def _shard_map(shard, mesh: Mesh, tokens: P, width: str | None, routed_experts, 
     routed = jax.tree.unflatten(jax.tree.structure(routed_experts), routed)  # the specs in the experts' form
     return jax.shard_map(shard, mesh=mesh, out_specs=tokens, check_vma=False,
                          in_specs=(tokens, tokens, tokens, tokens, routed,
-                                   None if shared_experts is None else specs(MoE.SHARED, shared_experts)))
+                                   None if shared_experts is None else specs(SHARED_NAMES, shared_experts)))
 
 
 def _routed_names(routed) -> tuple[str, ...]:
     """The MoE parameter names of routed experts in the form `routed` is in."""
-    return MoE.ROUTED_QUANTISED.get(precision_of(routed), MoE.ROUTED_BF16)
+    return ROUTED_QUANTISED.get(precision_of(routed), ROUTED_BF16)
 
 
 def _tokens_spec(mesh: Mesh, num_tokens: int) -> P:

@@ -1,7 +1,7 @@
 """How an MoE's routed tokens reach the experts on one device: each token's top-k copies ordered by expert, the
 grouped matmuls of the selected backend (Pallas kernels, `jax.lax.ragged_dot`, or every expert on every token for
-tiny models), quantised experts' kernels or formulas, and the shared experts beside them. On a mesh `experts`
-hands over to `expert_parallel`, which runs the same pieces on each shard.
+tiny models), quantised experts' kernels or formulas, and the shared experts beside them. On a mesh
+`nn.moe.experts` hands over to `inkling_jax.parallel.expert_parallel` instead, which runs the same pieces on each shard.
 """
 
 import functools
@@ -9,37 +9,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from inkling_jax import kernels
-from inkling_jax.layers import swiglu
+from inkling_jax.nn.layers import swiglu
+
+# The MoE's parameter names of its routed experts in each form, and of its shared experts' stacks
+ROUTED_BF16 = ("w_gate", "w_up", "w_down")
+ROUTED_FP8 = ("w_gate_fp8", "w_up_fp8", "w_down_fp8", "w_gate_scale", "w_up_scale", "w_down_scale")
+ROUTED_NVFP4 = ("w13_nvfp4", "w13_scale", "w13_scale2", "w2_nvfp4", "w2_scale", "w2_scale2")
+ROUTED_QUANTISED = {"fp8": ROUTED_FP8, "nvfp4": ROUTED_NVFP4}
+SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
 
 # Rows (tokens x top-k) up to which `order_by_group` compares all pairs instead of sorting: [rows, rows] each
 SORT_FREE_ROWS = 1024
-
-
-def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None, shared_in_launch=False):
-    """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32 (the
-    second sum left out for shared None).
-
-    x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
-    Fp8Experts or Nvfp4Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula);
-    weights [N, k] and shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis
-    is larger than 1, by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides
-    the experts' width, every tensor shard runs its slice of the width and the partial outputs are summed (both
-    in `expert_parallel`).
-    """
-    backend = kernels.moe_backend()
-    # quantised routed experts: the shared ones stay in their own launch, unquantised
-    shared_in_launch = shared_in_launch and shared is not None and precision_of(routed) == "bf16"
-    if mesh is not None:
-        from inkling_jax import expert_parallel as parallel
-
-        if mesh.shape[parallel.AXIS] > 1:
-            return parallel.experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
-                                       shared_in_launch=shared_in_launch)
-        if parallel.width_axis(mesh, routed, shared):
-            return parallel.experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
-                                       shared_in_launch=shared_in_launch)
-    return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch)
 
 
 def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False, *,
@@ -138,12 +118,15 @@ def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str |
     if precision == "bf16":
         return grouped_ffn(backend, num_tokens)
     if precision == "fp8":
-        from pallas_kernels.moe.fp8 import Fp8Experts as form, moe_ffn_fp8 as kernel, moe_ffn_fp8_reference as formula
+        from pallas_kernels.moe.fp8 import Fp8Experts as form
+        from pallas_kernels.moe.fp8 import moe_ffn_fp8 as kernel
+        from pallas_kernels.moe.fp8 import moe_ffn_fp8_reference as formula
 
         extra = dict(width_axis=width_axis)
     else:
-        from pallas_kernels.moe.nvfp4 import (Nvfp4Experts as form, moe_ffn_nvfp4 as kernel,
-                                              moe_ffn_nvfp4_reference as formula)
+        from pallas_kernels.moe.nvfp4 import Nvfp4Experts as form
+        from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4 as kernel
+        from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4_reference as formula
 
         extra = {}
 

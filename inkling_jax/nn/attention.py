@@ -8,12 +8,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from inkling_jax import kernels
-from inkling_jax.cache import LayerCache
 from inkling_jax.config import TextConfig, log_scaling_tau
-from inkling_jax.dense_nvfp4 import Nvfp4Linear
-from inkling_jax.kernel_sharding import pin_heads
-from inkling_jax.layers import Linear, RMSNorm, ShortConv, normal
+from inkling_jax.nn import kernels
+from inkling_jax.nn.cache import LayerCache
+from inkling_jax.nn.layers import Linear, RMSNorm, ShortConv, normal
+from inkling_jax.parallel.kernel_sharding import pin_heads
+from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear
 
 
 class Attention(nnx.Module):
@@ -95,7 +95,7 @@ class Attention(nnx.Module):
 
     def quantize_nvfp4(self) -> int:
         """For serving (forward only): the fused q|k|v|r map (`fuse_projections`, done here first) and wo held in
-        NVFP4 (inkling_jax/dense_nvfp4.py), the float matrices freed. Returns the number of matrices changed."""
+        NVFP4 (inkling_jax/quant/dense_nvfp4.py), the float matrices freed. Returns the number of matrices changed."""
         if hasattr(self, "wqkvr_nvfp4"):
             return 0
         self.fuse_projections()

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from inkling_jax.config import AudioConfig, VisionConfig
-from inkling_jax.layers import Linear, RMSNorm, normal
+from inkling_jax.nn.layers import Linear, RMSNorm, normal
 
 TOWER_NORM_EPS = 1e-6
 

@@ -17,8 +17,8 @@ import os
 import ml_dtypes
 import numpy as np
 
-from inkling_jax import nvfp4
-from inkling_jax.safetensors_io import INDEX, CheckpointError, HubCheckpoint
+from inkling_jax.checkpoint import nvfp4
+from inkling_jax.checkpoint.safetensors_io import INDEX, CheckpointError, HubCheckpoint
 
 READ_PIECE = 8 << 20  # bytes per read call: a piece is hashed while it is still in cache
 ALIGN = 4096  # O_DIRECT reads whole pages into page-aligned memory

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax import kernels
+from inkling_jax.nn import kernels
 from pallas_kernels.attn_prologue.reference import head_rms_norm as rms_norm  # the one RMSNorm definition
 
 INIT_STD = 0.02  # the reference initialiser's std, used for random (test and benchmark) weights

@@ -1,9 +1,10 @@
 """inkling-convert: hub safetensors (BF16 or NVFP4) -> an orbax checkpoint that restores onto a device mesh,
 and back (`--to hf`).
 
-    python -m inkling_jax.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32] [--mesh fsdp=8,tensor=8]
-    python -m inkling_jax.convert --src OUT_DIR --dst HF_DIR --to hf
-    model = inkling_jax.load_pretrained(OUT_DIR, mesh=inkling_jax.sharding.make_mesh("fsdp=8,tensor=8"))
+    python -m inkling_jax.checkpoint.convert --src HF_DIR --dst OUT_DIR [--dtype bfloat16|float32] \
+        [--mesh fsdp=8,tensor=8]
+    python -m inkling_jax.checkpoint.convert --src OUT_DIR --dst HF_DIR --to hf
+    model = inkling_jax.load_pretrained(OUT_DIR, mesh=inkling_jax.parallel.mesh.make_mesh("fsdp=8,tensor=8"))
 
 The output holds exactly the model's parameter tree (orbax, one zarr array per parameter, chunked by the
 shards of --mesh), config.json, the tokenizer and other side files, and a manifest (inkling-convert.json:
@@ -22,11 +23,11 @@ import shutil
 import sys
 import time
 
-from inkling_jax import orbax_io, to_hub, to_orbax
+from inkling_jax.checkpoint import orbax_io, to_hub, to_orbax
+from inkling_jax.checkpoint.safetensors_io import CheckpointError
+from inkling_jax.checkpoint.to_orbax import ConversionError, Tuning, one_line
+from inkling_jax.checkpoint.verify import verify_hub, verify_orbax
 from inkling_jax.config import ConfigError
-from inkling_jax.convert_verify import verify_hub, verify_orbax
-from inkling_jax.safetensors_io import CheckpointError
-from inkling_jax.to_orbax import ConversionError, Tuning, one_line
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -34,6 +34,9 @@ COMPANIONS = ("scale", "scale2", "input_amax", "original_shape")  # suffixes ".s
 FIRST_QUANTISED_LAYER = 3
 QUANTISED_NAME = re.compile(r"model\.llm\.layers\.(\d+)\.mlp\.experts\.w(13|2)_weight$")
 
+from inkling_jax.checkpoint.safetensors_io import HubCheckpoint, write_safetensors
+from inkling_jax.config import load_config
+
 
 def error_bound(weights: np.ndarray, scale2: np.ndarray) -> np.ndarray:
     """The per-element bound above, for weights [E, rows, cols] and their per-expert scale2 [E]."""
@@ -105,9 +108,6 @@ def quantize_checkpoint(src: str, dst: str, input_amax: float = 1.0) -> list[str
     """Write an NVFP4 copy of the hub checkpoint `src` to `dst` (which must not exist); returns the names
     quantised. Other tensors and files are copied as they are. `input_amax` is a stand-in activation amax
     (there is no calibration data here); conversion does not use it."""
-    from inkling_jax.config import load_config
-    from inkling_jax.safetensors_io import HubCheckpoint, write_safetensors
-
     dense = load_config(src).text.dense_layer_ids
     checkpoint = HubCheckpoint(src)
     os.makedirs(dst)

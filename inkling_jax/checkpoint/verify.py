@@ -13,14 +13,21 @@ import zlib
 import jax.numpy as jnp
 import numpy as np
 
-from inkling_jax import orbax_io
+from inkling_jax.checkpoint import orbax_io
+from inkling_jax.checkpoint.hub_source import HubSource
+from inkling_jax.checkpoint.loading import (
+    abstract_model,
+    check_shapes,
+    check_tensor_names,
+    fill_variables,
+    hub_layout,
+    load_pretrained,
+    model_variables,
+)
+from inkling_jax.checkpoint.safetensors_io import CheckpointError, HubCheckpoint
+from inkling_jax.checkpoint.slabs import target_slabs
+from inkling_jax.checkpoint.to_orbax import combine_crcs
 from inkling_jax.config import load_config
-from inkling_jax.hub_source import HubSource
-from inkling_jax.loading import (abstract_model, check_shapes, check_tensor_names, fill_variables, hub_layout,
-                                 load_pretrained, model_variables)
-from inkling_jax.safetensors_io import CheckpointError, HubCheckpoint
-from inkling_jax.slabs import target_slabs
-from inkling_jax.to_orbax import combine_crcs
 
 LOGIT_TOKENS = 8
 

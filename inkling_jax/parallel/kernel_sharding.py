@@ -13,7 +13,7 @@ GQA groups; otherwise they stay whole, and XLA gathers them first (the cache pla
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from inkling_jax.sharding import RULES, spec_for
+from inkling_jax.parallel.rules import RULES, spec_for
 
 HEADS = RULES["kv_heads"]  # the axis of query and KV heads alike (RULES' "q_heads" and "kv_heads")
 

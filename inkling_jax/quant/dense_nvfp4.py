@@ -42,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax import dense_fp8, kernels
+from inkling_jax.nn import kernels
+from inkling_jax.quant import dense_fp8
 from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import epilogues, kernel_w4
 from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices

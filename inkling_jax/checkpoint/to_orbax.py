@@ -28,14 +28,15 @@ import zlib
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from inkling_jax import orbax_io
+from inkling_jax.checkpoint import orbax_io
+from inkling_jax.checkpoint.hub_source import HubSource, direct_span, open_for_reading, read_bytes
+from inkling_jax.checkpoint.loading import abstract_model, check_shapes, check_tensor_names, hub_layout, model_variables
+from inkling_jax.checkpoint.safetensors_io import INDEX, CheckpointError
+from inkling_jax.checkpoint.slabs import TensorPlan, contiguous, plan_tensor
+from inkling_jax.checkpoint.streaming import BufferPool, Stream
 from inkling_jax.config import load_config
-from inkling_jax.hub_source import HubSource, direct_span, open_for_reading, read_bytes
-from inkling_jax.loading import abstract_model, check_shapes, check_tensor_names, hub_layout, model_variables
-from inkling_jax.safetensors_io import INDEX, CheckpointError
-from inkling_jax.sharding import MESH_AXES, axes_of, logical_axes, parse_mesh_spec, spec_for
-from inkling_jax.slabs import TensorPlan, contiguous, plan_tensor
-from inkling_jax.streaming import BufferPool, Stream
+from inkling_jax.parallel.mesh import MESH_AXES, parse_mesh_spec
+from inkling_jax.parallel.rules import axes_of, logical_axes, spec_for
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,34 +1,19 @@
-"""Device meshes and the one table of logical-axis rules.
+"""The one table of logical-axis rules.
 
 Every parameter dimension has a logical name (`LOGICAL_AXES`, matched on the parameter's path); `RULES` maps
-logical names to mesh axes. The model, the converter, the trainer and the server all shard through
-`param_shardings`, so changing a layout is a one-line change here.
-
-Mesh axes: `data` (replicas), `fsdp` (parameters sharded, gathered per layer), `tensor` (heads and MLP
-widths), `expert` (routed experts). A mesh string like "fsdp=4,tensor=2" names the axes it uses; the others
-have size 1.
+logical names to mesh axes (`inkling_jax.parallel.mesh`). The model, the converter, the trainer and the server all
+shard through `param_shardings`, so changing a layout is a one-line change here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
-from typing import Iterable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-log = logging.getLogger(__name__)
-
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
-
-class MeshError(ValueError):
-    """A mesh spec that names no mesh, needs more devices than there are, or cannot split the model."""
-
 
 # logical dimension name -> mesh axis (or axes) it is split over; None: replicated.
 RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -106,32 +91,6 @@ DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("m
              "w_gate_up": ("embed", None), "w_gate_up_fp8": (None, "embed"), "w_gate_up_out_scale": (None,)}
 
 
-def parse_mesh_spec(spec: str | None) -> dict[str, int]:
-    """"fsdp=4,tensor=2" -> {"data": 1, "fsdp": 4, "tensor": 2, "expert": 1}."""
-    sizes = dict.fromkeys(MESH_AXES, 1)
-    for part in filter(None, (spec or "").replace(" ", "").split(",")):
-        name, _, value = part.partition("=")
-        if name not in sizes or not value.isdigit() or int(value) < 1:
-            raise MeshError(f"bad mesh axis {part!r}: use name=size with names from {MESH_AXES}")
-        sizes[name] = int(value)
-    return sizes
-
-
-def make_mesh(spec: str | dict[str, int] | None = None, devices: Iterable | None = None) -> Mesh:
-    """A mesh over `devices` (default: all) with the four named axes. When the spec does not name `data`,
-    devices left over go to data parallelism; otherwise the sizes must multiply to the device count."""
-    sizes = parse_mesh_spec(spec) if not isinstance(spec, dict) else {**dict.fromkeys(MESH_AXES, 1), **spec}
-    devices = list(jax.devices() if devices is None else devices)
-    total = int(np.prod(list(sizes.values())))
-    if total != len(devices):
-        if len(devices) % total == 0 and (spec is None or "data" not in str(spec)):
-            sizes["data"] *= len(devices) // total  # fill the rest with data parallelism
-        else:
-            raise MeshError(f"mesh {sizes} needs {total} devices, {len(devices)} available")
-    grid = np.array(devices).reshape([sizes[a] for a in MESH_AXES])
-    return Mesh(grid, MESH_AXES)
-
-
 def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
     """The logical name of each dimension of the parameter at `path`."""
     names = tuple(str(p) for p in path)
@@ -193,69 +152,6 @@ def param_shardings(model: nnx.Module, mesh: Mesh, rules=None) -> dict[tuple, Na
             shape = tuple(var.get_value().shape)
             out[path] = NamedSharding(mesh, spec_for(logical_axes(path, len(shape)), shape, mesh, rules))
     return out
-
-
-def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
-    """Place every parameter of `model` on `mesh` by the table (in place) and `use_mesh`; returns the model."""
-    shardings = param_shardings(model, mesh, rules)
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.Param):
-            node.set_value(jax.device_put(node.get_value(), shardings[path]))
-    return use_mesh(model, mesh)
-
-
-def use_mesh(model: nnx.Module, mesh: Mesh | None) -> nnx.Module:
-    """Tell the modules that split their own work the mesh (in place): MoE layers run expert parallel over
-    `expert` and split expert widths over `tensor`; attention and ShortConv kernels run per device; the model
-    looks up its embedding per vocabulary slice. Returns the model."""
-    from inkling_jax.attention import Attention
-    from inkling_jax.layers import ShortConv
-    from inkling_jax.mlp import MoE
-    from inkling_jax.model import InklingModel
-
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, (MoE, Attention, ShortConv, InklingModel)):
-            node.mesh = mesh
-    return model
-
-
-def check_mesh(mesh: Mesh, text) -> None:
-    """Raise MeshError where `mesh` cannot split the model of TextConfig `text` (routed experts over `expert`);
-    log what a `tensor` axis leaves whole (heads and KV caches that do not divide, the expert width)."""
-    from inkling_jax.kernel_sharding import head_shards
-
-    expert, tensor = mesh.shape["expert"], mesh.shape["tensor"]
-    if text.num_experts % expert:
-        raise MeshError(f"the model's {text.num_experts} routed experts do not split over expert={expert}")
-    for local in sorted({text.is_local(i) for i in range(text.num_layers)}):
-        shape = text.attention(local)
-        if head_shards(mesh, (shape.num_heads, shape.num_kv_heads)) < tensor:
-            log.warning("tensor=%d does not divide the %s-attention layers' %d query / %d KV heads: their attention "
-                        "and KV cache stay whole on every device", tensor, "sliding" if local else "full",
-                        shape.num_heads, shape.num_kv_heads)
-    if tensor > 1 and text.moe_intermediate_size % tensor:
-        log.warning("tensor=%d does not divide the expert width %d: every device runs whole experts", tensor,
-                    text.moe_intermediate_size)
-
-
-def take_rows(table, ids, mesh: Mesh | None):
-    """table[ids] for a [vocab, embed] table placed by the rules ("vocab" rows over `tensor`): the embedding
-    lookup. With the rows split, each device looks up the ids in its own slice (zeros for the others) and the
-    slices' results are summed, which moves [..., embed] activations. Left to XLA, the partitioner may gather
-    the whole table instead: it did so in the 1-row decode step on two H200s (2.47 GB per token)."""
-    axis = None if mesh is None else spec_for(("vocab", "embed"), table.shape, mesh)[0]
-    if axis is None:
-        return jnp.take(table, ids, axis=0)
-    rows = spec_for(("batch",) + (None,) * (ids.ndim - 1), ids.shape, mesh)
-
-    def local(table, ids):
-        start = jax.lax.axis_index(axis) * table.shape[0]
-        mine = (ids >= start) & (ids < start + table.shape[0])
-        found = jnp.take(table, jnp.where(mine, ids - start, 0), axis=0)
-        return jax.lax.psum(jnp.where(mine[..., None], found, jnp.zeros((), table.dtype)), axis)
-
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(axis, None), rows),
-                         out_specs=PartitionSpec(*rows, None), check_vma=False)(table, ids)
 
 
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:

@@ -12,47 +12,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax import dense_fp8
-from inkling_jax.attention import Attention
-from inkling_jax.cache import Cache, LayerCache, init_cache
-from inkling_jax.config import InklingConfig, TextConfig
-from inkling_jax.dense_nvfp4 import Nvfp4Linear
-from inkling_jax.layers import RMSNorm, ShortConv, normal
-from inkling_jax.mlp import DenseMLP, MoE
-from inkling_jax.mtp import MTPHead
-from inkling_jax.sharding import take_rows
-from inkling_jax.towers import AudioTower, VisionTower
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, local: bool, dense: bool, dtype, rngs: nnx.Rngs):
-        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.attn_norm = RMSNorm(hidden, eps, dtype=dtype)
-        self.attn = Attention(cfg, local, dtype=dtype, rngs=rngs)
-        self.attn_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
-        self.mlp_norm = RMSNorm(hidden, eps, dtype=dtype)
-        if dense:
-            self.mlp = DenseMLP(hidden, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
-        self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
-
-    def __call__(self, x, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
-                 page_table=None, ring_rows=None, expert_ids=None):
-        """Returns (x, updated LayerCache or None, the MoE's expert ids or None)."""
-        conv = (lambda name: None) if cache is None else (lambda name: getattr(cache, name))
-        a, attn_cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache, n_new=n_new,
-                                  page_table=page_table, ring_rows=ring_rows)
-        a, attn_conv = self.attn_sconv(a, conv("attn_conv"), segment_ids, n_new)
-        x = x + a
-        m, chosen = self.mlp(self.mlp_norm(x), expert_ids)
-        m, mlp_conv = self.mlp_sconv(m, conv("mlp_conv"), segment_ids, n_new)
-        x = x + m
-        new_cache = None
-        if cache is not None:
-            new_cache = LayerCache(**attn_cache, attn_conv=attn_conv, mlp_conv=mlp_conv)
-        return x, new_cache, chosen
-
+from inkling_jax.config import InklingConfig
+from inkling_jax.nn.attention import Attention
+from inkling_jax.nn.cache import Cache, init_cache
+from inkling_jax.nn.decoder import DecoderLayer
+from inkling_jax.nn.layers import RMSNorm, normal
+from inkling_jax.nn.mlp import DenseMLP
+from inkling_jax.nn.moe import MoE
+from inkling_jax.nn.mtp import MTPHead
+from inkling_jax.nn.towers import AudioTower, VisionTower
+from inkling_jax.parallel.vocab import take_rows
+from inkling_jax.quant import dense_fp8
+from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear
 
 # Rematerialisation for training, per decoder layer: the policy says which intermediates the backward pass may
 # keep; the rest is recomputed. "none": keep all (no remat); "full": keep only the layer inputs; "dots": keep
@@ -142,11 +113,11 @@ class InklingModel(nnx.Module):
     def quantize_dense(self, precision: str = "fp8") -> int:
         """For serving, forward only; returns the number of matrices changed.
 
-        "fp8": the text layers' dense MLPs and the LM head in fp8 (inkling_jax/dense_fp8.py: W8A8 dots, one scale
+        "fp8": the text layers' dense MLPs and the LM head in fp8 (inkling_jax/quant/dense_fp8.py: W8A8 dots, one scale
         per output column). At a decode step's sizes XLA's fp8 dots gained nothing on the attention projections
         and the shared experts (bench/results/dense_matmuls.md), which stay as they are, as does the embedding.
         "nvfp4": as "fp8", and every attention's q|k|v|r and wo and every MoE's shared experts in NVFP4
-        (inkling_jax/dense_nvfp4.py: W4A16 by the routed experts' kernel), after fusing them
+        (inkling_jax/quant/dense_nvfp4.py: W4A16 by the routed experts' kernel), after fusing them
         (`fuse_projections`, so not for a tensor-parallel mesh). The dense MLPs stay fp8: a prefill runs their
         large products on fp8 tensor cores at twice the rate of the W4A16 kernel's f16 ones."""
         if precision not in ("fp8", "nvfp4"):

@@ -18,13 +18,13 @@ import zlib
 
 import numpy as np
 
-from inkling_jax import orbax_io, slabs
+from inkling_jax.checkpoint import orbax_io, slabs
+from inkling_jax.checkpoint.loading import hub_layout, keeps_fp32
+from inkling_jax.checkpoint.safetensors_io import DTYPES, INDEX, group_into_shards, header_bytes, index_text, shard_name
+from inkling_jax.checkpoint.slabs import TensorPlan, plan_tensor
+from inkling_jax.checkpoint.streaming import Stream
+from inkling_jax.checkpoint.to_orbax import ConversionError, Tuning, combine_crcs, one_line
 from inkling_jax.config import load_config
-from inkling_jax.loading import hub_layout, keeps_fp32
-from inkling_jax.safetensors_io import DTYPES, INDEX, group_into_shards, header_bytes, index_text, shard_name
-from inkling_jax.slabs import TensorPlan, plan_tensor
-from inkling_jax.streaming import Stream
-from inkling_jax.to_orbax import ConversionError, Tuning, one_line, combine_crcs
 
 
 def _layout(manifest: dict, rules, hub_shapes, dtype: str | None, max_shard_bytes: int):

@@ -16,13 +16,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.config import InklingConfig
-from inkling_jax.layers import Linear, RMSNorm
+from inkling_jax.nn.decoder import DecoderLayer  # each depth's block is an ordinary decoder layer
+from inkling_jax.nn.layers import Linear, RMSNorm
 
 
 class MTPLayer(nnx.Module):
     def __init__(self, config: InklingConfig, depth: int, *, dtype, rngs: nnx.Rngs):
-        from inkling_jax.model import DecoderLayer  # the block is an ordinary decoder layer
-
         cfg = config.text
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
