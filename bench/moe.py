@@ -143,7 +143,7 @@ def prefill(w):
 
 
 def layer(w, d):
-    """`mlp.experts` (what the model runs) with the shared experts dense or in the same launch."""
+    """`nn.moe.experts` (what the model runs) with the shared experts dense or in the same launch."""
     wg, wu, wd = w
     routed, shared = (wg[:LOCAL], wu[:LOCAL], wd[:LOCAL]), (wg[LOCAL:], wu[LOCAL:], wd[LOCAL:])
     x = d["x"][:TOKENS]

@@ -93,12 +93,12 @@ def test_quantised_model_on_a_mesh_equals_one_device(precision, spec, monkeypatc
     and the per-row activation scales span the whole row, so the sharded logits equal one device's. NVFP4's
     fused matrices (inkling_jax/quant/dense_nvfp4.py) stay whole on every device; its case runs with fp8 twins,
     which every product here takes (the thresholds lowered), the experts' split over `expert`."""
-    from inkling_jax.nn import mlp
+    from inkling_jax.nn import moe
     from inkling_jax.parallel.mesh import make_mesh
     from inkling_jax.parallel.placement import shard_model
     from inkling_jax.quant import dense_nvfp4
 
-    monkeypatch.setattr(mlp, "TWIN_TOKENS", 1)
+    monkeypatch.setattr(moe, "TWIN_TOKENS", 1)
     monkeypatch.setattr(dense_nvfp4, "TWIN_ROWS", 1)
 
     def quantised():

@@ -55,7 +55,7 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
     name, first = _routed_names(routed)[0], routed[0]
     split = first.shape[logical_axes(("mlp", name), first.ndim).index("expert_mlp")]
     grain = 2 if precision_of(routed) == "nvfp4" else 1
-    shared_splits = shared is None or shared[2].shape[1] % n == 0  # None: widened, run outside (mlp.MoE)
+    shared_splits = shared is None or shared[2].shape[1] % n == 0  # None: widened, run outside (nn.moe.MoE)
     return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared_splits else None
 
 
