@@ -11,7 +11,7 @@ Transports (`expert_parallel.experts_ep`'s `transport`):
   bytes), the default.
 Layer: the `bench` preset's widths (hidden 6144, 32 experts of width 3072 top-6, 2 shared), bf16, random
 weights and routing (the router runs outside the timing); `expert_parallel.experts_ep` on a mesh of `expert` =
-every GPU. Tokens come replicated, as the server gives them (its rows whole: `serve.placement.ROWS`), each
+every GPU. Tokens come replicated, as the server gives them (its rows whole: `serve.runner.placement.ROWS`), each
 shard slicing its share and the output gathered back; the `split` rows take them split over `expert`, as a
 trainer's batch comes (`sharding.RULES`), each shard keeping its output.
 
@@ -37,7 +37,7 @@ from inkling_jax.parallel import expert_parallel
 from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model  # noqa: E402
 from inkling_jax.parallel.rules import override_rules
-from serve.placement import ROWS  # noqa: E402
+from serve.runner.placement import ROWS  # noqa: E402
 
 
 def measure(tokens: list[int], preset_name: str) -> dict:

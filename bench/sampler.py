@@ -1,4 +1,4 @@
-"""The sampler's top-k / top-p filter on one GPU: `serve.sampler.top_k_top_p` (cutoffs found digit by digit, no
+"""The sampler's top-k / top-p filter on one GPU: `serve.runner.sampler.top_k_top_p` (cutoffs found digit by digit, no
 sort) against the sort of its definition (the peer, in the same run), at the engine's row counts and Inkling's
 vocabulary; and the whole `full` sampler (penalties, filters, draw, logprobs) against the plain temperature draw.
 
@@ -25,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench.ceilings import median_seconds, read_bandwidth  # noqa: E402
-from serve import sampler  # noqa: E402
-from serve.sampler import SamplingBatch, sample, top_k_top_p  # noqa: E402
+from serve.runner import sampler  # noqa: E402
+from serve.runner.sampler import SamplingBatch, sample, top_k_top_p  # noqa: E402
 
 
 def top_k_top_p_sorted(x, top_k, top_p):

@@ -46,14 +46,14 @@ from bench.ceilings import copy_bandwidth, decode_step_bytes, matmul_flops, medi
 from bench.trace_summary import summarize  # noqa: E402
 from inkling_jax import InklingModel, preset  # noqa: E402
 from inkling_jax.nn.model import DENSE_PRECISIONS, EXPERT_PRECISIONS  # noqa: E402
-from serve.config import EngineConfig  # noqa: E402
-from serve.engine import Engine  # noqa: E402
-from serve.memory_plan import program_bytes  # noqa: E402
-from serve.placement import Placement  # noqa: E402
+from serve.engine.config import EngineConfig  # noqa: E402
+from serve.engine.engine import Engine  # noqa: E402
+from serve.engine.memory_plan import program_bytes  # noqa: E402
+from serve.engine.sampling_params import SamplingParams  # noqa: E402
+from serve.http.text_stream import Delta  # noqa: E402
 from serve.random_weights import random_model  # noqa: E402
-from serve.sampling import SamplingParams  # noqa: E402
-from serve.steps import pack  # noqa: E402
-from serve.text_stream import Delta  # noqa: E402
+from serve.runner.placement import Placement  # noqa: E402
+from serve.runner.steps import pack  # noqa: E402
 
 PEER = r"""
 import json, sys, time, torch

@@ -10,9 +10,9 @@ import dataclasses
 import itertools
 import threading
 
-from serve.engine import Engine
-from serve.request import Output
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.request import Output
+from serve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

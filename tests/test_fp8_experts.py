@@ -12,9 +12,9 @@ from flax import nnx
 from inkling_jax import preset
 from inkling_jax.nn import kernels
 from inkling_jax.nn.moe import MoE
+from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
-from serve.sampling import SamplingParams
 from tests.greedy import greedy_tokens
 
 

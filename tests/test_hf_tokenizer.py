@@ -1,11 +1,11 @@
-"""The server's `tokenizer.json` path (serve.tokenizer.HFTokenizer) on a byte-level BPE like the released one, trained
-here offline on a few lines: token bytes rebuild the UTF-8 text (characters split across tokens included),
+"""The server's `tokenizer.json` path (serve.http.tokenizer.HFTokenizer) on a byte-level BPE like the released one,
+trained here offline on a few lines: token bytes rebuild the UTF-8 text (characters split across tokens included),
 streamed text equals the decoded text, and user text never turns into control tokens."""
 
 import pytest
 
-from serve.text_stream import TextStream
-from serve.tokenizer import load_tokenizer
+from serve.http.text_stream import TextStream
+from serve.http.tokenizer import load_tokenizer
 
 SPECIAL = "<|message_user|>"
 TEXT = "héllo wörld ✓ 日本語 and naïve café, déjà vu: 🙂!"

@@ -11,11 +11,11 @@ import pytest
 
 from inkling_jax import preset
 from inkling_jax.nn import kernels
-from serve.config import EngineConfig
-from serve.engine import Engine
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
-from serve.sampling import SamplingParams
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 RNG = np.random.default_rng(3)

@@ -15,14 +15,14 @@ from PIL import Image
 
 from inkling_jax import preset
 from inkling_jax.nn import kernels
-from serve.api import Service
 from serve.app import ServerThread, serving_app
-from serve.chat import ChatError, ChatFormat
-from serve.config import EngineConfig
-from serve.engine import Engine
-from serve.media import MediaEncoder
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.http.chat import ChatError, ChatFormat
+from serve.http.media import MediaEncoder
+from serve.http.routes import Service
+from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
-from serve.tokenizer import ByteTokenizer
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 MODEL = "tiny-media"

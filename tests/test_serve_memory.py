@@ -8,14 +8,14 @@ import pytest
 
 from inkling_jax import preset
 from inkling_jax.nn import kernels
-from serve import memory_plan
-from serve.config import EngineConfig
-from serve.engine import Engine
+from serve.engine import memory_plan
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.request import EngineStopped
+from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
-from serve.placement import Placement
 from serve.random_weights import random_model
-from serve.request import EngineStopped
-from serve.sampling import SamplingParams
+from serve.runner.placement import Placement
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 ENGINE = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),

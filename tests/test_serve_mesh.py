@@ -13,12 +13,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from inkling_jax import preset
 from inkling_jax.generate import StepFunctions
 from inkling_jax.nn import kernels
-from serve.config import EngineConfig
-from serve.engine import Engine
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
-from serve.placement import Placement
 from serve.random_weights import random_model
-from serve.sampling import SamplingParams
+from serve.runner.placement import Placement
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 PROMPTS = [np.random.default_rng(seed).integers(0, 256, n).tolist() for seed, n in enumerate((7, 19))]

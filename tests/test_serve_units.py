@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from inkling_jax import preset
-from serve import memory_plan
-from serve.block_manager import BlockManager
-from serve.chat import ChatError, ChatFormat, ChatOutput, format_effort
-from serve.config import EngineConfig
-from serve.protocol import ChatRequest, CompletionRequest
-from serve.sampler import SamplingBatch, gumbel_noise, pack_samples, sample, top_k_top_p, unpack_samples
-from serve.sampling import InvalidParams, SamplingParams
-from serve.scheduler import Scheduler
-from serve.sequence import Sequence, Status
-from serve.text_stream import TextOutput, TextStream, TokenEntry
-from serve.tokenizer import ByteTokenizer
+from serve.engine import memory_plan
+from serve.engine.block_manager import BlockManager
+from serve.engine.config import EngineConfig
+from serve.engine.sampling_params import InvalidParams, SamplingParams
+from serve.engine.scheduler import Scheduler
+from serve.engine.sequence import Sequence, Status
+from serve.http.chat import ChatError, ChatFormat, ChatOutput, format_effort
+from serve.http.protocol import ChatRequest, CompletionRequest
+from serve.http.text_stream import TextOutput, TextStream, TokenEntry
+from serve.http.tokenizer import ByteTokenizer
+from serve.runner.sampler import SamplingBatch, gumbel_noise, pack_samples, sample, top_k_top_p, unpack_samples
 
 RNG = np.random.default_rng(0)
 
@@ -161,8 +161,8 @@ def test_kv_pool_leaves_room_for_the_compiled_programs():
 
 
 def test_only_wide_prefill_programs_compile_untuned_on_gpu(monkeypatch):
-    from serve import model_runner
-    from serve.model_runner import CPU_COMPILE_OPTIONS, WIDE_GPU_COMPILE_OPTIONS, WIDE_TOKENS, compile_options
+    from serve.runner import model_runner
+    from serve.runner.model_runner import CPU_COMPILE_OPTIONS, WIDE_GPU_COMPILE_OPTIONS, WIDE_TOKENS, compile_options
 
     assert compile_options((32, 128, False)) == CPU_COMPILE_OPTIONS
     monkeypatch.setattr(model_runner.jax, "default_backend", lambda: "gpu")
@@ -509,7 +509,7 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     """A mesh that cannot split the experts stops the server with one line, before any weight loads; one that
     splits less than asked says what stays whole."""
     from serve.app import main
-    from serve.placement import MeshError, Placement
+    from serve.runner.placement import MeshError, Placement
 
     with pytest.raises(SystemExit, match="--mesh expert=3: the model's 8 routed experts do not split over expert=3"):
         main(["--mesh", "expert=3"])

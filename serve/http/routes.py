@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from serve.chat import ChatError, ChatFormat, ChatOutput
-from serve.engine import Engine
-from serve.request import EngineStopped, QueueFull
-from serve.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, validation_message
-from serve.responses import ChatResponder, Choice, CompletionResponder, Responder, usage
-from serve.sampling import InvalidParams, SamplingParams
-from serve.text_stream import TextOutput
-from serve.tokenizer import Tokenizer
+from serve.engine.engine import Engine
+from serve.engine.request import EngineStopped, QueueFull
+from serve.engine.sampling_params import InvalidParams, SamplingParams
+from serve.http.chat import ChatError, ChatFormat, ChatOutput
+from serve.http.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, validation_message
+from serve.http.responses import ChatResponder, Choice, CompletionResponder, Responder, usage
+from serve.http.text_stream import TextOutput
+from serve.http.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass

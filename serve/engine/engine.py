@@ -25,16 +25,16 @@ import time
 from typing import Callable
 
 from inkling_jax.nn.model import InklingModel
-from serve.block_manager import BlockManager
-from serve.config import EngineConfig
-from serve.metrics import Metrics
-from serve.model_runner import ModelRunner
-from serve.placement import Placement
-from serve.request import EngineStopped, Output, QueueFull, Request
-from serve.sampling import SamplingParams
-from serve.scheduler import Chunk, Scheduler
-from serve.sequence import Sequence
-from serve.text_stream import Delta, TokenEntry
+from serve.engine.block_manager import BlockManager
+from serve.engine.config import EngineConfig
+from serve.engine.metrics import Metrics
+from serve.engine.request import EngineStopped, Output, QueueFull, Request
+from serve.engine.sampling_params import SamplingParams
+from serve.engine.scheduler import Chunk, Scheduler
+from serve.engine.sequence import Sequence
+from serve.http.text_stream import Delta, TokenEntry
+from serve.runner.model_runner import ModelRunner
+from serve.runner.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Engine:
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
                make_parser: Callable[[], object], sink: Callable[[Output], None], media=None) -> Request:
-        """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.media.Media`
+        """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.http.media.Media`
         of the (single) prompt's placeholders. Raises QueueFull or EngineStopped."""
         seed = random.getrandbits(32)
         extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}

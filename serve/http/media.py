@@ -25,7 +25,7 @@ from flax import nnx
 
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.preprocess import SAMPLE_RATE, dmel_ids, image_to_patches
-from serve.chat import ChatError
+from serve.http.chat import ChatError
 
 IMAGE_UPSCALE = 2.0  # the reference processor doubles the long edge (capped at 2048 px)
 

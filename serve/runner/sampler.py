@@ -16,7 +16,7 @@ DIGIT_BITS = 4  # the cutoff searches fix 4 bits of a key per pass over the logi
 
 @struct.dataclass
 class SamplingBatch:
-    """Per-row parameters [R] (see `serve.sampling.SamplingParams`)."""
+    """Per-row parameters [R] (see `serve.engine.sampling_params.SamplingParams`)."""
 
     temperature: jax.Array
     top_p: jax.Array

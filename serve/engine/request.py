@@ -8,8 +8,8 @@ import dataclasses
 import time
 from typing import Callable
 
-from serve.sequence import Sequence
-from serve.text_stream import Delta
+from serve.engine.sequence import Sequence
+from serve.http.text_stream import Delta
 
 
 class QueueFull(RuntimeError):

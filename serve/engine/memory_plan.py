@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from inkling_jax.config import TextConfig
 from inkling_jax.nn.cache import cache_bytes
-from serve.config import EngineConfig
+from serve.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 

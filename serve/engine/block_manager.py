@@ -19,7 +19,7 @@ import hashlib
 
 import numpy as np
 
-from serve.sequence import Sequence
+from serve.engine.sequence import Sequence
 
 
 class Block:

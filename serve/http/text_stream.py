@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serve.tokenizer import Tokenizer
+from serve.http.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
@@ -113,7 +113,7 @@ class Delta:
 
 
 class TextOutput:
-    """The output of a completion: one text stream. (`serve.chat.ChatOutput` splits reasoning from content.)"""
+    """The output of a completion: one text stream. (`serve.http.chat.ChatOutput` splits reasoning from content.)"""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True):
         self.stream = TextStream(tokenizer, stop, skip_special_tokens)

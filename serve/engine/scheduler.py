@@ -17,9 +17,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from serve.block_manager import BlockManager
-from serve.config import EngineConfig
-from serve.sequence import Sequence, Status
+from serve.engine.block_manager import BlockManager
+from serve.engine.config import EngineConfig
+from serve.engine.sequence import Sequence, Status
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ Control tokens are inserted by id, so message text can never forge one.
 
 from __future__ import annotations
 
-from serve.text_stream import Delta, TextStream, TokenEntry, as_deltas
-from serve.tokenizer import Tokenizer
+from serve.http.text_stream import Delta, TextStream, TokenEntry, as_deltas
+from serve.http.tokenizer import Tokenizer
 
 EFFORT_LEVELS = {"none": 0.0, "minimal": 0.1, "low": 0.2, "medium": 0.7, "high": 0.9, "xhigh": 0.99, "max": 0.99}
 DEFAULT_EFFORT = 0.9
@@ -45,7 +45,7 @@ MEDIA_FRAMING = {"image": ("<|content_image|>", ()), "audio": ("<|content_audio_
 
 class ChatFormat:
     def __init__(self, tokenizer: Tokenizer, media=None):
-        """media: a `serve.media.MediaEncoder` for a checkpoint with media towers (None: text only)."""
+        """media: a `serve.http.media.MediaEncoder` for a checkpoint with media towers (None: text only)."""
         self.tokenizer = tokenizer
         self.media = media
         names = set(ROLE_TOKENS.values()) | {"<|content_text|>", "<|content_thinking|>", "<|end_message|>",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 
-from serve.sampling import SamplingParams
+from serve.engine.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -120,7 +120,7 @@ class Placement:
     def reserve(self, nbytes: int) -> None:
         """Has the allocator take `nbytes` on every device as one block and hand it back. An allocator that grows
         region by region keeps the block, so the arrays made next (the cache) find room in it; otherwise it may
-        grow a region that holds the first of them but not the next (see `serve.memory_plan`)."""
+        grow a region that holds the first of them but not the next (see `serve.engine.memory_plan`)."""
         count = len(self.device_list)
         rows = -(-nbytes // 2**20)  # whole MiB, rows of 1 MiB: no dimension over 2**31
         every_device = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec(self.mesh.axis_names))

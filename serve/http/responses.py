@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from serve.request import Output
-from serve.text_stream import TokenEntry
-from serve.tokenizer import Tokenizer
+from serve.engine.request import Output
+from serve.http.text_stream import TokenEntry
+from serve.http.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Runs scheduled chunks on the device: the cache, the compiled steps (`serve.steps`, one per shape bucket),
+"""Runs scheduled chunks on the device: the cache, the compiled steps (`serve.runner.steps`, one per shape bucket),
 the sampler state (penalty counts) and the snapshot pool.
 
 Every bucket is compiled ahead of time by `warm_up`, and a call outside the buckets is an error, never a silent
@@ -21,12 +21,13 @@ import numpy as np
 
 from inkling_jax.generate import flat_params
 from inkling_jax.nn.model import InklingModel
-from serve import cache_rows, memory_plan
-from serve.config import EngineConfig
-from serve.placement import Placement
-from serve.sampler import Sampled, unpack_samples
-from serve.scheduler import Chunk
-from serve.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
+from serve.engine import memory_plan
+from serve.engine.config import EngineConfig
+from serve.engine.scheduler import Chunk
+from serve.runner import cache_rows
+from serve.runner.placement import Placement
+from serve.runner.sampler import Sampled, unpack_samples
+from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The engine's device programs, each compiled once per shape bucket (see `serve.config`).
+"""The engine's device programs, each compiled once per shape bucket (see `serve.engine.config`).
 
 `prefill`: R rows of up to T tokens, a chunk each; the head runs only at each row's last real token (at
 Inkling's vocabulary the head over every position would be the step's largest matmul), one sample per row.
@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from serve import cache_rows
-from serve.config import EngineConfig
-from serve.sampler import SamplingBatch, pack_samples, sample
-from serve.scheduler import Chunk
+from serve.engine.config import EngineConfig
+from serve.engine.scheduler import Chunk
+from serve.runner import cache_rows
+from serve.runner.sampler import SamplingBatch, pack_samples, sample
 
 
 @struct.dataclass
