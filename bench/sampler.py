@@ -52,7 +52,8 @@ def params(rows: int, rng) -> SamplingBatch:
     f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
     return SamplingBatch(temperature=f32(rng.choice([0.7, 1.0], rows)), top_p=f32(rng.choice([0.9, 0.95, 1.0], rows)),
                          top_k=jnp.asarray(rng.choice([0, 40, 50], rows), jnp.int32), min_p=f32(np.zeros(rows)),
-                         presence=f32(np.zeros(rows)), frequency=f32(np.zeros(rows)), repetition=f32(np.ones(rows)),
+                         presence_penalty=f32(np.zeros(rows)), frequency_penalty=f32(np.zeros(rows)),
+                         repetition_penalty=f32(np.ones(rows)),
                          seed=jnp.asarray(np.arange(rows), jnp.uint32), index=jnp.zeros((rows,), jnp.int32))
 
 

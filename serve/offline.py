@@ -11,7 +11,7 @@ import itertools
 import threading
 
 from serve.engine.engine import Engine
-from serve.engine.request import Output
+from serve.engine.outputs import Output, Sample
 from serve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -32,10 +32,10 @@ class TokenRecorder:
     def __init__(self):
         self.result = Generated()
 
-    def feed(self, token_id: int, entry=None) -> list:
+    def feed(self, token_id: int, sample: Sample | None = None) -> list:
         self.result.token_ids.append(token_id)
-        if entry is not None:
-            self.result.logprobs.append(entry.logprob)
+        if sample is not None:
+            self.result.logprobs.append(sample.logprob)
         return []
 
     def finish(self) -> list:

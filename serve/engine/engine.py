@@ -28,11 +28,11 @@ from inkling_jax.nn.model import InklingModel
 from serve.engine.block_manager import BlockManager
 from serve.engine.config import EngineConfig
 from serve.engine.metrics import Metrics
-from serve.engine.request import EngineStopped, Output, QueueFull, Request
+from serve.engine.outputs import Output, Sample
+from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
 from serve.engine.sequence import Sequence
-from serve.http.text_stream import Delta, TokenEntry
 from serve.runner.model_runner import ModelRunner
 from serve.runner.placement import Placement
 
@@ -53,7 +53,8 @@ class Engine:
         self._aborts: list[str] = []
         self._requests: dict[str, Request] = {}
         self._owner: dict[int, Request] = {}  # seq_id -> its request
-        self._unreported: list[tuple] = []  # applied tokens whose text is not yet out (see `_report`)
+        self._unreported: list[tuple[Sequence, Sample]] = []  # applied tokens whose text is not yet out
+        self._read_at = 0.0  # when the host read the unreported tokens
         self._inflight = None  # (chunks, dispatched): a decode run queued before the last one was read
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
@@ -74,10 +75,9 @@ class Engine:
     def start(self) -> None:
         """Compile every step (see `warm_up_seconds`), then start the engine thread.
 
-        The objects alive by then (the model, its compiled programs, jax's caches: ~310k of them for the tiny
-        model on CPU) are frozen out of Python's garbage collector (`gc.freeze`): a full collection walks every
-        tracked object and took ~0.35 s on this project's 2-core CI machine, a pause of the engine thread
-        wherever one falls. `shutdown` unfreezes them."""
+        The objects alive by then (the model, its compiled programs, jax's caches: hundreds of thousands) are
+        frozen out of Python's garbage collector (`gc.freeze`): a full collection walks every tracked object, a
+        pause of the engine thread wherever one falls. `shutdown` unfreezes them."""
         self.warm_up_seconds = self.runner.warm_up()
         gc.collect()
         gc.freeze()
@@ -85,7 +85,7 @@ class Engine:
         self._thread.start()
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-               make_parser: Callable[[], object], sink: Callable[[Output], None], media=None) -> Request:
+               make_parser: Callable[[], OutputParser], sink: Callable[[Output], None], media=None) -> Request:
         """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.http.media.Media`
         of the (single) prompt's placeholders. Raises QueueFull or EngineStopped."""
         seed = random.getrandbits(32)
@@ -208,7 +208,7 @@ class Engine:
             # The previous step's text is reported while the device runs this one.
             dispatched = self.runner.dispatch(chunks, on_queued=self._report)
         # A decode run that can go on is continued before its tokens are read, so that the device does not
-        # wait for the host's reading, stop checks and scheduling (~3 ms per run of 32 rows on the H200).
+        # wait for the host's reading, stop checks and scheduling.
         ahead = [c.steps for c in chunks]
         plan = self._decode_plan(chunks, ahead)
         if plan is not None:
@@ -216,34 +216,36 @@ class Engine:
             self._inflight = following, self.runner.dispatch(
                 following, on_queued=self._report, previous=self.runner.last_tokens(dispatched))
         self._report()  # (a no-op where a dispatch above has reported)
-        self._unreported = self._apply(chunks, self.runner.collect(dispatched), time.monotonic())
+        samples = self.runner.collect(dispatched)
+        self._read_at = time.monotonic()
+        self._unreported = self._apply(chunks, samples)
 
-    def _apply(self, chunks: list[Chunk], results: dict[int, list[tuple]], now: float) -> list[tuple]:
-        """Put a step's samples into their sequences; end those that hit EOS, a stop id or a length limit.
-        Returns (sequence, sample, time, end reason or None) per token, for `_report`."""
-        tokens = []
+    def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
+        """Put a step's samples into their sequences; end those that hit EOS, a stop id or a length limit (the
+        sample's `finish_reason`). Returns the applied samples with their sequences, for `_report`."""
+        applied = []
         for chunk in chunks:
             seq = chunk.seq
             if seq.finished:  # a stop string ended it after this step was dispatched
                 continue
             self._advance(seq, chunk.num_tokens)
-            for k, sample in enumerate(results.get(seq.seq_id, ())):
+            for k, sample in enumerate(samples.get(seq.seq_id, ())):
                 if k:
                     self._advance(seq, 1)  # the token fed back on device is in the cache
-                seq.append(sample[0])
-                reason = seq.end_reason(sample[0], self.eos_token_id, self.config.max_model_len)
-                tokens.append((seq, sample, now, reason))
-                if reason:  # the device's later tokens of this row are discarded
+                seq.append(sample.token_id)
+                sample.finish_reason = seq.end_reason(sample.token_id, self.eos_token_id, self.config.max_model_len)
+                applied.append((seq, sample))
+                if sample.finish_reason:  # the device's later tokens of this row are discarded
                     self.scheduler.finish(seq)
                     break
-        return tokens
+        return applied
 
     def _report(self) -> None:
         """Text and outputs of the applied tokens not yet reported."""
-        tokens, self._unreported = self._unreported, []
-        for seq, sample, now, reason in tokens:
+        applied, self._unreported = self._unreported, []
+        for seq, sample in applied:
             if seq.seq_id in self._owner:  # not ended by an earlier stop string or an abort
-                self._on_token(seq, *sample, now, reason)
+                self._on_token(seq, sample, self._read_at)
 
     def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
         """`Scheduler.decode_plan`, at the decode steps set now; a request that arrived meanwhile counts as
@@ -262,8 +264,7 @@ class Engine:
             if snapshot is not None:
                 self.runner.save_snapshot(seq.slot, snapshot)
 
-    def _on_token(self, seq: Sequence, token: int, logprob: float, top_ids, top_logprobs, now: float,
-                  reason: str | None) -> None:
+    def _on_token(self, seq: Sequence, sample: Sample, now: float) -> None:
         request = self._owner[seq.seq_id]
         parser = request.parsers[seq.seq_id]
         self.metrics.generation_tokens.inc()
@@ -273,23 +274,18 @@ class Engine:
         else:
             self.metrics.itl.observe(now - last)
         request.last_token[seq.seq_id] = now
-        p = seq.params
-        if reason == "stop":  # EOS or a stop id: not part of the text
+        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text
             self._finish(seq, "stop", parser.finish())
             return
-        entry = None
-        if p.logprobs is not None:
-            entry = TokenEntry(token, logprob, list(zip(top_ids[:p.logprobs].tolist(),
-                                                        top_logprobs[:p.logprobs].tolist())))
-        deltas = parser.feed(token, entry)
+        deltas = parser.feed(sample.token_id, sample if seq.params.logprobs is not None else None)
         if parser.stopped:
             self._finish(seq, "stop", deltas)
-        elif reason == "length":
+        elif sample.finish_reason == "length":
             self._finish(seq, "length", deltas + parser.finish())
         elif deltas:
             self._emit(request, Output(seq.index, deltas, None, seq.num_output))
 
-    def _finish(self, seq: Sequence, reason: str, deltas: list[Delta]) -> None:
+    def _finish(self, seq: Sequence, reason: str, deltas: list) -> None:
         request = self._owner.pop(seq.seq_id)
         self.scheduler.finish(seq)
         self.metrics.requests.labels(reason).inc()

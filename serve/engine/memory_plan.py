@@ -6,10 +6,9 @@ at full length.
 Free memory is counted only as far as one block holds it (`largest_allocation`): each full-attention layer's K
 and V pool is one array. Where the allocator grows region by region (XLA_PYTHON_CLIENT_PREALLOCATE=false), the
 runner also has it take the whole cache as one block and hand it back before making the arrays
-(`Placement.reserve`). Without that, on two H200s (bench/results/serve.md, 2026-11-30) the allocator grew a 64
-GiB region for a 37.5 GiB K pool, and the V pool then found 27 GiB there and 8.8 GiB of room for a new region.
-Once the step programs are compiled, `pages_that_fit` checks the plan's formula for their buffers against what
-XLA says each program needs.
+(`Placement.reserve`). Without that, it may grow a region that holds the K pool but leaves the V pool room
+neither there nor for a region of its own. Once the step programs are compiled, `pages_that_fit` checks the
+plan's formula for their buffers against what XLA says each program needs.
 """
 
 import logging

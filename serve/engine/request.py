@@ -1,15 +1,14 @@
-"""A request as the engine tracks it (its sequences, their text parsers, where its outputs go), the events it
-emits, and the two ways `Engine.submit` refuses one.
+"""A request as the engine tracks it (its sequences, their output parsers, where its outputs go), what a parser
+is, and the two ways `Engine.submit` refuses one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
+from serve.engine.outputs import Output, Sample
 from serve.engine.sequence import Sequence
-from serve.http.text_stream import Delta
 
 
 class QueueFull(RuntimeError):
@@ -20,18 +19,21 @@ class EngineStopped(RuntimeError):
     """The engine is shutting down and takes no new requests (the API answers 503)."""
 
 
-@dataclasses.dataclass
-class Output:
-    """One event of a request: new text of choice `index`, and its finish reason once it is done."""
+class OutputParser(Protocol):
+    """Turns one sequence's tokens into what its `Output`s carry (text for the API: `serve.http.text_stream`)."""
 
-    index: int
-    deltas: list[Delta]
-    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
-    num_output: int
+    stopped: bool  # a stop string ended the sequence
+
+    def feed(self, token_id: int, sample: Sample | None = None) -> list:
+        """One more token (`sample`: its Sample, where the request wants logprobs); what it releases."""
+
+    def finish(self) -> list:
+        """The sequence ended: what is still held back."""
 
 
 class Request:
-    def __init__(self, request_id: str, seqs: list[Sequence], parsers: list, sink: Callable[[Output], None]):
+    def __init__(self, request_id: str, seqs: list[Sequence], parsers: list[OutputParser],
+                 sink: Callable[[Output], None]):
         self.request_id = request_id
         self.seqs = seqs
         self.parsers = {seq.seq_id: parser for seq, parser in zip(seqs, parsers)}

@@ -1,17 +1,25 @@
-"""Per-request sampling parameters (the host side; `sampler.py` applies them on device).
+"""Per-request sampling parameters: the one definition of their names, defaults and valid values.
 
-Semantics follow the OpenAI API plus the usual vLLM extensions: temperature 0 is greedy; top_k <= 0, top_p 1 and
-min_p 0 switch their filters off; presence and frequency penalties act on the output so far, the repetition
-penalty on prompt and output. A seed makes a request's samples reproducible whatever else runs beside it.
+The names are the OpenAI API's (plus the usual vLLM extensions), and every layer uses them: the request schema
+(`serve.http.protocol`), these parameters, and the device sampler's per-row arrays (`serve.runner.sampler`).
+Temperature 0 is greedy; top_k <= 0, top_p 1 and min_p 0 switch their filters off; presence and frequency
+penalties act on the output so far, the repetition penalty on prompt and output. A seed makes a request's
+samples reproducible whatever else runs beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+MAX_STOP_STRINGS, MAX_STOP_LENGTH = 16, 256
+
 
 class InvalidParams(ValueError):
-    """A request whose sampling parameters cannot be honoured (the API answers 400)."""
+    """Sampling parameters that cannot be honoured (the API answers 400, naming `param`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,23 +41,21 @@ class SamplingParams:
 
     def __post_init__(self):
         checks = [
-            (self.max_tokens >= 0, "max_tokens must be >= 0"),
-            (0.0 <= self.temperature <= 2.0, "temperature must be in [0, 2]"),
-            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (self.top_k >= -1, "top_k must be -1, 0 (off) or positive"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
-            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
-            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty must be in (0, 2]"),
-            (all(s for s in self.stop), "stop strings must be non-empty"),
+            ("max_tokens", self.max_tokens >= 0, "must be >= 0"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k >= -1, "must be -1, 0 (off) or positive"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS and all(0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
+             f"takes up to {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_LENGTH} characters"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
         ]
-        for ok, message in checks:
+        for param, ok, rule in checks:
             if not ok:
-                raise InvalidParams(message)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+                raise InvalidParams(f"{param} {rule}", param)
 
     @property
     def uses_penalties(self) -> bool:
@@ -58,7 +64,7 @@ class SamplingParams:
     @property
     def needs_full_sampler(self) -> bool:
         """More than a temperature draw: filters, penalties or logprobs, which only the engine's `full` sampler
-        programs compute (`sampler.sample`)."""
+        programs compute (`serve.runner.sampler.sample`)."""
         return (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0 or self.uses_penalties
                 or self.logprobs is not None)
 

@@ -10,7 +10,8 @@ Control tokens are inserted by id, so message text can never forge one.
 
 from __future__ import annotations
 
-from serve.http.text_stream import Delta, TextStream, TokenEntry, as_deltas
+from serve.engine.outputs import Sample
+from serve.http.text_stream import Delta, TextStream, as_deltas
 from serve.http.tokenizer import Tokenizer
 
 EFFORT_LEVELS = {"none": 0.0, "minimal": 0.1, "low": 0.2, "medium": 0.7, "high": 0.9, "xhigh": 0.99, "max": 0.99}
@@ -147,9 +148,9 @@ class ChatOutput:
     def stopped(self) -> bool:
         return self.streams["content"].stopped
 
-    def feed(self, token_id: int, entry: TokenEntry | None = None) -> list[Delta]:
+    def feed(self, token_id: int, sample: Sample | None = None) -> list[Delta]:
         self.channel = self.switches.get(token_id, self.channel)
-        return as_deltas(self.channel, *self.streams[self.channel].feed(token_id, entry))
+        return as_deltas(self.channel, *self.streams[self.channel].feed(token_id, sample))
 
     def finish(self) -> list[Delta]:
         return [d for channel, stream in self.streams.items() for d in as_deltas(channel, *stream.finish())]

@@ -1,31 +1,28 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both streaming as
-server-sent events), `/health` and `/metrics`.
+server-sent events, `serve.http.responses`), `/health` and `/metrics`.
 
-Every malformed request gets a 4xx with an OpenAI-style error body. A client that goes away aborts its request
-(the engine frees its pages): streaming or not, the handler watches the connection while it waits.
+Every malformed request gets a 4xx with an OpenAI-style error body: the schema's (`serve.http.protocol`), or a
+limit of this server's, checked here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import json
 import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from serve.engine.engine import Engine
-from serve.engine.request import EngineStopped, QueueFull
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.http.chat import ChatError, ChatFormat, ChatOutput
 from serve.http.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, validation_message
-from serve.http.responses import ChatResponder, Choice, CompletionResponder, Responder, usage
+from serve.http.responses import ChatResponder, CompletionResponder, respond
 from serve.http.text_stream import TextOutput
 from serve.http.tokenizer import Tokenizer
 
@@ -95,12 +92,12 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         if body.echo and body.logprobs is not None:
             raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         prompts = _completion_prompts(service, body.prompt)
-        params = _params(service, body, prompts, body.max_tokens, body.logprobs)
+        params = _params(service, body, prompts)
         echo = [service.tokenizer.decode(p) for p in prompts] if body.echo else None
         responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer, echo,
                                         body.n)
-        return await _generate(service, request, body, prompts, params, responder,
-                               lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
+        return await respond(service.engine, request, body, prompts, params, responder,
+                             lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatRequest, request: Request):
@@ -119,14 +116,10 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         media = None
         if items and len(prompt) <= service.max_prompt_tokens:  # longer prompts get their 400 below
             media = await asyncio.get_running_loop().run_in_executor(None, service.chat.media.encode, items)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        params = _params(service, body, [prompt], max_tokens, logprobs)
+        params = _params(service, body, [prompt])
         responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer)
-        return await _generate(service, request, body, [prompt], params, responder,
-                               lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media)
+        return await respond(service.engine, request, body, [prompt], params, responder,
+                             lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media)
 
     return app
 
@@ -148,9 +141,10 @@ def _completion_prompts(service: Service, prompt) -> list[list[int]]:
     return prompts
 
 
-def _params(service: Service, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None,
-            logprobs: int | None) -> SamplingParams:
-    """Check a request against the server's limits and turn it into sampling parameters."""
+def _params(service: Service, body: SamplingFields, prompts: list[list[int]]) -> SamplingParams:
+    """Check a request against the server's limits; its sampling parameters, with this server's max_tokens where
+    it sets none."""
+    values = body.sampling_values()
     limit_model = service.engine.config.max_model_len
     longest = max(len(p) for p in prompts)
     if min(len(p) for p in prompts) == 0:
@@ -158,6 +152,7 @@ def _params(service: Service, body: SamplingFields, prompts: list[list[int]], ma
     if longest > service.max_prompt_tokens:
         raise APIError(400, f"the prompt has {longest} tokens; this server takes at most {service.max_prompt_tokens}",
                        param="prompt", code="context_length_exceeded")
+    max_tokens = values.get("max_tokens")
     if max_tokens is None:
         max_tokens = min(service.max_tokens, limit_model - longest)
     if max_tokens > service.max_tokens or longest + max_tokens > limit_model:
@@ -166,99 +161,15 @@ def _params(service: Service, body: SamplingFields, prompts: list[list[int]], ma
                        code="context_length_exceeded")
     if body.n * len(prompts) > service.max_n:
         raise APIError(400, f"n x prompts must be at most {service.max_n}", param="n")
-    if logprobs is not None and logprobs > service.engine.config.max_logprobs:
+    if values.get("logprobs") is not None and values["logprobs"] > service.engine.config.max_logprobs:
         raise APIError(400, f"at most {service.engine.config.max_logprobs} logprobs", param="logprobs")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
-    stop_ids = tuple(body.stop_token_ids or ())
-    if any(not 0 <= t < service.vocab_size for t in stop_ids):
+    if any(not 0 <= t < service.vocab_size for t in values.get("stop_token_ids", ())):
         raise APIError(400, f"stop_token_ids must be in [0, {service.vocab_size})", param="stop_token_ids")
-    defaults = SamplingParams()
-    pick = lambda value, default: default if value is None else value  # noqa: E731
+    if "top_k" in values:  # past the vocabulary: all of it
+        values["top_k"] = min(values["top_k"], service.vocab_size)
     try:
-        return SamplingParams(
-            max_tokens=max_tokens, temperature=pick(body.temperature, defaults.temperature),
-            top_p=pick(body.top_p, defaults.top_p), top_k=min(pick(body.top_k, 0), service.vocab_size),
-            min_p=pick(body.min_p, 0.0), presence_penalty=pick(body.presence_penalty, 0.0),
-            frequency_penalty=pick(body.frequency_penalty, 0.0),
-            repetition_penalty=pick(body.repetition_penalty, 1.0),
-            seed=None if body.seed is None else body.seed % 2**32, stop=body.stop_strings(), stop_token_ids=stop_ids,
-            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
+        return SamplingParams(**{**values, "max_tokens": max_tokens})
     except InvalidParams as exc:
-        raise APIError(400, str(exc)) from None
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _next_output(queue: asyncio.Queue, request: Request):
-    """The engine's next output for this request; raises _ClientGone once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise _ClientGone from None
-
-
-async def _generate(service: Service, request: Request, body: SamplingFields, prompts: list[list[int]],
-                    params: SamplingParams, responder: Responder, make_parser, media=None) -> Response:
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    request_id = responder.request_id
-    try:
-        service.engine.submit(request_id, prompts, params, body.n, make_parser,
-                              lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media)
-    except QueueFull as exc:
-        raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
-                       code="rate_limit_exceeded") from None
-    except EngineStopped as exc:
-        raise APIError(503, str(exc), kind="server_error") from None
-    choices = [Choice() for _ in range(len(prompts) * body.n)]
-    pending = [len(choices)]
-    logprobs = params.logprobs is not None
-
-    def record(output) -> None:
-        choices[output.index].add(output)
-        pending[0] -= output.finish_reason is not None
-
-    def abort_unfinished() -> None:  # the client left, or anything else ended the handler early
-        if pending[0]:
-            service.engine.abort(request_id)
-
-    def total() -> dict:
-        return usage(sum(map(len, prompts)), sum(c.num_output for c in choices))
-
-    if body.stream:
-        async def events():
-            try:
-                with contextlib.suppress(_ClientGone):
-                    for chunk in responder.first_chunks(len(choices)):
-                        yield _sse(chunk)
-                    while pending[0]:
-                        output = await _next_output(queue, request)
-                        for chunk in responder.chunks(output, logprobs, choices[output.index]):
-                            yield _sse(chunk)
-                        record(output)
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse(responder.usage_chunk(total()))
-                    yield "data: [DONE]\n\n"
-            finally:
-                abort_unfinished()
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-    try:
-        while pending[0]:
-            record(await _next_output(queue, request))
-    except _ClientGone:
-        return Response(status_code=499)  # nobody is listening; the request was aborted
-    finally:
-        abort_unfinished()
-    if any(c.finish_reason == "error" for c in choices):
-        raise APIError(500, "the engine failed while running this request", kind="server_error")
-    return JSONResponse(responder.response(choices, logprobs, total()))
-
-
-def _sse(chunk: dict) -> str:
-    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        raise APIError(400, str(exc), param=exc.param) from None

@@ -1,5 +1,5 @@
 """Token ids -> released text: incremental detokenization, stop strings held back until resolved, and the
-logprob entries of the tokens whose text has been released.
+`Sample`s (for logprobs) of the tokens whose text has been released.
 
 Text is decoded from a short window of recent tokens, so a character split across tokens (UTF-8 bytes, BPE
 merges) is emitted only once it is complete. A stop string can also be split across tokens: the longest tail
@@ -12,14 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from serve.engine.outputs import Sample
 from serve.http.tokenizer import Tokenizer
-
-
-@dataclasses.dataclass
-class TokenEntry:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the most likely tokens and their logprobs, best first
 
 
 class TextStream:
@@ -32,12 +26,13 @@ class TextStream:
         self.read_offset = 0  # tokens before this are decoded into `text`
         self.text = ""  # decoded so far
         self.released = 0  # characters of `text` handed out
-        self.pending: list[tuple[int, TokenEntry | None]] = []  # (text end offset, entry) not yet released
+        self.pending: list[tuple[int, Sample | None]] = []  # (text end offset, sample) not yet released
         self.pending_start = 0  # text offset where the first pending token's text begins
         self.stopped = False
 
-    def feed(self, token_id: int, entry: TokenEntry | None = None) -> tuple[str, list[TokenEntry]]:
-        """Add one token; returns (newly released text, newly released logprob entries)."""
+    def feed(self, token_id: int, sample: Sample | None = None) -> tuple[str, list[Sample]]:
+        """Add one token (`sample`: its Sample, to be released with its text); returns (newly released text, newly
+        released samples)."""
         if self.stopped:
             return "", []
         self.ids.append(token_id)
@@ -46,7 +41,7 @@ class TextStream:
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.pending.append((len(self.text), entry))
+        self.pending.append((len(self.text), sample))
         cut = self._find_stop()
         if cut is not None:
             self.stopped = True
@@ -54,7 +49,7 @@ class TextStream:
             return self._release(cut, cut_tokens=True)
         return self._release(len(self.text) - self._held_back())
 
-    def finish(self) -> tuple[str, list[TokenEntry]]:
+    def finish(self) -> tuple[str, list[Sample]]:
         """Release everything still held (the sequence ended for another reason than a stop string)."""
         if self.stopped:
             return "", []
@@ -62,7 +57,7 @@ class TextStream:
                                                                                     self.read_offset])):]
         self.text += rest
         self.read_offset = len(self.ids)
-        self.pending = [(len(self.text), e) for _, e in self.pending]
+        self.pending = [(len(self.text), s) for _, s in self.pending]
         return self._release(len(self.text))
 
     def _decode(self, ids: list[int]) -> str:
@@ -86,30 +81,30 @@ class TextStream:
                     break
         return longest
 
-    def _release(self, upto: int, cut_tokens: bool = False) -> tuple[str, list[TokenEntry]]:
-        """Hand out text up to `upto` and the entries of tokens whose text ends there; on a stop, also the
+    def _release(self, upto: int, cut_tokens: bool = False) -> tuple[str, list[Sample]]:
+        """Hand out text up to `upto` and the samples of tokens whose text ends there; on a stop, also the
         tokens that began before the cut."""
         upto = max(upto, self.released)
         text, self.released = self.text[self.released:upto], upto
-        entries, still = [], []
+        samples, still = [], []
         start = self.pending_start
-        for end, entry in self.pending:
+        for end, sample in self.pending:
             if end <= upto or (cut_tokens and start < upto):
-                if entry is not None:
-                    entries.append(entry)
+                if sample is not None:
+                    samples.append(sample)
                 self.pending_start = end
             elif not cut_tokens:
-                still.append((end, entry))
+                still.append((end, sample))
             start = end
         self.pending = still
-        return text, entries
+        return text, samples
 
 
 @dataclasses.dataclass
 class Delta:
     channel: str  # "text" (completions), "content" or "reasoning" (chat)
     text: str
-    entries: list[TokenEntry]
+    samples: list[Sample]  # of the tokens whose text this is (where the request wants logprobs)
 
 
 class TextOutput:
@@ -122,12 +117,12 @@ class TextOutput:
     def stopped(self) -> bool:
         return self.stream.stopped
 
-    def feed(self, token_id: int, entry: TokenEntry | None = None) -> list[Delta]:
-        return as_deltas("text", *self.stream.feed(token_id, entry))
+    def feed(self, token_id: int, sample: Sample | None = None) -> list[Delta]:
+        return as_deltas("text", *self.stream.feed(token_id, sample))
 
     def finish(self) -> list[Delta]:
         return as_deltas("text", *self.stream.finish())
 
 
-def as_deltas(channel: str, text: str, entries: list[TokenEntry]) -> list[Delta]:
-    return [Delta(channel, text, entries)] if text or entries else []
+def as_deltas(channel: str, text: str, samples: list[Sample]) -> list[Delta]:
+    return [Delta(channel, text, samples)] if text or samples else []

@@ -3,9 +3,9 @@
 A cache row is one slot. Every LayerCache field is per row except the K/V page pools of full-attention layers,
 which all rows share through the page table. A step touching a few rows gathers their ShortConv states into a
 small cache, runs the model, and scatters them back; the page pools and the sliding layers' K/V rings stay where
-they are (the model addresses rings by `Cache.ring_rows`): on the H200 gathering and scattering the rings of 32
-rows of the bench model (20 MB each) cost 0.75 ms per decode step. A snapshot is one row's whole state (rings and
-ShortConv states) saved at a page boundary, for prefix-cache hits.
+they are (the model addresses rings by `Cache.ring_rows`): copying the rings in and out would cost a decode step
+far more than the rest of the gather. A snapshot is one row's whole state (rings and ShortConv states) saved at a
+page boundary, for prefix-cache hits.
 """
 
 import dataclasses
@@ -51,7 +51,7 @@ def take_rows(cache: Cache, rows) -> Cache:
 def put_rows(cache: Cache, rows, sub: Cache) -> Cache:
     """`cache` with `rows` replaced by the rows of `sub` and its page pools and rings taken from `sub`. `rows`
     must be distinct; rows past the end (padding) are dropped. Declared unique, XLA need not order colliding
-    writes (on the H200 a 32-row step whose padding rows all wrote one scratch row cost ~3 ms more)."""
+    writes (which made a step whose padding rows all wrote one scratch row much slower)."""
     put = lambda x, y: x.at[rows].set(y, mode="drop", unique_indices=True)  # noqa: E731
     state = jax.tree.map(put, conv_state(cache), conv_state(sub))
     return with_row_state(sub, state).replace(lengths=put(cache.lengths, sub.lengths),

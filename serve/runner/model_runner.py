@@ -23,37 +23,15 @@ from inkling_jax.generate import flat_params
 from inkling_jax.nn.model import InklingModel
 from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
+from serve.engine.outputs import Sample
 from serve.engine.scheduler import Chunk
 from serve.runner import cache_rows
+from serve.runner.compilation import compile_options
 from serve.runner.placement import Placement
-from serve.runner.sampler import Sampled, unpack_samples
+from serve.runner.sampler import read_samples, unpack_samples
 from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
 
 log = logging.getLogger(__name__)
-
-CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-# Prefill programs of at least WIDE_TOKENS tokens (rows x chunk) on GPU: no GEMM autotuning. Their products are
-# large, where cuBLAS's own choice serves, and on the H200 autotuning the wide fp8 dots of `--fp8-twins` made the
-# 32-prompt prefill program alone take ~200 s to compile; without it the 33 x 128 prefill took 36.2 ms. The other
-# programs keep it: untuned, the 33-row decode step took 3.57 ms against 3.31 tuned (bench/results/serve.md,
-# 2026-12-01).
-WIDE_TOKENS = 512
-WIDE_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
-_compilations = []
-
-
-def compilation_count() -> int:
-    """XLA compilations in this process since the first call (for checking that serving compiles nothing)."""
-    if not _compilations:
-        _compilations.append(0)
-        jax.monitoring.register_event_duration_secs_listener(_count_compilation)
-    return _compilations[0]
-
-
-def _count_compilation(event: str, *_, **__) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compilations[0] += 1
-
 
 class ModelRunner:
     def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None):
@@ -112,7 +90,7 @@ class ModelRunner:
         except jax.errors.JaxRuntimeError as err:
             if not memory_plan.is_out_of_memory(str(err)):
                 raise
-            # No smaller pool is tried: on the H200 the arrays of a failed allocation stayed allocated.
+            # No smaller pool is tried: the arrays of a failed allocation may stay allocated (seen on GPUs).
             gib = self.num_pages * self.page_bytes_per_device() / 2**30
             raise MemoryError(f"the KV pool of {self.num_pages} pages ({gib:.1f} GiB per device) could not be "
                               f"allocated: pass fewer with --num-pages, or a smaller --memory-fraction "
@@ -252,17 +230,16 @@ class ModelRunner:
         """The device tokens a decode step's last program sampled, for a continuation to feed back."""
         return dispatched[0][2]
 
-    def collect(self, dispatched: list) -> dict[int, list[tuple]]:
-        """Wait for a dispatched step; returns seq_id -> [(token, logprob, top_ids, top_logprobs), ...] (the
-        chunk's `steps` samples) for every chunk that ends its sequence's known tokens."""
+    def collect(self, dispatched: list) -> dict[int, list[Sample]]:
+        """Wait for a dispatched step; returns seq_id -> the chunk's `steps` Samples (with the request's
+        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens."""
         results = {}
         for group, outs, _ in dispatched:
-            host: Sampled = unpack_samples(np.concatenate(jax.device_get(outs)))
+            host = unpack_samples(np.concatenate(jax.device_get(outs)))
             for chunk, row in zip(group, self._row_index(group)):
                 if chunk.samples:
-                    results[chunk.seq.seq_id] = [(int(host.tokens[k, row]), float(host.logprobs[k, row]),
-                                                  host.top_ids[k, row], host.top_logprobs[k, row])
-                                                 for k in range(chunk.samples)]
+                    num_top = chunk.seq.params.logprobs or 0
+                    results[chunk.seq.seq_id] = read_samples(host, row, chunk.samples, num_top)
         return results
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
@@ -312,12 +289,3 @@ class ModelRunner:
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
         media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
         return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)
-
-
-def compile_options(key) -> dict | None:
-    """XLA options for the `warm_up` program of `key`, (rows, chunk, full) for a step or a helper's name. On CPU
-    (tests, demos) compile time dominates: XLA's cheaper backend passes cut it by about half."""
-    if jax.default_backend() == "cpu":
-        return CPU_COMPILE_OPTIONS
-    wide = isinstance(key, tuple) and key[1] > 1 and key[0] * key[1] >= WIDE_TOKENS  # a wide prefill
-    return WIDE_GPU_COMPILE_OPTIONS if wide else None

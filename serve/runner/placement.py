@@ -26,7 +26,7 @@ from inkling_jax.parallel.rules import override_rules, spec_for
 
 # The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). The KV pool is one
 # pool of pages, whole on every expert shard; with the rows split over `expert`, every step program would write it
-# from rows gathered across the shards (tests/test_serve_mesh.py finds such writes then).
+# from rows gathered across the shards (tests/serve/test_mesh.py finds such writes then).
 ROWS = ("data", "fsdp")
 
 # LayerCache field -> logical names of its dimensions (see `inkling_jax.nn.cache`)

@@ -1,4 +1,5 @@
-"""The on-device sampler: one row per sequence, each with its own parameters, in one fixed-shape program.
+"""The on-device sampler: one row per sequence, each with its own parameters, in one fixed-shape program; and the
+host's side of it: the rows' parameters in (`batch_of`), their samples out (`unpack_samples`, `read_samples`).
 
 Order: penalties -> temperature -> top-k -> top-p -> min-p -> Gumbel-max draw (greedy rows: the same argmax
 without noise). Reported logprobs are those of the model's own distribution (before penalties and temperature),
@@ -6,27 +7,53 @@ as OpenAI reports them. The random draw of a row depends only on (seed, index of
 seeded request gives the same tokens alone or batched with others, and after a preemption.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+
+from serve.engine.outputs import Sample
+from serve.engine.sampling_params import SamplingParams
 
 DIGIT_BITS = 4  # the cutoff searches fix 4 bits of a key per pass over the logits: 8 passes each
 
 
 @struct.dataclass
 class SamplingBatch:
-    """Per-row parameters [R] (see `serve.engine.sampling_params.SamplingParams`)."""
+    """Per-row parameters [R]: the fields of `SamplingParams` of the same names, and each row's place in its
+    output."""
 
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array  # <= 0: off
     min_p: jax.Array
-    presence: jax.Array
-    frequency: jax.Array
-    repetition: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
     seed: jax.Array  # uint32
     index: jax.Array  # int32: how many tokens the row has sampled before this one
+
+    @property
+    def uses_penalties(self) -> jax.Array:
+        """[R] bool: `SamplingParams.uses_penalties` of each row."""
+        return (self.presence_penalty != 0) | (self.frequency_penalty != 0) | (self.repetition_penalty != 1)
+
+
+INT_FIELDS = {"top_k": np.int32, "seed": np.uint32, "index": np.int32}  # SamplingBatch's; the others are float32
+FLOAT_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingBatch) if f.name not in INT_FIELDS)
+NO_SEQUENCE = SamplingParams(temperature=0.0, seed=0)  # a padding row's: greedy, no filter, no penalty
+
+
+def batch_of(params: list[SamplingParams], index: list[int]) -> SamplingBatch:
+    """Host arrays [R] of the rows' parameters and output indices (`NO_SEQUENCE` for rows that hold none)."""
+    columns = {f.name: [getattr(p, f.name) for p in params] for f in dataclasses.fields(SamplingBatch)
+               if f.name != "index"}
+    columns["seed"] = [0 if seed is None else seed for seed in columns["seed"]]  # Engine.submit seeds every choice
+    columns["index"] = index
+    return SamplingBatch(**{name: np.asarray(values, INT_FIELDS.get(name, np.float32))
+                            for name, values in columns.items()})
 
 
 @struct.dataclass
@@ -39,9 +66,8 @@ class Sampled:
 
 def pack_samples(sampled: Sampled) -> jax.Array:
     """A step's samples as one int32 array [R, 2 + 2K] (the floats bit-cast), so that the host fetches one array
-    per step, not four. On two H200s at batch 1 the host barely keeps ahead of the device, so the fetches after
-    each decode run showed as idle time: packing took the time per token from 3.07 to 2.67 ms
-    (bench/results/serve.md)."""
+    per step, not four: fewer fetches between decode runs, where the host barely keeps ahead of the device (see
+    docs/performance.md)."""
     as_int = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)  # noqa: E731
     return jnp.concatenate([sampled.tokens[:, None], as_int(sampled.logprobs)[:, None], sampled.top_ids,
                             as_int(sampled.top_logprobs)], axis=1)
@@ -54,6 +80,15 @@ def unpack_samples(packed) -> Sampled:
     return Sampled(ints[..., 0], floats[..., 1], ints[..., 2:2 + k], floats[..., 2 + k:])
 
 
+def read_samples(host: Sampled, row: int, count: int, num_top: int) -> list[Sample]:
+    """Row `row`'s samples of the first `count` steps of a host read-out [steps, R(, K)], each with its `num_top`
+    most likely tokens."""
+    top_ids = host.top_ids[:count, row, :num_top].tolist()
+    top_logprobs = host.top_logprobs[:count, row, :num_top].tolist()
+    return [Sample(int(host.tokens[k, row]), float(host.logprobs[k, row]), tuple(zip(top_ids[k], top_logprobs[k])))
+            for k in range(count)]
+
+
 def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool = True) -> Sampled:
     """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties.
 
@@ -62,8 +97,8 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
     host instead: with it, penalties, the top-k / top-p / min-p filters, the chosen token's logprob and the top
     `num_top` ones (~20 passes and a top-k over [R, V]); without it, a temperature draw that reads the logits
     once, so that XLA fuses the LM head's epilogue into it (its logprobs are zeros; counts and prompt_mask are
-    not read). In the H200's 32-row decode step the penalties' int32 counts and the passes for logprobs and
-    min-p made the plain sampler ~95 us (bench/results/serve.md, 2026-12-02)."""
+    not read): the common request's decode step skips the penalties' counts and the passes for logprobs and
+    min-p (see docs/performance.md)."""
     rows = logits.shape[0]
     if not full:
         tokens = _draw(logits.astype(jnp.float32), params, filtered=False)
@@ -80,9 +115,9 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
 
 def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
     seen = prompt_mask | (counts > 0)
-    rep = params.repetition[:, None]
+    rep = params.repetition_penalty[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)
-    return x - params.frequency[:, None] * counts - params.presence[:, None] * (counts > 0)
+    return x - params.frequency_penalty[:, None] * counts - params.presence_penalty[:, None] * (counts > 0)
 
 
 def _draw(x, params: SamplingBatch, filtered: bool):
@@ -104,12 +139,10 @@ def gumbel_noise(seed, index, vocab: int):
     """Standard Gumbel noise [R, vocab] that depends only on each row's (seed, index) and the position.
 
     A counter-based hash, not jax.random's threefry (20 rounds per pair of words), which the program computes
-    over all of [R, V] for every row, greedy ones included, since it has no branch: in an H200 trace of the
-    33-row decode step the fusion holding it and the two argmaxes took 58 us of a 3.9 ms step (bench/results/serve.md,
-    2026-12-01). A draw needs uniform bits, independent across positions, rows and steps; two rounds of a 32-bit
-    avalanche mix of (position, row key) give that at a few integer operations per entry. Alone on the H200 the
-    plain sampler with it took 0.122 ms at 33 rows against 0.099 with threefry and two argmaxes, and 0.180 against
-    0.236 at 129 rows (bench/sampler.py, one run each): no gain at 33 rows."""
+    over all of [R, V] for every row, greedy ones included, since it has no branch. A draw needs uniform bits,
+    independent across positions, rows and steps; two rounds of a 32-bit avalanche mix of (position, row key)
+    give that at a few integer operations per entry (cheaper than threefry at wide batches; see
+    docs/performance.md)."""
     row_key = _mix32(_mix32(seed.astype(jnp.uint32) ^ jnp.uint32(0x5BD1E995))
                      ^ index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9))[:, None]
     position = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
@@ -130,12 +163,12 @@ def _mix32(h):
 def top_k_top_p(x, top_k, top_p, digit_bits: int = DIGIT_BITS):
     """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p.
 
-    Without a sort (a sort of [R, V] cost 1.6 ms of a 32-row step on the H200): the kept entries of a row are
-    those at or above a cutoff, and each cutoff is found digit by digit over the values' order-preserving
-    uint32 keys, one masked count (or sum) per digit over [R, V] for all of a digit's values at once. First
-    the k-th largest key; then the largest key above which the top-k head still holds top_p of its mass.
-    The definition through a sort keeps the same entries except where the mass crosses top_p within float32
-    rounding, and where values tie at the k-th largest (then all of the tied ones count toward the mass)."""
+    Without a sort (a sort of [R, V] is slow on GPUs): the kept entries of a row are those at or above a cutoff,
+    and each cutoff is found digit by digit over the values' order-preserving uint32 keys, one masked count (or
+    sum) per digit over [R, V] for all of a digit's values at once. First the k-th largest key; then the largest
+    key above which the top-k head still holds top_p of its mass. The definition through a sort keeps the same
+    entries except where the mass crosses top_p within float32 rounding, and where values tie at the k-th largest
+    (then all of the tied ones count toward the mass)."""
     vocab = x.shape[-1]
     key = _order_key(x)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]

@@ -7,8 +7,8 @@ Inkling's vocabulary the head over every position would be the step's largest ma
 samples of the whole run at once. Row r takes `steps[r]` of them (0: a padding row, untouched). Sampling uses
 each row's parameters and (seed, output index), so the tokens equal those of one call per token; the host
 discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
-reads its condition on the host at every iteration and copies loop-carried buffers, which cost the H200 about
-0.3 ms per token of idle time at batch 1.
+reads its condition on the host at every iteration and copies loop-carried buffers: idle device time per token
+(see docs/performance.md).
 
 Both gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
 back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh); `whole`
@@ -32,7 +32,7 @@ from flax import struct
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Chunk
 from serve.runner import cache_rows
-from serve.runner.sampler import SamplingBatch, pack_samples, sample
+from serve.runner.sampler import FLOAT_FIELDS, INT_FIELDS, NO_SEQUENCE, SamplingBatch, batch_of, pack_samples, sample
 
 
 @struct.dataclass
@@ -49,14 +49,13 @@ class StepInputs:
 
 
 _INT_COLUMNS = ("rows", "n_new", "lengths", "steps")
-_PARAM_INTS = ("top_k", "seed", "index")
-_PARAM_FLOATS = ("temperature", "top_p", "min_p", "presence", "frequency", "repetition")
 
 
 @struct.dataclass
 class PackedInputs:
-    """StepInputs in a few arrays: ints [R, 7 + T + pages_per_row] (the int columns, the sampling ints, the ids,
-    the page rows), floats [R, 6] (the sampling floats), and the media arrays of a multimodal prefill."""
+    """StepInputs in a few arrays: ints [R, 7 + T + pages_per_row] (the int columns, the sampler's int fields, the
+    ids, the page rows), floats [R, 6] (the sampler's float fields), and the media arrays of a multimodal
+    prefill."""
     ints: jax.Array
     floats: jax.Array
     media: jax.Array | None = None
@@ -66,22 +65,21 @@ class PackedInputs:
 def pack(inp: StepInputs) -> PackedInputs:
     """Host numpy StepInputs -> PackedInputs (numpy)."""
     columns = [getattr(inp, name).astype(np.int32) for name in _INT_COLUMNS]
-    columns += [getattr(inp.params, name).astype(np.uint32).view(np.int32) if name == "seed"
-                else getattr(inp.params, name).astype(np.int32) for name in _PARAM_INTS]
+    columns += [getattr(inp.params, name).astype(dtype).view(np.int32) for name, dtype in INT_FIELDS.items()]
     ints = np.concatenate([np.stack(columns, axis=1), inp.ids.astype(np.int32), inp.page_rows.astype(np.int32)],
                           axis=1)
-    floats = np.stack([getattr(inp.params, name).astype(np.float32) for name in _PARAM_FLOATS], axis=1)
+    floats = np.stack([getattr(inp.params, name).astype(np.float32) for name in FLOAT_FIELDS], axis=1)
     return PackedInputs(ints, floats, inp.media, inp.is_media)
 
 
 def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
     """The inverse of `pack`, inside a program."""
-    n = len(_INT_COLUMNS) + len(_PARAM_INTS)
+    n = len(_INT_COLUMNS) + len(INT_FIELDS)
     ints = packed.ints
-    column = dict(zip(_INT_COLUMNS + _PARAM_INTS, (ints[:, i] for i in range(n))))
-    column["seed"] = jax.lax.bitcast_convert_type(column["seed"], jnp.uint32)
-    floats = {name: packed.floats[:, i] for i, name in enumerate(_PARAM_FLOATS)}
-    params = SamplingBatch(**floats, **{name: column[name] for name in _PARAM_INTS})
+    column = dict(zip(_INT_COLUMNS + tuple(INT_FIELDS), (ints[:, i] for i in range(n))))
+    floats = {name: packed.floats[:, i] for i, name in enumerate(FLOAT_FIELDS)}
+    params = SamplingBatch(**floats, **{name: jax.lax.bitcast_convert_type(column[name], dtype)
+                                        for name, dtype in INT_FIELDS.items()})
     return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
                       lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
                       steps=column["steps"], params=params, media=packed.media, is_media=packed.is_media)
@@ -143,10 +141,10 @@ class StepPrograms:
         cost a host round-trip (see `sampler.sample`)."""
         if not full:
             return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
-        penalised = (p.presence != 0) | (p.frequency != 0) | (p.repetition != 1)
         rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         out = sample(self.whole(logits), p, rows(penalties.counts), rows(penalties.prompt_mask), self.num_top)
-        counts = penalties.counts.at[inp.rows, out.tokens].add((active & penalised).astype(jnp.int32), mode="drop")
+        counts = penalties.counts.at[inp.rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
+                                                               mode="drop")
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
@@ -166,34 +164,25 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
     every_row = rows == cfg.num_rows
     cache_row = np.arange(rows, dtype=np.int32) + (0 if every_row else cfg.num_rows)
     ids = np.zeros((rows, chunk), np.int32)
-    n_new, lengths, index_out, steps = (np.zeros((rows,), np.int32) for _ in range(4))
+    n_new, lengths, steps = (np.zeros((rows,), np.int32) for _ in range(3))
     page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
-    floats = {name: np.full((rows,), value, np.float32) for name, value in
-              (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("presence", 0.0), ("frequency", 0.0),
-               ("repetition", 1.0))}
-    top_k = np.zeros((rows,), np.int32)
-    seed = np.zeros((rows,), np.uint32)
+    params, index_out = [NO_SEQUENCE] * rows, [0] * rows
     media = is_media = None
     if media_like is not None:
         media = np.zeros((rows, chunk, media_like[0]), media_like[1])
         is_media = np.zeros((rows, chunk), bool)
     for c, row in zip(group, index):
-        seq, p = c.seq, c.seq.params
+        seq = c.seq
         cache_row[row] = seq.slot
         start = seq.num_cached + c.ahead
         ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
         n_new[row], lengths[row] = c.num_tokens, start
         page_rows[row, :len(seq.block_ids)] = seq.block_ids
         steps[row] = c.samples
-        for name, value in (("temperature", p.temperature), ("top_p", p.top_p), ("min_p", p.min_p),
-                            ("presence", p.presence_penalty), ("frequency", p.frequency_penalty),
-                            ("repetition", p.repetition_penalty)):
-            floats[name][row] = value
-        top_k[row], seed[row], index_out[row] = p.top_k, p.seed or 0, seq.num_output + c.ahead
+        params[row], index_out[row] = seq.params, seq.num_output + c.ahead
         if media is not None and seq.media is not None:
             positions, features = seq.media
             inside = (positions >= start) & (positions < start + c.num_tokens)
             media[row, positions[inside] - start] = features[inside]
             is_media[row, positions[inside] - start] = True
-    params = SamplingBatch(top_k=top_k, seed=seed, index=index_out, **floats)
-    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, params, media, is_media)
+    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, batch_of(params, index_out), media, is_media)

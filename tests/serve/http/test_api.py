@@ -23,16 +23,16 @@ from hypothesis import strategies as st
 from inkling_jax import preset
 from inkling_jax.generate import greedy_generate
 from inkling_jax.nn import kernels
-from serve.app import ServerThread, serving_app
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.request import EngineStopped
 from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatFormat, ChatOutput
 from serve.http.routes import Service
+from serve.http.server import ServerThread, serving_app
 from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
-from serve.runner.model_runner import compilation_count
+from serve.runner.compilation import compilation_count
 
 MODEL = "tiny-2-layer-random"
 KEY = "test-key"

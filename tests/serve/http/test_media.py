@@ -15,12 +15,12 @@ from PIL import Image
 
 from inkling_jax import preset
 from inkling_jax.nn import kernels
-from serve.app import ServerThread, serving_app
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.http.chat import ChatError, ChatFormat
 from serve.http.media import MediaEncoder
 from serve.http.routes import Service
+from serve.http.server import ServerThread, serving_app
 from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
 
