@@ -80,7 +80,8 @@ def test_headers_the_reference_rejects_are_rejected(case, tmp_path):
 
 @pytest.mark.parametrize("prefix, message", [
     (b"", "truncated \\(no safetensors header\\)"), (b"\x05\x00", "truncated \\(no safetensors header\\)"),
-    (struct.pack("<Q", 10**9), "header length 1000000000 is over the safetensors limit"), (struct.pack("<Q", 4096) + b"{}", "truncated \\(header")])
+    (struct.pack("<Q", 10**9), "header length 1000000000 is over the safetensors limit"),
+    (struct.pack("<Q", 4096) + b"{}", "truncated \\(header")])
 def test_files_too_short_for_their_header(prefix, message, tmp_path):
     path = tmp_path / "short.safetensors"
     path.write_bytes(prefix)
@@ -253,3 +254,48 @@ def test_only_the_chunks_a_process_holds_are_read(converted, monkeypatch):
     monkeypatch.setattr(orbax_io, "check_chunks", counting)
     load_pretrained(done, progress=False)
     assert len(seen) == len(set(seen)) == sum(len(e["chunk_crc32"]) for e in manifest["params"].values())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A malformed manifest: one line naming the manifest and the field, from loading and from `--to hf`.
+
+def _param(manifest):
+    return manifest["params"]["layers.1.mlp.w_down"]
+
+
+MANIFESTS = {
+    "not JSON": (lambda m: "{not json", "cannot read the manifest \\(Expecting"),
+    "a JSON list": (lambda m: "[]", "format 'a JSON list', expected"),
+    "an older format": (lambda m: dict(m, format="inkling-jax/orbax-params/1"),
+                        "format 'inkling-jax/orbax-params/1', expected .* \\(convert the source again\\)"),
+    "no params": (lambda m: {k: v for k, v in m.items() if k != "params"},
+                  "field params is None, expected an object"),
+    "a shape of text": (lambda m: _param(m).update(shape="64") or m,
+                        "field params.layers.1.mlp.w_down.shape is '64', expected a list of sizes"),
+    "a checksum short": (lambda m: _param(m).update(chunk_crc32=_param(m)["chunk_crc32"][1:]) or m,
+                         "field params.layers.1.mlp.w_down.chunk_crc32 is .*, expected a list of \\d+ checksums"),
+    "an integer dtype": (lambda m: _param(m).update(dtype="int8") or m,
+                         "field params.layers.1.mlp.w_down.dtype is 'int8', expected bfloat16 or float32"),
+    "chunks of zero": (lambda m: _param(m).update(chunks=[0, 1, 1]) or m,
+                       "field params.layers.1.mlp.w_down.chunks is \\[0, 1, 1\\], expected a chunk size per axis"),
+    "no layout": (lambda m: m["source"].pop("layout") and m, "field source.layout is None, expected an object"),
+}
+
+
+@pytest.mark.parametrize("case", list(MANIFESTS))
+def test_a_malformed_manifest(case, converted, tmp_path, capsys):
+    _, done = converted
+    copy = tmp_path / "copy"
+    shutil.copytree(done, copy)
+    change, message = MANIFESTS[case]
+    changed = change(json.loads((copy / orbax_io.MANIFEST).read_text()))
+    (copy / orbax_io.MANIFEST).write_text(changed if isinstance(changed, str) else json.dumps(changed))
+    expected = re.escape(f"{copy / orbax_io.MANIFEST}: ") + message
+    with pytest.raises(CheckpointError, match=expected) as error:
+        load_pretrained(copy, progress=False)
+    assert "\n" not in str(error.value)
+    capsys.readouterr()
+    assert main(["--src", str(copy), "--dst", str(tmp_path / "hub"), "--to", "hf", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.search(expected, err), err
+    assert sorted(os.listdir(tmp_path)) == ["copy"]

@@ -61,8 +61,8 @@ def _require(file: str, field: str, value, ok: bool, expected: str) -> None:
 
 
 def _check_manifest(file: str, m: dict) -> None:
-    for field, kind in (("dtype", str), ("params", dict), ("source", dict)):
-        _require(file, field, m.get(field), isinstance(m.get(field), kind), f"a JSON {kind.__name__}")
+    for field, kind, expected in (("dtype", str, "text"), ("params", dict, "an object"), ("source", dict, "an object")):
+        _require(file, field, m.get(field), isinstance(m.get(field), kind), expected)
     for key, e in m["params"].items():
         at = f"params.{key}"
         _require(file, at, e, isinstance(e, dict), "an object")
