@@ -27,8 +27,9 @@ _NOREPLACE, _EXCHANGE, _AT_FDCWD = 1, 2, -100  # renameat2's flags, and "relativ
 _renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
 
 
-class DestinationError(OSError):
-    """The destination cannot be taken: it exists, another writer holds it, or it overlaps the source."""
+class DestinationError(FileExistsError):
+    """The destination cannot be taken: something is (or appeared) there, another writer holds it, or it overlaps
+    the source."""
 
 
 @contextlib.contextmanager
