@@ -217,8 +217,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     that), so the devices never hold more than one layer's experts in `dtype`.
     dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
     serving), quantised once all weights are in.
-    verify_checksums: converted directories only: check the chunk files this process reads against the checksums
-    the converter recorded (one more pass over bytes mostly still in the page cache), before restoring.
+    verify_checksums: converted directories only: before restoring, check the chunk files this process will read
+    against the checksums the converter recorded (one more read and crc32 of those bytes).
     """
     check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
     path = os.fspath(path)
