@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.ceilings import decode_step_bytes
+from benchmarks.model import decode_step_bytes
 from inkling_jax import dense_fp8, kernels, mlp, preset
 from inkling_jax.attention import Attention
 from inkling_jax.dense_nvfp4 import TWIN_ROWS, Nvfp4Linear

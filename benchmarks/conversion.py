@@ -8,7 +8,8 @@ back with `--to hf`. The raw read is done twice, buffered and with O_DIRECT (whi
 file system takes it); the faster is the roofline (100%). Prints one table (and writes it, with the numbers as
 JSON, to --out); deletes everything it wrote unless --keep.
 
-    python bench/convert.py [--layers auto|2..6] [--dir /tmp] [--readers 2] [--workers N] [--out DIR] [--keep]
+    python -m benchmarks.conversion [--layers auto|2..6] [--dir /tmp] [--readers 2] [--workers N] [--out DIR]
+        [--keep]
 
 --layers 2 (two dense layers) gives 7.3 GB, 3 (plus one MoE layer) 11.4 GB, 4 15.5 GB and the full 6-layer
 preset 23.7 GB. The source, the orbax output and the export are on disk together: --layers auto takes the most
@@ -31,13 +32,12 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from inkling_jax.config import preset  # noqa: E402
-from inkling_jax.hub_source import open_for_reading, read_bytes  # noqa: E402
-from inkling_jax.loading import abstract_model, hub_layout, keeps_fp32, model_variables  # noqa: E402
-from inkling_jax.safetensors_io import group_into_shards, header_bytes, shard_name  # noqa: E402
-from inkling_jax.to_orbax import Tuning  # noqa: E402
+from benchmarks.timing import versions
+from inkling_jax.config import preset
+from inkling_jax.hub_source import open_for_reading, read_bytes
+from inkling_jax.loading import abstract_model, hub_layout, keeps_fp32, model_variables
+from inkling_jax.safetensors_io import group_into_shards, header_bytes, shard_name
+from inkling_jax.to_orbax import Tuning
 
 BLOCK = 64 << 20
 SHARD = 4 << 30
@@ -126,12 +126,12 @@ def raw_read(files, readers: int, direct: bool) -> tuple[int, float, float]:
 
 
 def run_cli(args) -> tuple[float, float, float]:
-    """Run the converter in a child; (wall seconds, peak RSS in GB, CPU seconds) of that child, from wait4."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """Run the converter in a child (which finds inkling_jax as this process did: installed, or from the same
+    working directory); (wall seconds, peak RSS in GB, CPU seconds) of that child, from wait4."""
     with tempfile.TemporaryFile("w+") as log:
         start = time.perf_counter()
         child = subprocess.Popen([sys.executable, "-m", "inkling_jax.convert", *args, "--quiet"], stdout=log,
-                                 stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": root})
+                                 stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - start
         child.returncode = os.waitstatus_to_exitcode(status)
@@ -150,16 +150,17 @@ def choose_layers(choice: str, free: int) -> int:
     return fitting[-1]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", default="auto")
-    parser.add_argument("--dir", default=tempfile.gettempdir())
-    parser.add_argument("--readers", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=Tuning.workers)
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.conversion", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="auto", help="layers of the bench preset's checkpoint, or auto")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the checkpoints are written")
+    parser.add_argument("--readers", type=int, default=2, help="files read at once, raw and by the converter")
+    parser.add_argument("--workers", type=int, default=Tuning.workers, help="the converter's threads")
     parser.add_argument("--out", default=None, help="directory for convert.md (the table) and convert.json")
-    parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints it wrote")
     parser.add_argument("--reads", default="auto", help="passed on to the converter")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     free = shutil.disk_usage(args.dir).free
     layers = choose_layers(args.layers, free)
     _, tensors = hub_tensors(layers)
@@ -208,7 +209,9 @@ def main():
         ("orbax -> hub (--to hf), whole command", out_bytes, export_wall, export_cpu,
          f"peak RSS {export_rss:.2f} GB; {export_cpu / out_bytes * 1e9:.1f} CPU s/GB; files identical: {identical}"),
     ]
-    lines = [f"load average (1, 5, 15 min) at the end: {os.getloadavg()}; {os.cpu_count()} CPUs",
+    installed = ", ".join(f"{k} {v}" for k, v in versions("jax", "orbax-checkpoint", "numpy").items())
+    lines = [f"{time.strftime('%Y-%m-%d')}, python {sys.version.split()[0]}, {installed}",
+             f"load average (1, 5, 15 min) at the end: {os.getloadavg()}; {os.cpu_count()} CPUs",
              f"page cache before raw read: {resident:.1%} resident; before conversion: "
              f"{resident_after_convert_evict:.1%}",
              f"memory: budget {manifest['memory']['budget_bytes'] / 1e9:.2f} GB, peak held "

@@ -1,29 +1,27 @@
 """The serving engine on one GPU (or a mesh: --mesh), without HTTP: output tok/s, time to first token and
 inter-token latency (p50/p99) at several concurrencies; the batch-1 decode step's achieved bytes/s against the
-copy (y = 2x) and read bandwidths measured in the same run; the decode program alone per token (TPOT minus it is
-what the engine's host work adds); transformers' Inkling at 32 concurrent requests (one batched `generate`, the
-best of three timed runs, the first of which is still cold) as the peer.
+copy (y = 2x) and read bandwidths measured in the same run; the decode and prefill programs alone (TPOT minus the
+decode program's time per token is what the engine's host work adds); transformers' Inkling at 32 concurrent
+requests (one batched `generate`, the best of three timed runs, the first of which is still cold) as the peer.
 
-    PYTHONPATH=. python bench/serve.py [--out DIR]                  # H200: the `bench` preset, random weights
-    PYTHONPATH=. python bench/serve.py --preset tiny --concurrency 1,4 --prompt-tokens 16 --output-tokens 8 \\
-        --no-peer --copy-mib 64                                      # a functional check on CPU
+    python -m benchmarks.serving [--out DIR]                    # an H200: the `bench` preset, random weights
+    python -m benchmarks.serving --preset tiny --concurrency 1,4 --prompt-tokens 16 --output-tokens 8 \\
+        --no-peer --copy-mib 64                                  # a functional check on CPU
 
 Each concurrency level submits that many prompts at once, as one engine request (random prompt ids, fixed
 output length, EOS ignored; see `run_load`), then again as separate requests in a burst (as many clients would),
 and times every token as the engine hands it out. The engine decodes up to `--decode-steps` tokens per device
 call, so tokens arrive in bursts: ITL p50 is then near zero and ITL p99 is the time of one call; TPOT (time per
 output token after the first, per request) is the decode speed. The batch-1 decode bytes are
-`bench.ceilings.decode_step_bytes` (the same count as bench/model.py: every weight but the untouched routed
-experts and one embedding row, plus the K/V of the longest context); dividing by the batch-1 median TPOT gives
-achieved bytes/s, host round-trips included. The peer runs first, in its own process, before JAX takes the GPU's
-memory.
+`benchmarks.model.decode_step_bytes` (every weight but the untouched routed experts and one embedding row, plus
+the K/V of the longest context); dividing by the batch-1 median TPOT gives achieved bytes/s, host round-trips
+included. The peer runs first, in its own process, before JAX takes the GPU's memory.
 
 The row buckets are the levels, except the highest, which decodes in the all-rows bucket (its level + 1: the
 engine's scratch row); prompts prefill in the largest row bucket whose prompts fit one step
 (`--max-num-batched-tokens`). So a level's numbers compare across runs only when both ran it with the same
 levels above it: `--concurrency 32` alone decodes 33 rows and prefills one prompt a step, where
-`--concurrency 32,128` decodes 32 rows and prefills the 32 prompts in one step (bench/results/serve.md,
-2026-12-01 04:19).
+`--concurrency 32,128` decodes 32 rows and prefills the 32 prompts in one step.
 """
 
 import argparse
@@ -34,27 +32,23 @@ import sys
 import threading
 import time
 
-# Run as a script, this file's folder comes first on sys.path and its name would shadow the `serve` package.
-sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from inkling_jax import InklingModel, preset  # noqa: E402
-from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS  # noqa: E402
-from serve.config import EngineConfig  # noqa: E402
-from serve.engine import Engine  # noqa: E402
-from serve.memory_plan import program_bytes  # noqa: E402
-from serve.placement import Placement  # noqa: E402
-from serve.random_weights import random_model  # noqa: E402
-from serve.sampling import SamplingParams  # noqa: E402
-from serve.steps import pack  # noqa: E402
-
-from bench.ceilings import copy_bandwidth, decode_step_bytes, matmul_flops, median_seconds, read_bandwidth  # noqa: E402
-from bench.trace_summary import summarize  # noqa: E402
-from serve.text_stream import Delta  # noqa: E402
+from benchmarks.model import decode_step_bytes
+from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
+from inkling_jax import InklingModel, preset
+from inkling_jax.model import DENSE_PRECISIONS, EXPERT_PRECISIONS
+from serve.config import EngineConfig
+from serve.engine import Engine
+from serve.memory_plan import program_bytes
+from serve.placement import Placement
+from serve.random_weights import random_model
+from serve.sampling import SamplingParams
+from serve.steps import pack
+from serve.text_stream import Delta
 
 PEER = r"""
 import json, sys, time, torch
@@ -179,21 +173,19 @@ def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens
             "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99)}
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bench")
     p.add_argument("--concurrency", default="1,8,32,128")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096,
                    help="token budget of a step: 4096 prefills the 32 prompts of the 32 level in one step")
-    p.add_argument("--copy-mib", type=int, default=2048)
+    p.add_argument("--copy-mib", type=int, default=2048, help="buffer of the bandwidth ceilings")
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
     p.add_argument("--no-fuse-projections", action="store_true", help="unfused projections")
-    p.add_argument("--trace", help="write profiler traces (perfetto JSON) into this directory: a load at "
-                   "--trace-concurrency, the decode program at each level and the largest prefill program")
-    p.add_argument("--trace-concurrency", type=int, default=1)
     p.add_argument("--mesh", help="serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); default: one "
                    "device. Bytes/s are then compared with the ceilings times the device count")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
@@ -205,23 +197,22 @@ def main():
     p.add_argument("--fp8-twins", action="store_true", help="fp8 copies of the NVFP4 weights for wide steps, as "
                    "serve.app's flag")
     p.add_argument("--out", help="directory for serve.json")
-    args = p.parse_args()
-    placement = Placement.from_spec(args.mesh)
-    placement.check(preset(args.preset).text, dense_precision=args.dense_precision)
-    levels = sorted(int(c) for c in args.concurrency.split(","))
-    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "args": vars(args)}
-    if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
-        peer = subprocess.run([sys.executable, "-c", PEER, "32", str(args.prompt_tokens), str(args.output_tokens)],
-                              capture_output=True, text=True, timeout=600)
-        print(peer.stderr[-2000:] if peer.returncode else "", end="")
-        results.update(json.loads(peer.stdout.strip().splitlines()[-1]) if peer.returncode == 0 else {})
-    results["device"] = str(jax.devices()[0])
-    results["placement"] = placement.devices
-    devices = 1 if placement.mesh is None else placement.mesh.size
-    results["copy_bytes_s"] = copy_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
-    results["read_bytes_s"] = read_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
-    results["matmul_flop_s"] = matmul_flops(8192 if jax.default_backend() == "gpu" else 512, data="ones")
+    return p.parse_args(argv)
 
+
+def run_peer(prompt_tokens: int, output_tokens: int) -> dict:
+    """transformers' Inkling at 32 concurrent requests, in its own process; {} when it fails."""
+    peer = subprocess.run([sys.executable, "-c", PEER, "32", str(prompt_tokens), str(output_tokens)],
+                          capture_output=True, text=True, timeout=600)
+    if peer.returncode:
+        print(peer.stderr[-2000:], end="")
+        return {}
+    return json.loads(peer.stdout.strip().splitlines()[-1])
+
+
+def build_engine(args, levels, placement, results):
+    """The preset's model with random weights in the requested precisions, and a started engine whose buckets
+    fit the levels (module doc)."""
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
@@ -231,7 +222,7 @@ def main():
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))
-    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row (module doc)
+    rows = tuple(sorted({1, *levels} - {max(levels)})) + (max(levels) + 1,)  # the last bucket: every row
     engine_config = EngineConfig(max_num_seqs=max(levels), max_model_len=length,
                                  max_num_batched_tokens=max(args.max_num_batched_tokens, max(levels) + 16),
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
@@ -246,36 +237,37 @@ def main():
     results["kv_pool_gib"] = runner.num_pages * runner.page_bytes_per_device() / 2**30
     results["step_program_gib"] = {f"{rows}x{tokens}{' full' if full else ''}": program_bytes(p) / 2**30
                                    for (rows, tokens, full), p in runner._steps.items()}
-    vocab = config.text.unpadded_vocab_size
+    return model, engine
+
+
+def measure(args, levels, engine, vocab, results):
+    """The loads at every level (one request, then separate requests), then each program alone."""
     run_load(engine, min(levels), args.prompt_tokens, 4, vocab, seed=99)  # first calls of each executable
     results["levels"] = [run_load(engine, c, args.prompt_tokens, args.output_tokens, vocab, seed=c) for c in levels]
     results["levels"] += [run_load(engine, c, args.prompt_tokens, args.output_tokens, vocab, seed=c, separate=True)
                           for c in levels if c > 1]
-    if args.trace:
-        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
-            run_load(engine, args.trace_concurrency, args.prompt_tokens, 3 * args.decode_steps, vocab, seed=7)
     engine.shutdown(drain_seconds=0)
     # The decode program alone: what the engine's host work between calls adds is TPOT minus this.
+    gpu = jax.default_backend() == "gpu"
     results["program_ms_per_token"] = {
         n: 1e3 * decode_program_seconds(engine, n) / args.decode_steps for n in levels if n < 128 or gpu}
-    prefill_rows = [r for r, t in engine_config.buckets if t > 1]
-    results["prefill_ms"] = {r: 1e3 * prefill_program_seconds(engine, r, chunks[1]) for r in prefill_rows}
-    for n in levels if args.trace else ():
-        with jax.profiler.trace(os.path.join(args.trace, f"program{n}"), create_perfetto_trace=True):
-            decode_program_seconds(engine, n)
-        print(summarize(os.path.join(args.trace, f"program{n}")))
-    if args.trace and prefill_rows:
-        with jax.profiler.trace(os.path.join(args.trace, f"prefill{prefill_rows[-1]}"), create_perfetto_trace=True):
-            prefill_program_seconds(engine, prefill_rows[-1], chunks[1])
-        print(summarize(os.path.join(args.trace, f"prefill{prefill_rows[-1]}")))
+    prefill_tokens = engine.runner.config.chunk_buckets[-1]
+    results["prefill_ms"] = {r: 1e3 * prefill_program_seconds(engine, r, prefill_tokens)
+                             for r, t in engine.runner.config.buckets if t > 1}
 
+
+def report(args, model, engine, placement, results):
+    """The tables and lines of the run (and serve.json into --out)."""
+    devices = 1 if placement.mesh is None else placement.mesh.size
+    engine_config = engine.runner.config
+    prefill_tokens = engine_config.chunk_buckets[-1]
     # the longest context of a batch-1 request: an upper bound on the K/V its steps read
     step_bytes = decode_step_bytes(model, 1, args.prompt_tokens + args.output_tokens)
     batch1 = next((r for r in results["levels"] if r["concurrency"] == 1), None)
-    print(f"{results['device']}" + (f" ({placement.devices})" if devices > 1 else "") + f", jax {jax.__version__}, "
-          f"preset {args.preset}, prompt {args.prompt_tokens}, "
-          f"output {args.output_tokens}, decode steps {args.decode_steps}; build {results['build_s']:.1f}s, "
-          f"compile {results['compile_s']:.1f}s ({len(engine_config.buckets)} buckets: {engine_config.buckets})")
+    print(stamp_line(results["stamp"]) + (f" ({placement.devices})" if devices > 1 else "") +
+          f"; preset {args.preset}, prompt {args.prompt_tokens}, output {args.output_tokens}, decode steps "
+          f"{args.decode_steps}; build {results['build_s']:.1f}s, compile {results['compile_s']:.1f}s "
+          f"({len(engine_config.buckets)} buckets: {engine_config.buckets})")
     print(f"per device: KV pool {results['kv_pool_gib']:.1f} GiB; largest step program "
           f"{max(results['step_program_gib'].values()):.2f} GiB beside it")
     print(f"copy (y = 2x, read + write) {results['copy_bytes_s'] / 1e9:.0f} GB/s; read (sum x) "
@@ -288,7 +280,8 @@ def main():
         print(f"| {r['concurrency']} | {submitted} | {r['tok_s']:.1f} | {r['ttft_p50_ms']:.1f} | "
               f"{r['ttft_p99_ms']:.1f} | {r['tpot_p50_ms']:.2f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} |")
     for r, ms in results["prefill_ms"].items():
-        print(f"prefill program alone, {r} rows x {chunks[1]} tokens: {ms:.2f} ms = {r * chunks[1] / ms:.1f}k tok/s")
+        print(f"prefill program alone, {r} rows x {prefill_tokens} tokens: {ms:.2f} ms = "
+              f"{r * prefill_tokens / ms:.1f}k tok/s")
     for n, ms in results["program_ms_per_token"].items():
         print(f"decode program alone, {n} rows: {ms:.2f} ms per token (step of {args.decode_steps} tokens)")
     if batch1:
@@ -307,6 +300,24 @@ def main():
     if args.out:
         with open(os.path.join(args.out, "serve.json"), "w") as f:
             json.dump(results, f, indent=1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    placement = Placement.from_spec(args.mesh)
+    placement.check(preset(args.preset).text, dense_precision=args.dense_precision)
+    levels = sorted(int(c) for c in args.concurrency.split(","))
+    results = {"args": vars(args)}
+    if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
+        results.update(run_peer(args.prompt_tokens, args.output_tokens))
+    results["stamp"] = stamp(transformers=results.get("transformers"))
+    results["placement"] = placement.devices
+    results["copy_bytes_s"] = copy_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
+    results["read_bytes_s"] = read_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
+    results["matmul_flop_s"] = matmul_flops(8192 if jax.default_backend() == "gpu" else 512, data="ones")
+    model, engine = build_engine(args, levels, placement, results)
+    measure(args, levels, engine, model.config.text.unpadded_vocab_size, results)
+    report(args, model, engine, placement, results)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """One training step on one GPU: inkling-jax's jitted train step against transformers' Inkling (PyTorch) at the same
 shape, with the bf16 matmul ceiling measured in the same run.
 
-    PYTHONPATH=. python bench/train.py [--layers 3] [--batch 8] [--seq 1024] [--steps 4] [--out DIR]
-    PYTHONPATH=. python bench/train.py --mesh tensor=2 --no-peer     # ours over several GPUs
+    python -m benchmarks.training [--layers 3] [--batch 8] [--seq 1024] [--steps 4] [--out DIR]
+    python -m benchmarks.training --mesh tensor=2 --no-peer     # ours over several GPUs
 
 Model: the first `--layers` layers of `preset("bench")` (Inkling's per-layer widths, 32 experts top-6 + 2
 shared; as many layers as fit one H200 with fp32 master weights and fp32 AdamW moments), random weights.
@@ -27,14 +27,10 @@ import subprocess
 import sys
 import time
 
-# Run as `python bench/train.py`, this file's folder comes first on sys.path and its name would shadow the
-# `train` package: look modules up from the repository root instead.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [os.path.dirname(_HERE)]
-
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bench", help="another preset (e.g. tiny) to try the script on a CPU")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--batch", type=int, default=8)
@@ -117,12 +113,11 @@ def part_jax(args) -> None:
 
     import jax
 
-    from bench.ceilings import matmul_flops
+    from benchmarks.timing import matmul_flops, stamp
     from train.metrics import train_flops_per_token
 
     config = bench_config(args)
-    result = {"side": "jax", "jax": jax.__version__, "device": jax.devices()[0].device_kind,
-              "ceiling_flops": matmul_flops(args.ceiling_n, data="normal"),
+    result = {"side": "jax", "stamp": stamp(), "ceiling_flops": matmul_flops(args.ceiling_n, data="normal"),
               "flops_per_token": train_flops_per_token(config.text, args.seq), "failures": []}
     for attempt in args.attempts.split(","):
         moe, remat = attempt.split(":")
@@ -204,7 +199,7 @@ def part_torch(args) -> None:
 
 
 def run_part(part: str, args, timeout: int, env: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", part] + sys.argv[1:]
+    cmd = [sys.executable, "-m", "benchmarks.training", "--part", part] + sys.argv[1:]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
         out = proc.stdout + proc.stderr
@@ -249,6 +244,8 @@ def main():
         return part_jax(args)
     if args.part == "torch":
         return part_torch(args)
+    from benchmarks.timing import stamp_line  # imports jax, which takes no device memory until a device is used
+
     os.makedirs(args.out, exist_ok=True)
     ours = run_part("jax", args, args.jax_timeout, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"})
     peer = {"side": "torch", "failures": ["not run (--no-peer)"]} if args.no_peer else \
@@ -259,7 +256,7 @@ def main():
         print(r.get("side"), "losses", [round(x, 3) for x in r.get("losses", [])], "failures", r.get("failures"))
     print(f"first {args.layers} layers of preset('{args.preset}'), batch {args.batch} x seq {args.seq}"
           f"{', mesh ' + args.mesh if args.mesh else ''}; "
-          f"{ours.get('device')} jax {ours.get('jax')} torch {peer.get('torch')} "
+          f"{stamp_line(ours['stamp']) if 'stamp' in ours else 'jax side failed'}; torch {peer.get('torch')}, "
           f"transformers {peer.get('transformers')}")
     print(table(args, ours, peer))
 
