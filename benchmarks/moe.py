@@ -308,7 +308,8 @@ def summary(run, out):
         lines.append(f"| decode {tokens} tok: {row['touched_experts']} experts, {row['weight_GB']:.2f} GB | "
                      + " | ".join(cells) + " |")
     if "quantized" in r:
-        lines += [f"read {r['read_GBps']:.0f} GB/s", "| tokens | precision | us | of read | TFLOP/s | rel. L2 vs bf16 |",
+        lines += [f"read {r['read_GBps']:.0f} GB/s",
+                  "| tokens | precision | us | of read | TFLOP/s | rel. L2 vs bf16 |",
                   "| ---: | --- | ---: | ---: | ---: | ---: |"]
         for tokens, row in r["quantized"].items():
             for name in ("bf16", "fp8", "nvfp4"):

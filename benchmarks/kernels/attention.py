@@ -129,10 +129,14 @@ def flex(layer, timing):
 
     block = 128 if t % 128 == 0 else t  # create_block_mask's default block is 128
     block_mask = create_block_mask(mask, None, None, t, t, device=dev, BLOCK_SIZE=block)
-    run = lambda: run_flex(q, k, v, score_mod=score, block_mask=block_mask, scale=1.0 / d, enable_gqa=True)  # noqa: E731
+
+    def run():
+        return run_flex(q, k, v, score_mod=score, block_mask=block_mask, scale=1.0 / d, enable_gqa=True)
+
     with torch.no_grad():
         fwd = torch_ms(run, timing.trials)
     if not cuda:
         return {"fwd_ms": fwd, "fwd_bwd_ms": None}
     grad = torch.randn(b, h, t, d, device=dev, dtype=bf)
-    return {"fwd_ms": fwd, "fwd_bwd_ms": torch_ms(lambda: torch.autograd.grad(run(), (q, k, v), grad), timing.trials)}
+    fwd_bwd = torch_ms(lambda: torch.autograd.grad(run(), (q, k, v), grad), timing.trials)
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd}
