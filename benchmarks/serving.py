@@ -64,15 +64,15 @@ with torch.device("cuda"):
 ids = torch.randint(0, 200000, (batch, prompt), device="cuda")
 with torch.no_grad():
     model.generate(input_ids=ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
-    # The first full-length run is still cold (171-251 against 444-466 tok/s). Report the best run, not the median
-    # (the slower of the two warm ones), so that the peer's spread between runs never favours our ratio.
+    # The first full-length run is still cold. Report the best run, not the median (the slower of the two warm
+    # ones), so that the peer's spread between runs never favours our ratio.
     rates = []
     for _ in range(3):
         torch.cuda.synchronize(); start = time.perf_counter()
         model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
         torch.cuda.synchronize(); rates.append(batch * new / (time.perf_counter() - start))
 print(json.dumps({"peer_tok_s": max(rates), "peer_runs_tok_s": rates,
-                  "transformers": __import__("transformers").__version__}))
+                  "transformers": __import__("transformers").__version__, "torch": torch.__version__}))
 """
 
 
@@ -102,8 +102,8 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int):
     inputs.n_new[:num_rows] = tokens
     inputs.steps[:num_rows] = cfg.decode_steps if tokens == 1 else 1
     inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
-    # Distinct random tokens per row: identical rows would route to the same few experts (the H200 trace of
-    # 32 rows fed token 0 read ~9 experts per layer where the engine's requests read all 32).
+    # Distinct random tokens per row: identical rows would route to the same few experts, and the step would read
+    # fewer expert weights than the engine's requests make it read.
     inputs.ids[:num_rows] = np.random.default_rng(num_rows).integers(0, runner.vocab, inputs.ids[:num_rows].shape)
     return rows, runner.placement.put(pack(inputs))
 
@@ -310,7 +310,7 @@ def main(argv=None):
     results = {"args": vars(args)}
     if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
         results.update(run_peer(args.prompt_tokens, args.output_tokens))
-    results["stamp"] = stamp(transformers=results.get("transformers"))
+    results["stamp"] = stamp(transformers=results.get("transformers"), torch=results.get("torch"))
     results["placement"] = placement.devices
     results["copy_bytes_s"] = copy_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
     results["read_bytes_s"] = read_bandwidth(args.copy_mib * 2**20 // 2, data="ones")
