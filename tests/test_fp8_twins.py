@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.ceilings import decode_step_bytes
+from benchmarks.model import decode_step_bytes
 from inkling_jax import preset
 from inkling_jax.nn import kernels
 from inkling_jax.nn.attention import Attention
