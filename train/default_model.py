@@ -45,9 +45,12 @@ CORPUS = {"name": "King James Version of the Bible (1611; Debian package bible-k
 HELD_OUT_EVERY = 20  # chapter i is held out when i % 20 == 10
 VOCAB_SIZE = 4096  # the `inkling-tiny` preset's vocabulary
 CHATS_PER_CHAPTER = 2
+# The jnp attention and the dense MoE, on every device: the same program on CPU and GPU, and no Pallas tiling
+# constraint to meet at these widths.
+REFERENCE_PATHS = ["--kernels", "jnp", "--moe", "dense"]
 TRAIN_ARGS = ["--preset", "inkling-tiny", "--seq-len", "512", "--batch", "32", "--lr", "2e-3",
               "--weight-decay", "0.1", "--bias-update-rate", "1e-3", "--mtp-weight", "0.5", "--save-every", "1000",
-              "--eval-every", "500", "--no-tensorboard"]
+              "--eval-every", "250", "--no-tensorboard", *REFERENCE_PATHS]
 SAMPLE_CHAPTERS = 6  # held-out chapters in the committed sample
 
 
@@ -57,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("phases", nargs="*", metavar="PHASE", help="phases to run (default: all)")
     p.add_argument("--work", default="runs/default-model", help="working directory")
     p.add_argument("--kjv", help="the KJV text as `bible` prints it (default: run `bible`)")
-    p.add_argument("--steps", type=int, default=3000, help="training steps")
+    p.add_argument("--steps", type=int, default=2000, help="training steps")
     p.add_argument("--train-arg", action="append", default=[], help="one more train.run argument (repeatable)")
     p.add_argument("--assets", default=DEFAULT_MODEL_DIR, help="where `ship` puts the model")
     args = p.parse_args(argv)
@@ -271,14 +274,14 @@ def main(argv=None) -> None:
             shutil.rmtree(eval_dir, ignore_errors=True)
             train_run(["--model", export, "--data", os.path.join(work, "train.jsonl"), "--eval-data",
                        os.path.join(work, "heldout.jsonl"), "--steps", "0", "--dtype", "float32",
-                       "--out", eval_dir, "--no-tensorboard", "--batch", "16"])
+                       "--out", eval_dir, "--no-tensorboard", "--batch", "16", *REFERENCE_PATHS])
             record["evaluation"] = {"weights": "the exported bf16 weights, computed in float32",
                                     **last_metrics(eval_dir)[-1]}
             sample_dir = os.path.join(work, "evaluate-sample")
             shutil.rmtree(sample_dir, ignore_errors=True)
             train_run(["--model", export, "--data", os.path.join(work, "train.jsonl"), "--eval-data",
                        os.path.join(work, "heldout_sample.txt"), "--steps", "0", "--dtype", "float32",
-                       "--out", sample_dir, "--no-tensorboard", "--batch", "16"])
+                       "--out", sample_dir, "--no-tensorboard", "--batch", "16", *REFERENCE_PATHS])
             record["evaluation_sample"] = last_metrics(sample_dir)[-1]
         elif phase == "samples":
             with open(os.path.join(work, "chapters.json")) as fh:

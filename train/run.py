@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--stop-at", type=int, help="leave after this step (checkpointed), e.g. to fit a job's time "
                    "limit; the schedule still runs to --steps and the next run resumes")
+    p.add_argument("--time-limit", type=float, help="leave (checkpointed, evaluated, exported) after the step that "
+                   "passes this many seconds of training, like --stop-at")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     p.add_argument("--seed", type=int, default=0)
@@ -176,6 +178,7 @@ def main(argv=None) -> None:
     stop = min(args.steps, args.stop_at or args.steps)
     bar = tqdm(range(start, stop), initial=start, total=args.steps, desc="training",
                disable=jax.process_index() != 0)
+    loop_began = time.perf_counter()
     for step in bar:
         batch = trainer.place_batch(batches.batch(step))
         began = time.perf_counter()
@@ -185,12 +188,17 @@ def main(argv=None) -> None:
         tokens_per_s = float(metrics["real_tokens"]) / seconds
         metrics.update(tokens_per_s=tokens_per_s, step_seconds=seconds,
                        mfu=tokens_per_s * flops_per_token / (peak * mesh.size) if peak else None)
-        if evaluator and (step + 1 == stop or args.eval_every and (step + 1) % args.eval_every == 0):
+        last = step + 1 == stop or bool(args.time_limit and time.perf_counter() - loop_began > args.time_limit)
+        if evaluator and (last or args.eval_every and (step + 1) % args.eval_every == 0):
             metrics.update(evaluator.evaluate(trainer, state, frozen), **baselines)
         writer.write(step + 1, metrics)
         bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", tok_s=f"{tokens_per_s:,.0f}",
                         **({"eval": f"{metrics['eval_loss']:.4f}"} if "eval_loss" in metrics else {}))
-        checkpoints.save(step + 1, state, {**record, "data_position": step + 1}, force=step + 1 == stop)
+        checkpoints.save(step + 1, state, {**record, "data_position": step + 1}, force=last)
+        if last and step + 1 < stop:
+            log.warning("--time-limit %.0f s reached: leaving after step %d of %d", args.time_limit, step + 1,
+                        args.steps)
+            break
     if evaluator and start >= stop:  # nothing trained in this call: evaluate what was loaded or restored
         scores = {**evaluator.evaluate(trainer, state, frozen), **baselines}
         writer.write(start, scores)

@@ -44,10 +44,10 @@ def preset(name: str) -> InklingConfig:
         # 512-token training rows, where log-scaling starts.
         text = TextConfig(
             vocab_size=4096, unpadded_vocab_size=4096, hidden_size=192, num_layers=6,
-            num_heads=4, num_kv_heads=1, head_dim=48, rel_extent=512,
-            swa_num_heads=4, swa_num_kv_heads=2, swa_head_dim=48, sliding_window=128, d_rel=16,
+            num_heads=4, num_kv_heads=1, head_dim=64, rel_extent=512,
+            swa_num_heads=4, swa_num_kv_heads=2, swa_head_dim=64, sliding_window=128, d_rel=16,
             local_layer_ids=_every_sixth_global(6), dense_layer_ids=(0,),
-            dense_intermediate_size=512, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+            dense_intermediate_size=384, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
             num_shared_experts=2, logits_mup_width_multiplier=192 / 256, log_scaling_n_floor=512,
             max_position_embeddings=4096,
         )
