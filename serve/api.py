@@ -44,6 +44,8 @@ class Service:
     max_n: int = 16
     api_key: str | None = None
     chat: ChatFormat | None = None
+    # What a request leaves unset (the checkpoint's generation_config.json, where it has one).
+    sampling_defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -173,15 +175,15 @@ def _params(service: Service, body: SamplingFields, prompts: list[list[int]], ma
     stop_ids = tuple(body.stop_token_ids or ())
     if any(not 0 <= t < service.vocab_size for t in stop_ids):
         raise APIError(400, f"stop_token_ids must be in [0, {service.vocab_size})", param="stop_token_ids")
-    defaults = SamplingParams()
+    defaults = service.sampling_defaults
     pick = lambda value, default: default if value is None else value  # noqa: E731
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=pick(body.temperature, defaults.temperature),
-            top_p=pick(body.top_p, defaults.top_p), top_k=min(pick(body.top_k, 0), service.vocab_size),
-            min_p=pick(body.min_p, 0.0), presence_penalty=pick(body.presence_penalty, 0.0),
+            top_p=pick(body.top_p, defaults.top_p), top_k=min(pick(body.top_k, defaults.top_k), service.vocab_size),
+            min_p=pick(body.min_p, defaults.min_p), presence_penalty=pick(body.presence_penalty, 0.0),
             frequency_penalty=pick(body.frequency_penalty, 0.0),
-            repetition_penalty=pick(body.repetition_penalty, 1.0),
+            repetition_penalty=pick(body.repetition_penalty, defaults.repetition_penalty),
             seed=None if body.seed is None else body.seed % 2**32, stop=body.stop_strings(), stop_token_ids=stop_ids,
             ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
     except InvalidParams as exc:
