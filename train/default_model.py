@@ -20,6 +20,7 @@ Phases, in order (name some to run only those; each reads what the earlier ones 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -52,6 +53,9 @@ TRAIN_ARGS = ["--preset", "inkling-tiny", "--seq-len", "512", "--batch", "32", "
               "--weight-decay", "0.1", "--bias-update-rate", "1e-3", "--mtp-weight", "0.5", "--save-every", "1000",
               "--eval-every", "100", "--no-tensorboard", *REFERENCE_PATHS]
 SAMPLE_CHAPTERS = 6  # held-out chapters in the committed sample
+# What the server samples with when a request does not say: a little below temperature 1 and the nucleus, so
+# that a small model's rare-token tail does not derail it.
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -195,6 +199,14 @@ def device_name() -> str:
     return subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.strip()
 
 
+def write_sampling_defaults(export: str) -> None:
+    from inkling_jax.config.generation import FILE, load_generation_config
+
+    stated = dataclasses.replace(load_generation_config(export), **SAMPLING)
+    with open(os.path.join(export, FILE), "w") as fh:
+        json.dump(stated.to_dict(), fh, indent=1)
+
+
 def parameter_count(export: str) -> int:
     from inkling_jax.safetensors_io import HubCheckpoint
 
@@ -269,6 +281,7 @@ def main(argv=None) -> None:
                                  "--data", os.path.join(work, "train.jsonl"),
                                  "--eval-data", os.path.join(work, "heldout.jsonl"),
                                  "--out", run_dir, "--export", export])
+            write_sampling_defaults(export)
             rows = last_metrics(run_dir)
             record["train"] = {"command": "python -m train.run " + " ".join(command), "device": device_name(),
                                "steps": len(rows), "tokens_seen": int(sum(r["real_tokens"] for r in rows)),
