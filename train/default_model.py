@@ -11,7 +11,7 @@ Phases, in order (name some to run only those; each reads what the earlier ones 
   rendered by the server's own chat format; a small held-out sample for the tests;
 - train: `python -m train.run` on the `inkling-tiny` preset, the MTP head included, exported in the hub layout;
 - evaluate: `python -m train.run --steps 0` on the exported bf16 weights in float32: held-out loss and
-  perplexity against the unigram and bigram baselines;
+  perplexity against the unigram and bigram baselines, and against the shipped model's (REBUILD_MARGIN);
 - samples: continuations and chat answers to held-out prompts, through the server;
 - ship: the exported directory and `training.json` (settings, timings, metrics, samples) into
   inkling_jax/assets/inkling-tiny, the held-out sample into tests/data.
@@ -53,6 +53,7 @@ TRAIN_ARGS = ["--preset", "inkling-tiny", "--seq-len", "512", "--batch", "32", "
               "--weight-decay", "0.1", "--bias-update-rate", "1e-3", "--mtp-weight", "0.5", "--save-every", "1000",
               "--eval-every", "100", "--no-tensorboard", *REFERENCE_PATHS]
 SAMPLE_CHAPTERS = 6  # held-out chapters in the committed sample
+REBUILD_MARGIN = 0.02  # nats per token: how far a rebuild's held-out loss may land from the shipped model's
 # What the server samples with when a request does not say: a little below temperature 1 and the nucleus, so
 # that a small model's rare-token tail does not derail it.
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
@@ -186,10 +187,34 @@ def train_run(argv: list[str]) -> None:
     subprocess.run(command, check=True, cwd=REPO)
 
 
-def last_metrics(run_dir: str) -> dict:
+def metrics_rows(run_dir: str) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        rows = [json.loads(line) for line in fh]
-    return rows
+        return [json.loads(line) for line in fh]
+
+
+def evaluate(work: str, held_out: str) -> dict:
+    """`train.run --steps 0` on the exported weights in float32: held-out loss and the count baselines."""
+    out = os.path.join(work, "evaluate-" + held_out.split(".")[0])
+    shutil.rmtree(out, ignore_errors=True)
+    train_run(["--model", os.path.join(work, "export"), "--data", os.path.join(work, "train.jsonl"),
+               "--eval-data", os.path.join(work, held_out), "--steps", "0", "--dtype", "float32", "--out", out,
+               "--no-tensorboard", "--batch", "16", "--seq-len", "512", *REFERENCE_PATHS])
+    return metrics_rows(out)[-1]
+
+
+def against_shipped(eval_loss: float, assets: str) -> dict | None:
+    """How a rebuild's held-out loss compares with the shipped model's (None when there is none)."""
+    path = os.path.join(assets, "training.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        shipped = json.load(fh)["evaluation"]["eval_loss"]
+    difference = eval_loss - shipped
+    verdict = "within" if abs(difference) <= REBUILD_MARGIN else "OUTSIDE"
+    log.info("held-out loss %.4f, the shipped model's %.4f: %+.4f, %s the %.2f margin", eval_loss, shipped,
+             difference, verdict, REBUILD_MARGIN)
+    return {"shipped_eval_loss": shipped, "difference": difference, "margin": REBUILD_MARGIN,
+            "within_margin": abs(difference) <= REBUILD_MARGIN}
 
 
 def device_name() -> str:
@@ -282,7 +307,7 @@ def main(argv=None) -> None:
                                  "--eval-data", os.path.join(work, "heldout.jsonl"),
                                  "--out", run_dir, "--export", export])
             write_sampling_defaults(export)
-            rows = last_metrics(run_dir)
+            rows = metrics_rows(run_dir)
             record["train"] = {"command": "python -m train.run " + " ".join(command), "device": device_name(),
                                "steps": len(rows), "tokens_seen": int(sum(r["real_tokens"] for r in rows)),
                                "loss_tokens": int(sum(r["tokens"] for r in rows)),
@@ -290,19 +315,10 @@ def main(argv=None) -> None:
                                "curve": [{k: r[k] for k in r if k.startswith(("eval_", "step", "loss", "mtp"))}
                                          for r in rows if "eval_loss" in r]}
         elif phase == "evaluate":
-            eval_dir = os.path.join(work, "evaluate")
-            shutil.rmtree(eval_dir, ignore_errors=True)
-            train_run(["--model", export, "--data", os.path.join(work, "train.jsonl"), "--eval-data",
-                       os.path.join(work, "heldout.jsonl"), "--steps", "0", "--dtype", "float32",
-                       "--out", eval_dir, "--no-tensorboard", "--batch", "16", *REFERENCE_PATHS])
             record["evaluation"] = {"weights": "the exported bf16 weights, computed in float32",
-                                    **last_metrics(eval_dir)[-1]}
-            sample_dir = os.path.join(work, "evaluate-sample")
-            shutil.rmtree(sample_dir, ignore_errors=True)
-            train_run(["--model", export, "--data", os.path.join(work, "train.jsonl"), "--eval-data",
-                       os.path.join(work, "heldout_sample.txt"), "--steps", "0", "--dtype", "float32",
-                       "--out", sample_dir, "--no-tensorboard", "--batch", "16", *REFERENCE_PATHS])
-            record["evaluation_sample"] = last_metrics(sample_dir)[-1]
+                                    **evaluate(work, "heldout.jsonl")}
+            record["evaluation_sample"] = evaluate(work, "heldout_sample.txt")
+            record["against_shipped"] = against_shipped(record["evaluation"]["eval_loss"], args.assets)
         elif phase == "samples":
             with open(os.path.join(work, "chapters.json")) as fh:
                 record["samples"] = samples(export, split(json.load(fh))[1])
