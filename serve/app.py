@@ -1,10 +1,12 @@
 """`python -m serve.app`: serve Inkling over an OpenAI-compatible HTTP API.
 
-With --model DIR it serves a hub-layout checkpoint with the directory's tokenizer.json. Without it, it serves
-the embedded `tiny` preset with seeded random weights and a byte-level tokenizer, so it runs anywhere; that
-model's output is noise, and /v1/models and the start-up log say so.
+With --model DIR it serves a hub-layout checkpoint with the directory's tokenizer.json and the sampling defaults
+of its generation_config.json. Without it, it serves the embedded default, `inkling-tiny`: a 5M-parameter
+Inkling trained by train/ on the King James Bible, a continuation model that writes KJV-like English
+(docs/default-model.md). --random-weights serves the `tiny` preset with seeded random weights and a byte-level
+tokenizer instead (its output is noise, and /v1/models says so).
 
-    python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny-random"
+    python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny"
     python -m serve.app --model /path/to/Inkling --dtype bfloat16 --api-key SECRET
     python -m serve.app --model /path/to/Inkling --mesh tensor=2,expert=4    # sharded over 8 devices
 
@@ -21,8 +23,10 @@ import os
 import jax
 import uvicorn
 
+from inkling_jax.config.generation import SAMPLING_FIELDS
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatError, ChatFormat
 from serve.http.media import MediaEncoder
 from serve.http.routes import Service
@@ -38,14 +42,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", help="checkpoint directory in the hub layout (default: tiny preset, random weights)")
-    a("--served-model-name", help="the model id clients send (default: the directory name, or inkling-tiny-random)")
+    a("--model", help="checkpoint directory in the hub layout (default: the embedded inkling-tiny)")
+    a("--random-weights", action="store_true", help="serve the `tiny` preset with seeded random weights and a "
+      "byte-level tokenizer (tests, demos of the server; its output is noise)")
+    a("--served-model-name", help="the model id clients send (default: the directory name, inkling-tiny, or "
+      "inkling-tiny-random)")
     a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     a("--port", type=int, default=8000, help="TCP port (default 8000)")
     a("--api-key", default=os.environ.get("INKLING_API_KEY"),
       help="require `Authorization: Bearer KEY` on /v1 routes (default: $INKLING_API_KEY, else none)")
     a("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
-    a("--seed", type=int, default=0, help="seed of the random weights of the embedded default")
+    a("--seed", type=int, default=0, help="seed of --random-weights")
     a("--max-num-seqs", type=int, default=8, help="sequences decoded together (cache slots)")
     a("--max-model-len", type=int, default=1024, help="prompt + output tokens per sequence")
     a("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
@@ -95,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
     args = p.parse_args(argv)
+    if args.model and args.random_weights:
+        p.error("--model and --random-weights exclude each other")
     try:  # before any weights load
         check_precisions(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
@@ -118,24 +127,31 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def build_service(args: argparse.Namespace) -> Service:
     """Load (or build) the model and tokenizer, start the engine (warm-up included) and describe it."""
     from inkling_jax import load_config, load_pretrained, preset
+    from inkling_jax.assets import DEFAULT_MODEL_NAME, default_model_description, default_model_dir
+    from inkling_jax.config import GenerationConfig, load_generation_config
     from inkling_jax.nn import kernels
     from serve.random_weights import random_model
 
     kernels.set_backend(moe=args.moe_backend)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     placement = Placement.from_spec(args.mesh)
-    model_config = load_config(args.model) if args.model else preset("tiny")
+    directory = None if args.random_weights else args.model or default_model_dir()
+    model_config = preset("tiny") if directory is None else load_config(directory)
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
     placement.check(model_config.text, dense_precision=args.dense_precision)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(directory)
     config = engine_config(args)
-    if args.model:
-        model = load_pretrained(args.model, dtype=dtype, config=model_config, mesh=placement.mesh,
+    generation = GenerationConfig() if directory is None else load_generation_config(directory)
+    if directory is not None:
+        model = load_pretrained(directory, dtype=dtype, config=model_config, mesh=placement.mesh,
                                 expert_precision=args.expert_precision, dense_precision=args.dense_precision)
         if args.fp8_twins:
             model.add_fp8_twins()
-        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-        description = f"checkpoint {args.model}"
+        if args.model:
+            name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+            description = f"checkpoint {args.model}"
+        else:
+            name, description = args.served_model_name or DEFAULT_MODEL_NAME, default_model_description()
     else:
         model = random_model(model_config, dtype, args.seed)
         model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
@@ -162,7 +178,14 @@ def build_service(args: argparse.Namespace) -> Service:
     max_len = config.max_model_len
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
                    max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
-                   max_n=args.max_n, api_key=args.api_key, chat=chat)
+                   max_n=args.max_n, api_key=args.api_key, chat=chat,
+                   sampling_defaults=sampling_defaults(generation))
+
+
+def sampling_defaults(generation) -> SamplingParams:
+    """The request defaults: the checkpoint's generation_config.json where it states them, else the server's."""
+    stated = {k: getattr(generation, k) for k in SAMPLING_FIELDS if getattr(generation, k) is not None}
+    return SamplingParams(**stated)
 
 
 def main(argv=None) -> None:

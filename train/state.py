@@ -25,7 +25,7 @@ from inkling_jax.parallel.rules import logical_axes, spec_for
 
 Flat = dict[str, Any]
 BIAS_NAME = "router_bias"
-# The text model; the media towers and the MTP head are not trained by the next-token loss.
+# The text model; the media towers are not trained by the next-token loss, nor the MTP head unless its loss is on.
 TEXT_ROOTS = ("embed", "embed_norm", "layers", "norm", "unembed")
 
 
@@ -98,10 +98,12 @@ def seeded_params(config: InklingConfig, seed: int, shardings: Flat | None = Non
     return _SEEDED[key]()
 
 
-def trainable_names(parts: ModelParts, freeze: Iterable[str] = ()) -> list[str]:
-    """Text weights the optimizer updates: all but the selection biases and names matching a `freeze` regex."""
+def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False) -> list[str]:
+    """Text weights the optimizer updates (and the MTP head's with `mtp`): all but the selection biases and
+    names matching a `freeze` regex."""
     patterns = [re.compile(f) for f in freeze]
-    return [n for n in parts.paths if n.split(".")[0] in TEXT_ROOTS and not n.endswith(BIAS_NAME)
+    roots = TEXT_ROOTS + (("mtp",) if mtp else ())
+    return [n for n in parts.paths if n.split(".")[0] in roots and not n.endswith(BIAS_NAME)
             and jnp.issubdtype(parts.dtypes[n], jnp.floating) and not any(p.search(n) for p in patterns)]
 
 

@@ -10,13 +10,17 @@ true) are errors naming the field: a silent default or coercion here means wrong
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from typing import Any
 
+from inkling_jax.config.generation import load_generation_config
 from inkling_jax.config.schema import (AudioConfig, ConfigError, InklingConfig, MTPConfig, TextConfig,
                                        VisionConfig)
+
+DEFAULT_EOS = 200006  # the release's `<|content_model_end_sampling|>`, for a config that names no EOS
 
 # Fields that carry no information for this implementation, or whose only supported value is checked here.
 _TEXT_FIXED = {
@@ -242,10 +246,16 @@ def parse_config(data: dict) -> InklingConfig:
         raise ConfigError(f"config.json must be a JSON object, got {data!r:.80}")
     if "text_config" not in data:  # a text-only config: the whole dict is the text block
         text, mtp = _parse_text(data, {})
-        return InklingConfig(text=text, mtp=mtp)
+        eos = _checked("config.json", "eos_token_id", data.get("eos_token_id"), "tokens", None)
+        return InklingConfig(text=text, mtp=mtp, eos_token_id=DEFAULT_EOS if eos is None else _first(eos))
     f = _Fields(data, "config.json")
     mtp_block = f.get("mtp_config", default=None, kind="object") or {}
-    text, mtp = _parse_text(f.get("text_config", kind="object"), mtp_block)
+    text_data = f.get("text_config", kind="object")
+    # transformers' save_pretrained keeps EOS in text_config only; the published form has it at the top.
+    eos = f.get("eos_token_id", default=None, kind="tokens")
+    if eos is None:
+        eos = _checked("config.json.text_config", "eos_token_id", text_data.get("eos_token_id"), "tokens", None)
+    text, mtp = _parse_text(text_data, mtp_block)
     vision = f.get("vision_config", default=None, kind="object")
     audio = f.get("audio_config", default=None, kind="object")
     cfg = InklingConfig(
@@ -254,7 +264,7 @@ def parse_config(data: dict) -> InklingConfig:
         audio=_parse_audio(audio, text.hidden_size) if audio is not None else None,
         image_token_id=f.get("image_token_id", default=200054, kind="count"),
         audio_token_id=f.get("audio_token_id", default=200053, kind="count"),
-        eos_token_id=_first(f.get("eos_token_id", default=200006, kind="tokens")),
+        eos_token_id=DEFAULT_EOS if eos is None else _first(eos),
     )
     f.finish(_TOP_IGNORED | {"quantization_config"})
     return cfg
@@ -281,9 +291,24 @@ def load_config(path: str | os.PathLike) -> InklingConfig:
     except OSError as e:
         raise ConfigError(f"{file}: cannot read ({e.strerror})") from None
     try:
-        return parse_config(data)
+        config = parse_config(data)
     except ConfigError as e:
         raise ConfigError(f"{file}: {e}") from None
+    return _with_generation_eos(config, data, os.path.dirname(file))
+
+
+def _with_generation_eos(config: InklingConfig, data: dict, directory: str) -> InklingConfig:
+    """The EOS of generation_config.json when config.json names none; an error when the two disagree."""
+    stops = load_generation_config(directory).eos_token_ids
+    if not stops:
+        return config
+    named = data.get("eos_token_id", data.get("text_config", {}).get("eos_token_id"))
+    if named is None:
+        return dataclasses.replace(config, eos_token_id=stops[0])
+    if config.eos_token_id not in stops:
+        raise ConfigError(f"{directory}: config.json's eos_token_id {config.eos_token_id} is not among "
+                          f"generation_config.json's {list(stops)}")
+    return config
 
 
 def to_published(cfg: InklingConfig) -> dict[str, Any]:
@@ -296,7 +321,9 @@ def to_published(cfg: InklingConfig) -> dict[str, Any]:
         "swa_num_attention_heads": t.swa_num_heads, "swa_num_key_value_heads": t.swa_num_kv_heads,
         "swa_head_dim": t.swa_head_dim, "sliding_window_size": t.sliding_window, "d_rel": t.d_rel,
         "rel_extent": t.rel_extent, "local_layer_ids": list(t.local_layer_ids),
-        "dense_layer_ids": list(t.dense_layer_ids),
+        # The release's field (and the one transformers reads) when the dense layers come first, as they do.
+        **({"dense_mlp_idx": len(t.dense_layer_ids)} if t.dense_layer_ids == tuple(range(len(t.dense_layer_ids)))
+           else {"dense_layer_ids": list(t.dense_layer_ids)}),
         "dense_intermediate_size": t.dense_intermediate_size, "intermediate_size": t.moe_intermediate_size,
         "n_routed_experts": t.num_experts, "num_experts_per_tok": t.num_experts_per_tok,
         "n_shared_experts": t.num_shared_experts, "route_scale": t.route_scale,

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from inkling_jax.config.generation import SAMPLING_FIELDS as GENERATION_DEFAULTS
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.http.chat import ChatError, ChatFormat, ChatOutput
@@ -41,6 +42,8 @@ class Service:
     max_n: int = 16
     api_key: str | None = None
     chat: ChatFormat | None = None
+    # What a request leaves unset (the checkpoint's generation_config.json, where it has one).
+    sampling_defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 
@@ -167,8 +170,9 @@ def _params(service: Service, body: SamplingFields, prompts: list[list[int]]) ->
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if any(not 0 <= t < service.vocab_size for t in values.get("stop_token_ids", ())):
         raise APIError(400, f"stop_token_ids must be in [0, {service.vocab_size})", param="stop_token_ids")
-    if "top_k" in values:  # past the vocabulary: all of it
-        values["top_k"] = min(values["top_k"], service.vocab_size)
+    # what the request leaves unset comes from the checkpoint's generation_config.json, where it has one
+    values = {**{name: getattr(service.sampling_defaults, name) for name in GENERATION_DEFAULTS}, **values}
+    values["top_k"] = min(values["top_k"], service.vocab_size)  # past the vocabulary: all of it
     try:
         return SamplingParams(**{**values, "max_tokens": max_tokens})
     except InvalidParams as exc:
