@@ -85,7 +85,8 @@ def test_held_out_loss_beats_the_bigram_baseline(model):
 
 
 def test_the_server_without_model_serves_it_and_chats_in_words():
-    from serve.http.server import ServerThread, build_service, parse_args, serving_app
+    from serve.app import build_service, parse_args
+    from serve.http.server import ServerThread, serving_app
 
     service = build_service(parse_args(["--max-num-seqs", "2", "--max-model-len", "256",
                                         "--compilation-cache", ""]))
