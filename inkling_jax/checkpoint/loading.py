@@ -184,15 +184,20 @@ def packed_moe_layers(checkpoint: HubSource, model: InklingModel) -> list[int]:
     return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE) and packed(i)]
 
 
-def packed_expert_rules(layers: list[int]) -> dict[str, Rule]:
+def packed_expert_rules(layers: list[int], rules: dict[str, Rule]) -> dict[str, Rule]:
     """Rules that take those layers' packed experts into NVFP4 experts as they are stored (codes and scales
-    unchanged: no dequantise and quantise again)."""
-    rules, names = {}, ROUTED_NVFP4
+    unchanged: no dequantise and quantise again), and their shared experts (`rules`' own) into the stacks of
+    the ServingMoE `hold_in_nvfp4` made."""
+    out = {}
     for i in layers:
-        prefix, mlp = f"model.llm.layers.{i}.mlp.experts", ("layers", i, "mlp", "experts")
-        rules[f"{prefix}.w13_weight"] = Rule("packed_gate_up", tuple(mlp + (n,) for n in names[:3]))
-        rules[f"{prefix}.w2_weight"] = Rule("packed_down", tuple(mlp + (n,) for n in names[3:]))
-    return rules
+        prefix, mlp = f"model.llm.layers.{i}.mlp", ("layers", i, "mlp")
+        experts = [mlp + ("experts", name) for name in ROUTED_NVFP4]
+        out[f"{prefix}.experts.w13_weight"] = Rule("packed_gate_up", tuple(experts[:3]))
+        out[f"{prefix}.experts.w2_weight"] = Rule("packed_down", tuple(experts[3:]))
+        for name in (f"{prefix}.shared_experts.shared_w13_weight", f"{prefix}.shared_experts.shared_w2_weight"):
+            shared = tuple(mlp + ("shared", target[-1]) for target in rules[name].targets)
+            out[name] = dataclasses.replace(rules[name], targets=shared)
+    return out
 
 
 def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
@@ -233,7 +238,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
         if packed:
             hold_in_nvfp4(model, packed)
             variables = model_variables(model)
-            rules.update(packed_expert_rules(packed))
+            rules.update(packed_expert_rules(packed, rules))
     shardings = None if mesh is None else param_shardings(model, mesh)
     filled = _quantize_when_complete(model, variables, quant) if quant.expert_precision != "bf16" else None
     if checkpoint is None:
