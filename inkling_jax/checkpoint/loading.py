@@ -34,13 +34,14 @@ from inkling_jax.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from inkling_jax.config import InklingConfig, load_config, to_published
+from inkling_jax.checkpoint.serving_load import hold_in_nvfp4, packed_moe_layers, quantize_when_complete
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.nn.moe import MoE
 from inkling_jax.nn.moe_dispatch import ROUTED_BF16, ROUTED_NVFP4
 from inkling_jax.nn.towers import plan_scales
 from inkling_jax.parallel.rules import param_shardings
 from inkling_jax.quant.config import QuantConfig
-from inkling_jax.quant.view import moe_view, serving_view
+from inkling_jax.quant.view import serving_view
 
 log = logging.getLogger(__name__)
 
@@ -168,22 +169,6 @@ def abstract_model(config: InklingConfig, dtype) -> InklingModel:
     return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def hold_in_nvfp4(model: InklingModel, layers: list[int]) -> None:
-    """Gives those MoE layers of an abstract model NVFP4 routed experts, in place (shapes only: far cheaper than
-    building the abstract model again)."""
-    nvfp4 = QuantConfig(expert_precision="nvfp4")
-    for i in layers:
-        model.layers[i].mlp = nnx.eval_shape(lambda moe: moe_view(moe, nvfp4), model.layers[i].mlp)
-
-
-def packed_moe_layers(checkpoint: HubSource, model: InklingModel) -> list[int]:
-    """The MoE layers whose two routed-expert matrices the checkpoint stores packed in NVFP4."""
-    def packed(i):
-        prefix = f"model.llm.layers.{i}.mlp.experts"
-        return {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} <= checkpoint.groups.keys()
-    return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE) and packed(i)]
-
-
 def packed_expert_rules(layers: list[int], rules: dict[str, Rule]) -> dict[str, Rule]:
     """Rules that take those layers' packed experts into NVFP4 experts as they are stored (codes and scales
     unchanged: no dequantise and quantise again), and their shared experts (`rules`' own) into the stacks of
@@ -240,7 +225,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
             variables = model_variables(model)
             rules.update(packed_expert_rules(packed, rules))
     shardings = None if mesh is None else param_shardings(model, mesh)
-    filled = _quantize_when_complete(model, variables, quant) if quant.expert_precision != "bf16" else None
+    filled = quantize_when_complete(model, variables, quant) if quant.expert_precision != "bf16" else None
     if checkpoint is None:
         batches = None
         if filled is not None:  # everything but the routed experts, then one MoE layer's experts at a time
@@ -255,25 +240,6 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
                      else (lambda p, x: jax.device_put(x, shardings[p])))
         fill_variables(checkpoint, rules, variables, place, progress, filled=filled)
     return model if quant == QuantConfig() else serving_view(model, quant, fuse=False)
-
-
-def _quantize_when_complete(model: InklingModel, variables: dict[Path, nnx.Variable],
-                            quant: QuantConfig) -> Callable[[Path], None]:
-    """A callback for each parameter set while loading, that gives a MoE layer its routed experts in `quant`'s
-    precision once all three are set (`moe_view`, in place) and drops them as loaded."""
-    pending: dict[int, set] = {}
-    routed_only = QuantConfig(expert_precision=quant.expert_precision)  # its shared experts may not be in yet
-
-    def filled(path: Path) -> None:
-        if path[0] != "layers" or path[-1] not in ROUTED_BF16 or not isinstance(model.layers[path[1]].mlp, MoE):
-            return
-        pending.setdefault(path[1], set()).add(path[-1])
-        if len(pending[path[1]]) == 3:
-            model.layers[path[1]].mlp = moe_view(model.layers[path[1]].mlp, routed_only)
-            for name in ROUTED_BF16:  # `variables` holds them until the load ends
-                value = variables[path[:-1] + (name,)].get_value()
-                variables[path[:-1] + (name,)].set_value(jax.ShapeDtypeStruct(value.shape, value.dtype))
-    return filled
 
 
 def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable],
