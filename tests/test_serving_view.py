@@ -87,6 +87,8 @@ def test_a_quantised_form_is_not_quantised_again_to_another_precision():
     view = serving_view(random_model(CONFIG, seed=3), QuantConfig(expert_precision="fp8"), fuse=False)
     with pytest.raises(ValueError, match="routed experts held as Fp8RoutedExperts cannot be held in nvfp4"):
         serving_view(view, QuantConfig(expert_precision="nvfp4"))
+    with pytest.raises(TypeError, match="quant must be an inkling_jax.quant.QuantConfig, not str"):
+        serving_view(view, "fp8")
 
 
 def test_training_refuses_serving_forms_by_type():

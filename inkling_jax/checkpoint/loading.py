@@ -208,6 +208,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     verify_checksums: converted directories only: before restoring, check the chunk files this process will read
     against the checksums the converter recorded (one more read and crc32 of those bytes).
     """
+    if not isinstance(quant, QuantConfig):
+        raise TypeError(f"quant must be an inkling_jax.quant.QuantConfig, not {type(quant).__name__}")
     path = os.fspath(path)
     config = config or load_config(path)
     model = abstract_model(config, jnp.dtype(dtype))

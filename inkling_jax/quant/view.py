@@ -33,6 +33,8 @@ def serving_view(model: InklingModel, quant: QuantConfig = QuantConfig(), *, fus
 
     `model` is left bit for bit as it was: the view has modules and Variables of its own, sharing the arrays it
     does not change (jax arrays are immutable), so a trainer and a server can hold the same parameters."""
+    if not isinstance(quant, QuantConfig):
+        raise TypeError(f"quant must be an inkling_jax.quant.QuantConfig, not {type(quant).__name__}")
     fuse = fuse or quant.dense_precision == "nvfp4"
     view = nnx.clone(model)
     for layer in view.layers:
