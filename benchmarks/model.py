@@ -20,7 +20,7 @@ from benchmarks.timing import copy_bandwidth, median_seconds, stamp, stamp_line
 from inkling_jax import InklingModel, preset
 from inkling_jax.nn import kernels
 from inkling_jax.generate import StepFunctions
-from inkling_jax.nn.moe import MoE
+from inkling_jax.nn.moe_dispatch import ROUTED_FP8, ROUTED_NVFP4
 
 
 def decode_step_bytes(model, batch: int, context: int) -> int:
@@ -32,12 +32,12 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
     total = 0
     params = {path: var for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)}
     for path, var in params.items():
-        if path[0] in ("vision", "audio", "mtp") or _is_twin(path, params):
+        if path[0] in ("vision", "audio", "mtp") or "twin" in path:  # fp8 twins: read by wide steps only
             continue
         size = var.get_value().nbytes
         if path[-1] == "embed":
             size = batch * text.hidden_size * item
-        elif path[-1] in ("w_gate", "w_up", "w_down", *MoE.ROUTED_FP8, *MoE.ROUTED_NVFP4) and (
+        elif path[-1] in ("w_gate", "w_up", "w_down", *ROUTED_FP8, *ROUTED_NVFP4) and (
                 var.get_value().ndim >= 3):  # routed experts (the dense MLP's matrices share names, at rank 2)
             touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** batch)
             size = size * touched / text.num_experts
@@ -48,12 +48,6 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
         tokens = min(context, shape.window) if shape.window else context
         kv += 2 * tokens * shape.num_kv_heads * shape.head_dim * item
     return int(total + batch * kv)
-
-
-def _is_twin(path, params) -> bool:
-    """An fp8 twin of NVFP4 weights (`InklingModel.add_fp8_twins`): only wide steps read it, never a decode step."""
-    return path[-1] in ("twin_fp8", "twin_out_scale") or (
-        path[-1] in MoE.ROUTED_FP8 and path[:-1] + (MoE.ROUTED_NVFP4[0],) in params)
 
 
 def build(config):

@@ -40,7 +40,8 @@ from flax import nnx
 from benchmarks.model import decode_step_bytes
 from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
 from inkling_jax import InklingModel, preset
-from inkling_jax.nn.model import DENSE_PRECISIONS, EXPERT_PRECISIONS
+from inkling_jax.quant import QuantConfig, serving_view
+from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.memory_plan import program_bytes
@@ -218,7 +219,7 @@ def build_engine(args, levels, placement, results):
     start = time.perf_counter()
     config = preset(args.preset)
     model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
-    model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
+    model = serving_view(model, QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins), fuse=False)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))
@@ -229,6 +230,7 @@ def build_engine(args, levels, placement, results):
                                  max_queued=max(levels) + 1, decode_steps=args.decode_steps,
                                  fuse_projections=not args.no_fuse_projections,
                                  memory_fraction=args.memory_fraction)
+    model = placement.model_view(model, engine_config.fuse_projections)  # as serve.app: the unfused weights freed
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
     results["compile_s"] = engine.warm_up_seconds

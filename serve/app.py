@@ -38,7 +38,7 @@ log = logging.getLogger("serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inkling_jax.nn.model import DENSE_PRECISIONS, EXPERT_PRECISIONS, check_precisions
+    from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
@@ -105,7 +105,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.model and args.random_weights:
         p.error("--model and --random-weights exclude each other")
     try:  # before any weights load
-        check_precisions(args.expert_precision, args.dense_precision, args.fp8_twins)
+        QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -130,6 +130,7 @@ def build_service(args: argparse.Namespace) -> Service:
     from inkling_jax.assets import DEFAULT_MODEL_NAME, default_model_description, default_model_dir
     from inkling_jax.config import GenerationConfig, load_generation_config
     from inkling_jax.nn import kernels
+    from inkling_jax.quant import QuantConfig, serving_view
     from serve.random_weights import random_model
 
     kernels.set_backend(moe=args.moe_backend)
@@ -142,19 +143,16 @@ def build_service(args: argparse.Namespace) -> Service:
     tokenizer = load_tokenizer(directory)
     config = engine_config(args)
     generation = GenerationConfig() if directory is None else load_generation_config(directory)
+    quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     if directory is not None:
-        model = load_pretrained(directory, dtype=dtype, config=model_config, mesh=placement.mesh,
-                                expert_precision=args.expert_precision, dense_precision=args.dense_precision)
-        if args.fp8_twins:
-            model.add_fp8_twins()
+        model = load_pretrained(directory, dtype=dtype, config=model_config, mesh=placement.mesh, quant=quant)
         if args.model:
             name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
             description = f"checkpoint {args.model}"
         else:
             name, description = args.served_model_name or DEFAULT_MODEL_NAME, default_model_description()
     else:
-        model = random_model(model_config, dtype, args.seed)
-        model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
+        model = serving_view(random_model(model_config, dtype, args.seed), quant, fuse=False)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
@@ -166,7 +164,10 @@ def build_service(args: argparse.Namespace) -> Service:
         quantised.append("fp8 twins of the NVFP4 weights for wide steps")
     log.info("model %r: %s; tokenizer %s; %s%s on %s", name, description, tokenizer.name, dtype,
              "".join(f", {q}" for q in quantised), placement.devices)
-    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
+    # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
+    # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
+    model = placement.model_view(model, config.fuse_projections)
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)
     media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
     try:
         chat = ChatFormat(tokenizer, media)

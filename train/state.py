@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.parallel.rules import logical_axes, spec_for
+from inkling_jax.quant.form import ServingForm
 
 Flat = dict[str, Any]
 BIAS_NAME = "router_bias"
@@ -78,7 +79,14 @@ class ModelParts:
 
 
 def model_params(model: nnx.Module) -> Flat:
-    """The parameters of a concrete model as a flat dict."""
+    """The parameters of a concrete model as a flat dict; a model holding serving forms (fused, fp8 or NVFP4
+    weights: `inkling_jax.quant`) is refused, naming the outermost such module."""
+    serving = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, ServingForm)]
+    if serving:
+        path, node = min(serving, key=lambda item: len(item[0]))
+        raise ValueError(f"{name_of(path) or 'the model'}: a {type(node).__name__}, a serving form "
+                         "(`inkling_jax.quant.serving_view`), which serves but does not train; train the model "
+                         "it was made from")
     _, state = nnx.split(model)
     return {name_of(p): v.get_value() for p, v in nnx.to_flat_state(state)}
 

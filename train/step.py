@@ -77,10 +77,10 @@ class Trainer:
         """(state, frozen) from a complete flat dict of model parameters (any float dtype, any placement).
 
         With LoRA, `adapters` continues given ones (e.g. `lora.load_adapters`); by default they start fresh."""
-        quantised = sorted(n for n in params if n.endswith(("_fp8", "_nvfp4")))
-        if quantised:
-            raise ValueError(f"{quantised[0]}: this model holds fp8 or NVFP4 weights (`InklingModel.quantize`), "
-                             "which serves but does not train; train from the bf16 weights")
+        missing = sorted(set(self.parts.paths) - set(params))
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from the parameters (`train.state.model_params` of a model of "
+                             "this config)")
         key = jax.random.PRNGKey(seed)
         if self.lora:
             _, bias, frozen = partition(self.parts, params, ())
