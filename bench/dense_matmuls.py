@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from bench.ceilings import median_seconds, read_bandwidth
 from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax.backend import Backend
 from inkling_jax.quant import dense_fp8, dense_nvfp4
 
 
@@ -58,7 +58,8 @@ def _nvfp4_prepare(w):
     return linear.nvfp4_codes[...], linear.nvfp4_scales[...], linear.nvfp4_scale2[...]
 
 
-NVFP4 = {"nvfp4": (None, _nvfp4_prepare, lambda x, w: dense_nvfp4.matmul(x, *w), NVFP4_BYTES)}
+NVFP4 = {"nvfp4": (None, _nvfp4_prepare, lambda x, w: dense_nvfp4.matmul(x, *w, backend=Backend(moe="pallas")),
+                   NVFP4_BYTES)}
 
 
 def weights(text) -> list[tuple[str, int, int, int]]:
@@ -99,7 +100,6 @@ def main():
     args = parser.parse_args()
     variants = {**BF16, **(FP8 if args.fp8 else {})}
     if args.nvfp4:
-        kernels.set_backend(moe="pallas")
         variants.update(NVFP4)
     text = preset("bench").text
     read = read_bandwidth(data="normal")

@@ -2,7 +2,7 @@
 weights, with the kernels the model picks on GPU. Prints prefill tok/s and the decode step's tok/s and achieved
 bytes/s against a device copy measured in the same run.
 
-    PYTHONPATH=. python bench/model.py [--moe pallas|ragged] [--quick]
+    PYTHONPATH=. python bench/model.py [--backend moe=ragged] [--quick]
 """
 
 import argparse
@@ -15,12 +15,12 @@ from flax import nnx
 
 from bench.ceilings import copy_bandwidth, decode_step_bytes, median_seconds
 from inkling_jax import InklingModel, preset
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.generate import StepFunctions
-from inkling_jax.nn import kernels
 
 
-def build(config):
-    abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+def build(config, backend):
+    abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=backend))
     graphdef, _ = nnx.split(abstract)
     state = jax.jit(lambda: nnx.split(InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[1])()
     return nnx.merge(graphdef, state)
@@ -28,19 +28,18 @@ def build(config):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--moe", default="auto", choices=["auto", "pallas", "ragged"])
+    add_backend_flag(parser)
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     args = parser.parse_args()
     print(jax.devices()[0].device_kind, "jax", jax.__version__)
     ceiling = copy_bandwidth(1 << 30, data="ones")
     print(f"device copy (read + write): {ceiling / 1e9:.0f} GB/s")
     config = preset("bench")
-    kernels.set_backend("auto", moe=args.moe)
     t0 = time.time()
-    model = build(config)
+    model = build(config, args.backend)
     params = sum(v.get_value().size for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
     print(f"bench preset: {params / 1e9:.2f}B parameters, built in {time.time() - t0:.1f}s, "
-          f"moe={kernels.moe_backend()}")
+          f"{args.backend.resolve()}")
     steps = StepFunctions(model)
     rows = []
     for batch, length in ((1, 2048), (8, 1024)) if not args.quick else ((1, 2048),):

@@ -7,9 +7,8 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
   jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a custom_vjp and `jax.lax.ragged_dot`
   (fused [gate|up] weight, SwiGLU in XLA). ragged_dot pads every group to all rows (a [34, M, 6144] buffer), so
   it runs at a reduced token count, stated in its row.
-- layer rows: `inkling_jax.nn.mlp.experts` with the Pallas backend (routing sort, gathers, combine included) on
-  the model's separate routed / shared weights: shared experts as an XLA einsum, or in the same launch
-  (which first copies the 34 experts' weights into one stack).
+- layer row: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
+  on the model's separate routed / shared weights, the shared experts as an XLA einsum.
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
@@ -39,7 +38,7 @@ import numpy as np
 
 from bench.ceilings import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth
 from bench.moe_peers import mgpu_peer, unfused_ffn
-from inkling_jax.nn import kernels
+from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import epilogues, matmuls, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
@@ -54,6 +53,7 @@ if DRY:
     H, I, TOKENS, RAGGED_TOKENS, CEIL_COPY, CEIL_MM = 256, 128, 64, 32, 1 << 20, 256
 START = time.perf_counter()
 SWEEP_UNTIL_S = float(os.environ.get("MOE_BENCH_SWEEP_UNTIL_S", "240"))  # stop trying tile configs after this
+PALLAS = Backend(moe="pallas")
 R = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "rows": {}, "decode": {}}
 
 
@@ -143,7 +143,7 @@ def prefill(w):
 
 
 def layer(w, d):
-    """`mlp.experts` (what the model runs) with the shared experts dense or in the same launch."""
+    """`moe.experts` (what the model runs), the shared experts as an einsum."""
     wg, wu, wd = w
     routed, shared = (wg[:LOCAL], wu[:LOCAL], wd[:LOCAL]), (wg[LOCAL:], wu[LOCAL:], wd[LOCAL:])
     x = d["x"][:TOKENS]
@@ -151,12 +151,10 @@ def layer(w, d):
     wts = jax.random.uniform(ks[0], (TOKENS, TOP_K), jnp.float32, 0.1, 1.0)
     shared_wts = jax.random.uniform(ks[1], (TOKENS, SHARED), jnp.float32, 0.1, 1.0)
     flops = 6 * TOKENS * (TOP_K + SHARED) * H * I
-    for in_launch in (False, True):
-        def f(x, routed, shared, wts, shared_wts, ids, in_launch=in_launch):
-            return experts(x, routed, shared, ids, wts, shared_wts, shared_in_launch=in_launch).astype(x.dtype)
-        name = f"layer: ours, shared {'in the same launch' if in_launch else 'as XLA einsum'}"
-        measure(name, f, (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:TOKENS]), 5, flops,
-                note="incl. routing sort/gather/combine" + (", weight stack copy" if in_launch else ""))
+    def f(x, routed, shared, wts, shared_wts, ids):
+        return experts(x, routed, shared, ids, wts, shared_wts, backend=PALLAS).astype(x.dtype)
+    measure("layer: ours, shared as XLA einsum", f, (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:TOKENS]),
+            5, flops, note="incl. routing sort/gather/combine")
 
 
 def ragged_peer(w):
@@ -181,9 +179,8 @@ def decode(w):
         x, ids = d["x"][:tokens], d["ids"]
         wts, swts = jnp.full((tokens, TOP_K), 0.1), jnp.full((tokens, SHARED), 0.2)
         routed, shared = (wg[:LOCAL], wu[:LOCAL], wd[:LOCAL]), (wg[LOCAL:], wu[LOCAL:], wd[LOCAL:])
-        for in_launch in (False, True):
-            f = jax.jit(functools.partial(experts, shared_in_launch=in_launch))
-            cases[f"layer_shared_{'in_launch' if in_launch else 'einsum'}"] = (f, (x, routed, shared, ids, wts, swts))
+        cases["layer_shared_einsum"] = (jax.jit(functools.partial(experts, backend=PALLAS)),
+                                        (x, routed, shared, ids, wts, swts))
         cases["ragged_dot"] = (jax.jit(functools.partial(unfused_ffn, jax.lax.ragged_dot)),
                                (d["x"], wg, wu, wd, d["gs"], d["rw"]))
         for name, (f, args) in cases.items():
@@ -390,10 +387,9 @@ def main():
         if "--quantized" in sys.argv:
             quantized_vs_bf16(w)
             return
-        with kernels.use(moe="pallas"):
-            d = prefill(w)
-            decode(w)
-            layer(w, d)
+        d = prefill(w)
+        decode(w)
+        layer(w, d)
         ragged_peer(w)
         if not DRY:
             kernel_sweep(d, w)

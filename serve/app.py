@@ -24,6 +24,7 @@ import time
 import jax
 import uvicorn
 
+from inkling_jax.backend import add_backend_flag, with_backend
 from serve.api import Service, create_app
 from serve.chat import ChatError, ChatFormat
 from serve.config import EngineConfig
@@ -91,8 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--max-tokens", type=int, help="largest accepted max_tokens (default: max-model-len - 1)")
     a("--max-n", type=int, default=16, help="largest n (choices x prompts) per request")
     a("--drain-seconds", type=float, default=10.0, help="on shutdown, how long in-flight requests may finish")
-    a("--moe-backend", default="auto", choices=["auto", "dense", "ragged", "pallas"],
-      help="MoE implementation (see inkling_jax.nn.kernels)")
+    add_backend_flag(p)
     a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
@@ -120,10 +120,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def build_service(args: argparse.Namespace) -> Service:
     """Load (or build) the model and tokenizer, start the engine (warm-up included) and describe it."""
     from inkling_jax import load_config, load_pretrained, preset
-    from inkling_jax.nn import kernels
     from serve.random_weights import random_model
 
-    kernels.set_backend(moe=args.moe_backend)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     placement = Placement.from_spec(args.mesh)
     model_config = load_config(args.model) if args.model else preset("tiny")
@@ -133,13 +131,14 @@ def build_service(args: argparse.Namespace) -> Service:
     config = engine_config(args)
     if args.model:
         model = load_pretrained(args.model, dtype=dtype, config=model_config, mesh=placement.mesh,
-                                expert_precision=args.expert_precision, dense_precision=args.dense_precision)
+                                expert_precision=args.expert_precision, dense_precision=args.dense_precision,
+                                backend=args.backend)
         if args.fp8_twins:
             model.add_fp8_twins()
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         description = f"checkpoint {args.model}"
     else:
-        model = random_model(model_config, dtype, args.seed)
+        model = with_backend(random_model(model_config, dtype, args.seed), args.backend)
         model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "

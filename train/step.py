@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
-from inkling_jax.nn import kernels
 from inkling_jax.parallel.mesh import check_mesh
 from inkling_jax.parallel.placement import use_mesh
 from inkling_jax.parallel.rules import activation_sharding, constrain
@@ -42,6 +42,7 @@ class StepConfig:
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float = 32.0
     freeze: tuple[str, ...] = ()  # regexes of weights kept frozen in full fine-tuning
+    backend: Backend = Backend()  # the kernels the model runs (`inkling_jax.backend`)
 
 
 class Trainer:
@@ -54,7 +55,7 @@ class Trainer:
         self.config, self.mesh, self.cfg, self.optim_config = config, mesh, step_config, optim_config
         self.tx, self.schedule = make_optimizer(optim_config), schedule(optim_config)
         self.compiler_options = dict(compiler_options or {})
-        self.parts = ModelParts(config, step_config.compute_dtype)
+        self.parts = ModelParts(config, step_config.compute_dtype, step_config.backend)
         self.shardings = Shardings(mesh, self._axes)
 
     @property
@@ -177,7 +178,7 @@ class Trainer:
 
     def _compiled(self, kind: str, state: TrainState, frozen: Flat, batch: dict):
         args = (state, frozen, batch)
-        key = (kind, self.config, self.cfg, self.optim_config, self.mesh, kernels.moe_backend(),
+        key = (kind, self.config, self.cfg, self.optim_config, self.mesh,
                tuple(sorted(self.compiler_options.items())), jax.tree.structure(args),
                tuple(f"{x.shape}{x.dtype}" for x in jax.tree.leaves(args)))
         if key not in _COMPILED:

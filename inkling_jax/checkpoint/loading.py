@@ -23,6 +23,7 @@ except ImportError:  # a declared dependency, but loading works without its prog
     def tqdm(items, **_):
         return items
 
+from inkling_jax.backend import Backend
 from inkling_jax.checkpoint.hub_source import HubSource
 from inkling_jax.checkpoint.safetensors_io import (
     INDEX,
@@ -159,9 +160,9 @@ def hub_layout(config: InklingConfig) -> dict[str, Rule]:
     return rules
 
 
-def abstract_model(config: InklingConfig, dtype) -> InklingModel:
+def abstract_model(config: InklingConfig, dtype, backend: Backend = Backend()) -> InklingModel:
     """The module tree with shapes and dtypes only (no memory), to be filled by a loader."""
-    return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0), backend=backend))
 
 
 def hold_in_nvfp4(model: InklingModel, layers: list[int]) -> None:
@@ -200,7 +201,7 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16",
-                    dense_precision: str = "bf16"):
+                    dense_precision: str = "bf16", backend: Backend = Backend()):
     """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.checkpoint.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
@@ -215,11 +216,12 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     that), so the devices never hold more than one layer's experts in `dtype`.
     dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
     serving), quantised once all weights are in.
+    backend: the kernels the model runs (`inkling_jax.backend`; default "auto": Pallas on GPU).
     """
     check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
     path = os.fspath(path)
     config = config or load_config(path)
-    model = abstract_model(config, jnp.dtype(dtype))
+    model = abstract_model(config, jnp.dtype(dtype), backend)
     variables = model_variables(model)
     from inkling_jax.checkpoint import orbax_io  # orbax is imported only when a converted directory is loaded
 

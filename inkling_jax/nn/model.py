@@ -1,7 +1,7 @@
 """The Inkling model: normed embedding, decoder layers (attention + ShortConv, dense MLP or MoE + ShortConv),
 final norm, the muP-divided untied head; media towers whose outputs replace placeholder rows.
 
-    model = InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0))   # backend=Backend(...): which kernels
     logits = model(input_ids)                          # [B, T, unpadded_vocab]
     cache = model.init_cache(batch, max_len)
     logits, cache = model.extend(prompt_ids, cache)    # prefill (a chunk; rows may be right-padded)
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.backend import Backend, assign_backend
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.cache import Cache, init_cache
@@ -57,14 +58,16 @@ def check_precisions(expert_precision: str = "bf16", dense_precision: str = "bf1
 
 
 class InklingModel(nnx.Module):
-    def __init__(self, config: InklingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: InklingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, backend: Backend = Backend()):
+        """backend: the kernels every layer runs (`inkling_jax.backend`; `with_backend` gives a model another)."""
         cfg = config.text
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.backend = backend
         self.embed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.List([
-            DecoderLayer(cfg, local=cfg.is_local(i), dense=cfg.is_dense(i), dtype=dtype, rngs=rngs)
+            DecoderLayer(cfg, local=cfg.is_local(i), dense=cfg.is_dense(i), dtype=dtype, rngs=rngs, backend=backend)
             for i in range(cfg.num_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -73,7 +76,7 @@ class InklingModel(nnx.Module):
                                                                        rngs=rngs)
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
                                                                     rngs=rngs)
-        self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
+        self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs, backend=backend)
         self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
 
     def quantize(self, expert_precision: str = "bf16", dense_precision: str = "bf16", fp8_twins: bool = False
@@ -131,6 +134,7 @@ class InklingModel(nnx.Module):
             self.fuse_projections()
             changed += sum(attention.quantize_nvfp4() for attention in self._modules(Attention))
             changed += sum(moe.shared_mlp.quantize("nvfp4") for moe in self._modules(MoE))
+            assign_backend(self, self.backend)  # the NVFP4 matrices made here run the model's kernels
         return changed
 
     # ------------------------------------------------------------------------------------------------------
