@@ -24,7 +24,7 @@ import time
 import jax
 import uvicorn
 
-from inkling_jax.backend import add_backend_flag, with_backend
+from inkling_jax.backend import add_backend_flag
 from serve.api import Service, create_app
 from serve.chat import ChatError, ChatFormat
 from serve.config import EngineConfig
@@ -138,7 +138,7 @@ def build_service(args: argparse.Namespace) -> Service:
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         description = f"checkpoint {args.model}"
     else:
-        model = with_backend(random_model(model_config, dtype, args.seed), args.backend)
+        model = random_model(model_config, dtype, args.seed, backend=args.backend)
         model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import preset
+from inkling_jax import Backend, preset, with_backend
 from inkling_jax.checkpoint import nvfp4
-from inkling_jax.nn import kernels
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.nn.moe import MoE
@@ -50,10 +49,8 @@ def test_matmul_pads_and_slices_odd_widths_the_same_on_both_paths():
     linear = Nvfp4Linear.quantize(w)
     assert linear.nvfp4_codes.get_value().shape == (1, 2, 4, 8, 128) and linear.nvfp4_scale2.get_value().shape == (72,)
     x = jax.random.normal(jax.random.key(2), (2, 3, 100), jnp.float32)
-    with kernels.use(moe="ragged"):
-        formula = linear(x)
-    with kernels.use(moe="pallas"):
-        kernel = linear(x)
+    formula = with_backend(linear, Backend(moe="ragged"))(x)
+    kernel = with_backend(linear, Backend(moe="pallas"))(x)
     assert formula.shape == kernel.shape == (2, 3, 72) and kernel.dtype == x.dtype
     assert _rel(kernel, formula) < 1e-2
     np.testing.assert_allclose(formula, x @ linear.dequantize(), rtol=1e-2, atol=1e-3)
@@ -80,22 +77,22 @@ def test_a_quantised_dense_mlp_fuses_gate_and_up_without_requantising():
     x = jax.random.normal(jax.random.key(5), (3, 64), jnp.float32)
     assert mlp.quantize("nvfp4") == 3 and mlp.nvfp4 and not mlp.fused and not hasattr(mlp, "w_gate")
     assert mlp.quantize("fp8") == 0  # already quantised
-    with kernels.use(moe="ragged"):
-        want = mlp(x)[0]
-        mlp.fuse_gate_up()
-        got = mlp(x)[0]
+    mlp = with_backend(mlp, Backend(moe="ragged"))
+    want = mlp(x)[0]
+    mlp.fuse_gate_up()
+    got = mlp(x)[0]
+    assert mlp.w_gate_up_nvfp4.backend == Backend(moe="ragged")  # the fused matrix keeps the parts' backend
     assert mlp.fused and mlp.matrix_names == ("w_gate_up", "w_down") and not hasattr(mlp, "w_gate_nvfp4")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_quantised_model_is_fused_and_stays_close():
     config = preset("tiny")
-    model = random_model(config, jnp.float32)
+    model = with_backend(random_model(config, jnp.float32), Backend.parse("reference"))
     forward = nnx.jit(lambda model, tokens: model(tokens))  # compiled: op by op is slow on CPU
-    with kernels.use("jnp", moe="ragged"):
-        want = forward(model, TOKENS)
-        changed = model.quantize_dense("nvfp4")
-        got = forward(model, TOKENS)
+    want = forward(model, TOKENS)
+    changed = model.quantize_dense("nvfp4")
+    got = forward(model, TOKENS)
     attentions, moes = model._modules(Attention), model._modules(MoE)
     dense = len(config.text.dense_layer_ids)
     # fp8: gate, up, down per dense layer and the LM head; NVFP4: q|k|v|r and wo per attention, gate|up and down

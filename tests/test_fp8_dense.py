@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset, with_backend
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.quant import dense_fp8
 from pallas_kernels.moe.fp8 import quantize_rows
@@ -21,6 +20,7 @@ from serve.sampling import SamplingParams
 from tests.greedy import greedy_tokens
 
 TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
+REFERENCE = Backend.parse("reference")  # the MoE and the NVFP4 products by XLA's ragged_dot and formula
 
 
 def _rel(a, b):
@@ -46,12 +46,11 @@ def test_the_product_is_its_formula_and_stays_close_to_bf16():
 
 def test_quantised_model_drops_its_dense_weights_and_its_logits_stay_close():
     config = preset("tiny")
-    model = random_model(config, jnp.bfloat16)
+    model = with_backend(random_model(config, jnp.bfloat16), Backend(moe="ragged"))
     forward = nnx.jit(lambda model, tokens: model(tokens))  # compiled: op by op is slow on CPU
-    with kernels.use(moe="ragged"):
-        want = forward(model, TOKENS)
-        changed = model.quantize_dense()
-        got = forward(model, TOKENS)
+    want = forward(model, TOKENS)
+    changed = model.quantize_dense()
+    got = forward(model, TOKENS)
     assert changed == 3 * len(config.text.dense_layer_ids) + 1  # gate, up, down per dense layer; the LM head
     assert model.quantize_dense() == 0  # already done
     dense = [layer.mlp for layer in model.layers if isinstance(layer.mlp, DenseMLP)]
@@ -68,16 +67,15 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
     full-sequence forward picks greedily. (fp8 experts with bf16 dense weights are served in
     tests/test_fp8_experts.py's mesh test.)"""
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
-    model = random_model(config, jnp.float32, seed=1)
+    model = with_backend(random_model(config, jnp.float32, seed=1), REFERENCE)
     model.quantize("fp8", dense_precision)
     assert model.layers[1].mlp.fp8 and model.layers[0].mlp.fp8 == (dense_precision != "bf16")
     prompt = [3, 14, 15, 92, 65, 35]
-    with kernels.use("jnp", moe="ragged"):
-        want = greedy_tokens(model, prompt, 6)
-        engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
-                                            chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
-                        eos_token_id=config.eos_token_id)
-        engine.start()
+    want = greedy_tokens(model, prompt, 6)
+    engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
+                                        chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
+                    eos_token_id=config.eos_token_id)
+    engine.start()
     try:
         got = generate(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))[0]
     finally:
@@ -93,30 +91,29 @@ def test_quantised_model_on_a_mesh_equals_one_device(precision, spec, monkeypatc
     and the per-row activation scales span the whole row, so the sharded logits equal one device's. NVFP4's
     fused matrices (inkling_jax/quant/dense_nvfp4.py) stay whole on every device; its case runs with fp8 twins,
     which every product here takes (the thresholds lowered), the experts' split over `expert`."""
-    from inkling_jax.nn import mlp
+    from inkling_jax.nn import moe
     from inkling_jax.parallel.mesh import make_mesh
     from inkling_jax.parallel.placement import shard_model
     from inkling_jax.quant import dense_nvfp4
 
-    monkeypatch.setattr(mlp, "TWIN_TOKENS", 1)
+    monkeypatch.setattr(moe, "TWIN_TOKENS", 1)
     monkeypatch.setattr(dense_nvfp4, "TWIN_ROWS", 1)
 
     def quantised():
-        model = random_model(preset("tiny"), jnp.float32, seed=2)
+        model = with_backend(random_model(preset("tiny"), jnp.float32, seed=2), REFERENCE)
         model.quantize(precision, precision, fp8_twins=precision == "nvfp4")
         return model
 
-    with kernels.use("jnp", moe="ragged"):
-        want = nnx.jit(lambda m, t: m(t))(quantised(), TOKENS)
-        model = shard_model(quantised(), make_mesh(spec))
-        if precision == "fp8":
-            assert model.layers[0].mlp.w_gate_fp8.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
-            assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
-        else:
-            assert model.layers[0].attn.wqkvr_nvfp4.nvfp4_codes.get_value().sharding.is_fully_replicated
-            assert model.layers[0].attn.wqkvr_nvfp4.twin_fp8.get_value().sharding.is_fully_replicated
-            assert model.layers[1].mlp.w_gate_fp8.get_value().sharding.spec[0] == "expert"  # the experts' twin
-        got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    want = nnx.jit(lambda m, t: m(t))(quantised(), TOKENS)
+    model = shard_model(quantised(), make_mesh(spec))
+    if precision == "fp8":
+        assert model.layers[0].mlp.w_gate_fp8.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
+        assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
+    else:
+        assert model.layers[0].attn.wqkvr_nvfp4.nvfp4_codes.get_value().sharding.is_fully_replicated
+        assert model.layers[0].attn.wqkvr_nvfp4.twin_fp8.get_value().sharding.is_fully_replicated
+        assert model.layers[1].mlp.w_gate_fp8.get_value().sharding.spec[0] == "expert"  # the experts' twin
+    got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from bench.ceilings import decode_step_bytes
-from inkling_jax import preset
-from inkling_jax.nn import kernels, mlp
+from inkling_jax import Backend, preset
+from inkling_jax.nn import moe as moe_module
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.moe import MoE
 from inkling_jax.quant import dense_fp8
@@ -24,7 +24,8 @@ from tests.test_fp8_experts import _rel, moe_pair
 
 
 def _linear(shape=(96, 128), seed=0, twin=True):
-    linear = Nvfp4Linear.quantize(0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+    linear = Nvfp4Linear.quantize(0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32),
+                                  backend=Backend(moe="ragged"))  # the jnp formula
     if twin:
         linear.add_fp8_twin()
     return linear
@@ -35,14 +36,13 @@ def test_a_dense_twin_takes_only_the_wide_products():
     values = twinned.twin_fp8.get_value()
     assert values.dtype == jnp.float8_e4m3fn and values.shape == (128, 96)  # [out, in], as dense_fp8 holds it
     assert _rel(values.astype(jnp.float32).T * twinned.twin_out_scale.get_value(), plain.dequantize()) < 0.05
-    with kernels.use(moe="ragged"):
-        for rows in (1, TWIN_ROWS):  # narrow: the NVFP4 product, unchanged by the twin
-            x = jax.random.normal(jax.random.key(rows), (rows, 96), jnp.float32)
-            np.testing.assert_array_equal(twinned(x), plain(x))
-        x = jax.random.normal(jax.random.key(7), (2, TWIN_ROWS // 2 + 1, 96), jnp.float32)
-        wide = twinned(x)
-        np.testing.assert_array_equal(wide, dense_fp8.matmul(x, values, twinned.twin_out_scale.get_value()))
-        assert wide.shape == (2, TWIN_ROWS // 2 + 1, 128) and _rel(wide, plain(x)) < 0.05
+    for rows in (1, TWIN_ROWS):  # narrow: the NVFP4 product, unchanged by the twin
+        x = jax.random.normal(jax.random.key(rows), (rows, 96), jnp.float32)
+        np.testing.assert_array_equal(twinned(x), plain(x))
+    x = jax.random.normal(jax.random.key(7), (2, TWIN_ROWS // 2 + 1, 96), jnp.float32)
+    wide = twinned(x)
+    np.testing.assert_array_equal(wide, dense_fp8.matmul(x, values, twinned.twin_out_scale.get_value()))
+    assert wide.shape == (2, TWIN_ROWS // 2 + 1, 128) and _rel(wide, plain(x)) < 0.05
 
 
 def test_concatenation_keeps_the_twins_and_refuses_a_mix():
@@ -60,16 +60,15 @@ def test_expert_twin_serves_wide_steps(monkeypatch):
     bf16, moe = moe_pair("nvfp4")
     with pytest.raises(ValueError, match="twin"):
         bf16.add_fp8_twin()
-    monkeypatch.setattr(mlp, "TWIN_TOKENS", 16)
+    monkeypatch.setattr(moe_module, "TWIN_TOKENS", 16)
     x = jax.random.normal(jax.random.key(3), (16, 64), jnp.bfloat16)
-    with kernels.use(moe="ragged"):
-        before, ids = moe(x)
-        narrow = moe(x[:15])[0]
-        moe.add_fp8_twin()
-        assert moe.has_twin and moe.precision == "nvfp4"
-        assert isinstance(moe.routed_experts(15), Nvfp4Experts) and isinstance(moe.routed_experts(16), Fp8Experts)
-        np.testing.assert_array_equal(moe(x[:15])[0], narrow)
-        wide, wide_ids = moe(x)
+    before, ids = moe(x)  # the ragged backend (`moe_pair`)
+    narrow = moe(x[:15])[0]
+    moe.add_fp8_twin()
+    assert moe.has_twin and moe.precision == "nvfp4"
+    assert isinstance(moe.routed_experts(15), Nvfp4Experts) and isinstance(moe.routed_experts(16), Fp8Experts)
+    np.testing.assert_array_equal(moe(x[:15])[0], narrow)
+    wide, wide_ids = moe(x)
     for a, b in zip(fp8_float(moe.routed_experts(16)), nvfp4_float(moe.routed_experts())):
         assert _rel(a, b) < 0.05
     np.testing.assert_array_equal(wide_ids, ids)  # routing does not involve the experts' weights
