@@ -51,8 +51,8 @@ def grouped_rows(x, source, group, row_weights, stack, ffn):
 
 def order_by_group(group):
     """(order, place): the rows' stable order by group, and each row's place in it (order's inverse). Up to
-    SORT_FREE_ROWS rows, by comparing all pairs (one fusion each), not a sort: in the H200's 32-row decode step
-    the sort of 192 rows, the scatter of its inverse and the index select took ~6 us per MoE layer."""
+    SORT_FREE_ROWS rows, by comparing all pairs (one fusion each), not a sort: in a decode step the sort, the
+    scatter of its inverse and the index select cost more (see docs/performance.md)."""
     rows = group.shape[0]
     index = jnp.arange(rows, dtype=jnp.int32)
     if rows > SORT_FREE_ROWS:
@@ -132,7 +132,7 @@ def shared_dense(x, shared, shared_weights):
         return 0.0
     gate, up, down = shared
     # Batched over s on both sides: contracting x [n, h] with [s, h, i] directly makes XLA transpose the weights
-    # on every call (two 38 us copies per layer of the H200's decode step); the broadcast x costs nothing there.
+    # on every call; the broadcast x costs nothing.
     xs = jnp.broadcast_to(x, (gate.shape[0],) + x.shape)
     h = swiglu(jnp.einsum("snh,shi->sni", xs, gate), jnp.einsum("snh,shi->sni", xs, up))
     h = h * shared_weights.T[:, :, None].astype(x.dtype)

@@ -1,10 +1,9 @@
 """NVFP4 dense weights for serving: the attention projections and the shared experts as W4A16 products.
 
-A decode step of a few dozen rows is bound by reading weights, and in bf16 the step's attention and
-shared-expert products are ~2.5 GB of them on the `bench` preset; fp8 gained nothing there
-(bench/results/dense_matmuls.md). Held as NVFP4 they are read at 5 bits a value (the e2m1 code and its share of
-an f16 block scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py) as one expert: up to
-DECODE_TOKENS rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
+A decode step of a few dozen rows is bound by reading weights (fp8 gained nothing there; see
+docs/performance.md). Held as NVFP4 they are read at 5 bits a value (the e2m1 code and its share of an f16 block
+scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py) as one expert: up to DECODE_TOKENS
+rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
 
 Format, per matrix [in, out] (the model's `kernel` orientation): the e2m1 codes and f16 block scales of the
 kernel layout (one group, one matrix: `nvfp4.layout`) with one fp32 global scale per output column. NVFP4's
@@ -20,17 +19,11 @@ kernel as the routed experts) and the formula in jnp otherwise (`reference_produ
 An fp8 twin (`add_fp8_twin`): the same matrix, dequantised and rounded to dense_fp8's format (e4m3 values [out,
 in], a scale per output column), which products of more than TWIN_ROWS rows (prompt chunks, large batches)
 multiply instead: there the W4A16 kernel's f16 tensor-core work, not its bytes, is the bound, and fp8 tensor cores
-run at twice f16's rate (on the H200 a 4096-row sliding q|k|v|r took 1107 us in NVFP4 and 571 in fp8,
-bench/results/dense_matmuls.md). Built from the NVFP4 values, so both forms carry the same quantised matrix up to
-fp8's rounding. It costs one byte per weight.
+run at twice f16's rate. Built from the NVFP4 values, so both forms carry the same quantised matrix up to fp8's
+rounding. It costs one byte per weight.
 
-On the H200 (bench/results/serve.md, dense_matmuls.md, 2026-12-01) the 32-row decode program went from 3.35 to
-3.20 ms per token with the attention and shared experts in NVFP4. In that step's trace (2026-12-02) each product
-ran at a fixed ~21 GB/s per SM in use, so those of 48 output tiles (wo, the shared experts' down) used 48 of the
-132 SMs; `kernel_product` now splits K where that keeps all tiles in one wave (`kernel_w4.k_splits_to_fill`):
-wo 26 -> 16 us, the shared down 20 -> 12 us, the sum of partials within bf16 rounding of the unsplit product.
-A split into two waves of tiles (2026-12-01) had changed nothing. At 129 rows (two 128-row slabs; one slab of
-144 was slower still) the step took 5.02 ms against 4.68 with bf16 products.
+A product with fewer output tiles than the GPU has SMs splits K (`kernel_w4.k_splits_to_fill`), so that all
+tiles run in one wave: each tile's rate is bound per SM (see docs/performance.md).
 """
 
 from __future__ import annotations
@@ -167,6 +160,6 @@ def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, 
                            slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
                            epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
                            k_splits=k_splits)
-    if k_splits > 1:  # elementwise adds: in the H200's decode step they fused into the caller's scale, no kernel
+    if k_splits > 1:  # elementwise adds, which XLA fuses into the caller's scale
         out = functools.reduce(operator.add, [part.astype(jnp.float32) for part in out])
     return out.reshape(slabs * n, out_rows)[:m].astype(jnp.float32)
