@@ -15,23 +15,21 @@ base64 WAV) when the checkpoint has the media towers; a text-only checkpoint ans
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import threading
-import time
 
 import jax
 import uvicorn
 
 from inkling_jax.backend import add_backend_flag
-from serve.api import Service, create_app
-from serve.chat import ChatError, ChatFormat
-from serve.config import EngineConfig
-from serve.engine import Engine
-from serve.media import MediaEncoder
-from serve.placement import MeshError, Placement
-from serve.tokenizer import load_tokenizer
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.http.chat import ChatError, ChatFormat
+from serve.http.media import MediaEncoder
+from serve.http.routes import Service
+from serve.http.server import serving_app
+from serve.http.tokenizer import load_tokenizer
+from serve.runner.placement import MeshError, Placement
 
 log = logging.getLogger("serve")
 
@@ -164,45 +162,6 @@ def build_service(args: argparse.Namespace) -> Service:
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
                    max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
                    max_n=args.max_n, api_key=args.api_key, chat=chat)
-
-
-def serving_app(service: Service):
-    """The app; shutting it down drains (uvicorn waits for open requests) and then stops the engine."""
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_):
-        yield
-        service.engine.shutdown(drain_seconds=0.0)
-
-    return create_app(service, lifespan=lifespan)
-
-
-class ServerThread:
-    """A uvicorn server on a background thread (tests, notebooks): `with ServerThread(app) as s: s.url`."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, drain_seconds: float = 10.0):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=drain_seconds)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self
-
-    @property
-    def url(self) -> str:
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
 
 
 def main(argv=None) -> None:

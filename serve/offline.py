@@ -10,9 +10,9 @@ import dataclasses
 import itertools
 import threading
 
-from serve.engine import Engine
-from serve.request import Output
-from serve.sampling import SamplingParams
+from serve.engine.engine import Engine
+from serve.engine.outputs import Output, Sample
+from serve.engine.sampling_params import SamplingParams
 
 _ids = itertools.count()
 
@@ -32,10 +32,10 @@ class TokenRecorder:
     def __init__(self):
         self.result = Generated()
 
-    def feed(self, token_id: int, entry=None) -> list:
+    def feed(self, token_id: int, sample: Sample | None = None) -> list:
         self.result.token_ids.append(token_id)
-        if entry is not None:
-            self.result.logprobs.append(entry.logprob)
+        if sample is not None:
+            self.result.logprobs.append(sample.logprob)
         return []
 
     def finish(self) -> list:

@@ -111,7 +111,7 @@ def test_quantised_model_is_fused_and_stays_close():
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 def test_a_tensor_mesh_is_refused():
     from inkling_jax.parallel.mesh import MeshError
-    from serve.placement import Placement
+    from serve.runner.placement import Placement
 
     with pytest.raises(MeshError, match="nvfp4"):
         Placement.from_spec("tensor=2").check(preset("tiny").text, dense_precision="nvfp4")

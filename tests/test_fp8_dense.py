@@ -12,11 +12,11 @@ from inkling_jax import Backend, preset, with_backend
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.quant import dense_fp8
 from pallas_kernels.moe.fp8 import quantize_rows
-from serve.config import EngineConfig
-from serve.engine import Engine
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
-from serve.sampling import SamplingParams
 from tests.greedy import greedy_tokens
 
 TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])

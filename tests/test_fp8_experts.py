@@ -11,9 +11,9 @@ from flax import nnx
 
 from inkling_jax import Backend, preset, with_backend
 from inkling_jax.nn.moe import MoE
+from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
-from serve.sampling import SamplingParams
 from tests.greedy import greedy_tokens
 
 

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.ceilings import decode_step_bytes
+from benchmarks.model import decode_step_bytes
 from inkling_jax import Backend, preset
-from inkling_jax.nn import moe as moe_module
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.moe import MoE
 from inkling_jax.quant import dense_fp8
@@ -60,7 +59,7 @@ def test_expert_twin_serves_wide_steps(monkeypatch):
     bf16, moe = moe_pair("nvfp4")
     with pytest.raises(ValueError, match="twin"):
         bf16.add_fp8_twin()
-    monkeypatch.setattr(moe_module, "TWIN_TOKENS", 16)
+    monkeypatch.setattr("inkling_jax.nn.moe.TWIN_TOKENS", 16)
     x = jax.random.normal(jax.random.key(3), (16, 64), jnp.bfloat16)
     before, ids = moe(x)  # the ragged backend (`moe_pair`)
     narrow = moe(x[:15])[0]

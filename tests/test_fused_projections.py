@@ -16,10 +16,10 @@ from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.nn.moe import MoE
 from inkling_jax.parallel.rules import logical_axes
-from serve.config import EngineConfig
-from serve.model_runner import ModelRunner
-from serve.placement import Placement
+from serve.engine.config import EngineConfig
 from serve.random_weights import random_model
+from serve.runner.model_runner import ModelRunner
+from serve.runner.placement import Placement
 from tests.hf_oracle import relative_error
 
 CONFIG = preset("tiny")  # sliding and full layers (2 and 1 KV heads), MTP blocks

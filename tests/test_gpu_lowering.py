@@ -4,8 +4,8 @@ The kernels' CPU tests run them in Pallas' interpret mode, which checks their ar
 lowering sees: Mosaic GPU's register layouts (a loop carry whose layout differs between iterations, say), the
 shapes that wgmma and TMA accept, Triton's block shapes. Here the engine's decode and prefill steps (per expert and
 dense precision) and a training gradient are traced with the Pallas kernels in their compiled form
-(`Backend(interpret=False)`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic
-GPU or Triton. Not checked: PTX assembly and what happens at run time, which need the GPU (README, "Tests").
+(`Backend(interpret=False)`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic GPU or Triton.
+Not checked: PTX assembly and what happens at run time, which need the GPU (docs/kernels.md, "Testing").
 
 The model is the `bench` preset's per-layer structure cut to two layers, a sliding one with the dense MLP and a
 full one with the MoE, at widths the kernels tile; its parameters are abstract (nothing is allocated).

@@ -2,7 +2,7 @@
 
 `hub_layout(config)` is the single table of how every hub tensor maps onto model parameters (renaming,
 transposing `[out, in]` to `[in, out]`, de-interleaving the gate/up rows). Loading is strict: a missing,
-unexpected or mis-shaped tensor, or a truncated shard, is an error naming the tensor and the file.
+unexpected, mis-shaped or non-float tensor, or a truncated shard, is an error naming the tensor and the file.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ except ImportError:  # a declared dependency, but loading works without its prog
         return items
 
 from inkling_jax.backend import Backend
+from inkling_jax.checkpoint.destination import taken
 from inkling_jax.checkpoint.hub_source import HubSource
 from inkling_jax.checkpoint.safetensors_io import (
     INDEX,
@@ -47,6 +48,7 @@ Path = tuple  # a parameter's path in the module tree, e.g. ("layers", 3, "attn"
 
 # Tensors some checkpoints carry that this model has no use for (SGLang skips the same ones).
 IGNORED_PREFIXES = ("model.audio.decoder.", "model.audio.logits_processor.")
+FLOATS = ("bfloat16", "float16", "float32", "float64")  # the dtypes a hub tensor may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +168,8 @@ def abstract_model(config: InklingConfig, dtype, backend: Backend = Backend()) -
 
 
 def hold_in_nvfp4(model: InklingModel, layers: list[int]) -> None:
-    """Gives those MoE layers of an abstract model NVFP4 routed experts, in place (shapes only: a fraction of a
-    second, where building the abstract model again took ~20 s for the real config on a 2-core CPU)."""
+    """Gives those MoE layers of an abstract model NVFP4 routed experts, in place (shapes only: far cheaper than
+    building the abstract model again)."""
     def quantised(moe):
         moe.quantize_routed_experts("nvfp4")
         return moe
@@ -201,7 +203,7 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16",
-                    dense_precision: str = "bf16", backend: Backend = Backend()):
+                    dense_precision: str = "bf16", verify_checksums: bool = True, backend: Backend = Backend()):
     """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.checkpoint.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
@@ -216,6 +218,8 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     that), so the devices never hold more than one layer's experts in `dtype`.
     dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
     serving), quantised once all weights are in.
+    verify_checksums: converted directories only: before restoring, check the chunk files this process will read
+    against the checksums the converter recorded (one more read and crc32 of those bytes).
     backend: the kernels the model runs (`inkling_jax.backend`; default "auto": Pallas on GPU).
     """
     check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
@@ -244,7 +248,7 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
                        for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
             routed = {p for batch in experts for p in batch}
             batches = [[p for p in variables if p not in routed]] + experts
-        orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled)
+        orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled, verify=verify_checksums)
     else:
         if place is None:
             place = ((lambda _, x: jnp.asarray(x)) if mesh is None
@@ -314,24 +318,22 @@ def check_shapes(checkpoint: HubSource, rules: dict[str, Rule], variables: dict[
         if tuple(found) != tuple(expected):
             raise CheckpointError(f"{checkpoint.path_of(name)}: tensor {name} has shape {list(found)}, the config "
                                   f"needs {list(expected)}")
+        if checkpoint.dtype(name).name not in FLOATS:
+            raise CheckpointError(f"{checkpoint.path_of(name)}: tensor {name} is {checkpoint.dtype(name)}, not a "
+                                  f"float type")
 
 
 def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=None,
                     max_shard_bytes: int = 4 << 30) -> None:
     """Write `model` in the hub layout: config.json, *.safetensors shards and their index.
 
-    The directory is built under a temporary name and renamed into place at the end, so a failed write never
-    leaves a directory that looks like a checkpoint. dtype: cast the weights (default: as they are).
+    The directory is built under a temporary name and renamed into place at the end, only if nothing appeared
+    there meanwhile (`destination.taken`), so a failed write never leaves a directory that looks like a
+    checkpoint. dtype: cast the weights (default: as they are).
     """
     import json
-    import shutil
 
-    directory = os.fspath(directory)
-    if os.path.exists(directory):
-        raise FileExistsError(f"{directory} already exists")
-    tmp = f"{directory}.partial-{os.getpid()}"
-    os.makedirs(tmp)
-    try:
+    with taken(directory) as tmp:
         variables = model_variables(model)
         tensors = {}
         for name, rule in hub_layout(model.config).items():
@@ -347,10 +349,6 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
             fh.write(index_text(weight_map, sum(t.nbytes for t in tensors.values())))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(to_published(model.config), fh, indent=1)
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def keeps_fp32(name: str) -> bool:

@@ -95,7 +95,7 @@ class InklingModel(nnx.Module):
 
     def add_fp8_twins(self) -> int:
         """Every NVFP4 weight (routed experts, dense matrices) keeps an fp8 copy, which the steps too wide for
-        the W4A16 kernels to be bound by bytes (prompt chunks; `mlp.TWIN_TOKENS`, `dense_nvfp4.TWIN_ROWS`)
+        the W4A16 kernels to be bound by bytes (prompt chunks; `moe.TWIN_TOKENS`, `dense_nvfp4.TWIN_ROWS`)
         multiply on fp8 tensor cores, at twice the rate of those kernels' f16 ones; decode steps still read the
         NVFP4 bytes. Costs one byte per such weight. Returns the number of NVFP4 weights (each has a twin now)."""
         experts = [moe for moe in self._modules(MoE) if moe.precision == "nvfp4"]

@@ -52,7 +52,7 @@ def grouped_rows(x, source, group, row_weights, stack, ffn):
 def order_by_group(group):
     """(order, place): the rows' stable order by group, and each row's place in it (order's inverse). Up to
     SORT_FREE_ROWS rows, by comparing all pairs (one fusion each), not a sort: in a decode step the sort, the
-    scatter of its inverse and the index select cost more (see docs/performance.md)."""
+    scatter of its inverse and the index select were measured to cost more."""
     rows = group.shape[0]
     index = jnp.arange(rows, dtype=jnp.int32)
     if rows > SORT_FREE_ROWS:

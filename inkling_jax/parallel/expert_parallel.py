@@ -7,7 +7,7 @@ the token count does not split over `expert` (a decode step of 1 row), every exp
 takes its own 1/n slice. Each shard sorts its (token, slot) copies by expert and sends each copy only to the
 shard that owns the expert. The copies travel by `ragged_all_to_all_padded`: the contract of
 `jax.lax.ragged_all_to_all` over a fixed-size `all_to_all` (XLA:CPU lacks the ragged op, and on one host's GPUs
-it was the slower of the two; see docs/performance.md). The receiver runs its experts on everything it received,
+XLA's ragged op was measured the slower). The receiver runs its experts on everything it received,
 sends the results back the same way, and the home shard weights and sums the k copies of each token in fp32 (in
 slot order, no atomics); where the shard took a slice, an `all_gather` over `expert` returns the layer's output
 replicated again. Buffers are sized for the worst case (every copy to one shard), so there is no capacity and
@@ -53,7 +53,7 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
     name, first = _routed_names(routed)[0], routed[0]
     split = first.shape[logical_axes(("mlp", name), first.ndim).index("expert_mlp")]
     grain = 2 if precision_of(routed) == "nvfp4" else 1
-    shared_splits = shared is None or shared[2].shape[1] % n == 0  # None: widened, run outside (mlp.MoE)
+    shared_splits = shared is None or shared[2].shape[1] % n == 0  # None: widened, run outside (nn.moe.MoE)
     return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared_splits else None
 
 

@@ -58,7 +58,7 @@ LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("mlp", "w_gate"), ("experts", "embed", "expert_mlp")),  # MoE: 3-D; dense MLP: 2-D (below)
     (("mlp", "w_up"), ("experts", "embed", "expert_mlp")),
     (("mlp", "w_down"), ("experts", "expert_mlp", "embed")),
-    (("w_gate_fp8",), ("experts", "expert_mlp", "embed")),  # fp8 routed experts: K-minor (mlp.MoE)
+    (("w_gate_fp8",), ("experts", "expert_mlp", "embed")),  # fp8 routed experts: K-minor (nn.moe.MoE)
     (("w_up_fp8",), ("experts", "expert_mlp", "embed")),
     (("w_down_fp8",), ("experts", "embed", "expert_mlp")),
     (("w_gate_scale",), ("experts",)),

@@ -1,9 +1,9 @@
 """NVFP4 dense weights for serving: the attention projections and the shared experts as W4A16 products.
 
-A decode step of a few dozen rows is bound by reading weights (fp8 gained nothing there; see
-docs/performance.md). Held as NVFP4 they are read at 5 bits a value (the e2m1 code and its share of an f16 block
-scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py) as one expert: up to DECODE_TOKENS
-rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
+A decode step of a few dozen rows is bound by reading weights (fp8 was measured to gain nothing there). Held as
+NVFP4 they are read at 5 bits a value (the e2m1 code and its share of an f16 block scale) by the routed experts'
+W4A16 kernel (pallas_kernels/moe/kernel_w4.py) as one expert: up to DECODE_TOKENS rows run as one slab of tokens,
+more in slabs of PREFILL_SLAB.
 
 Format, per matrix [in, out] (the model's `kernel` orientation): the e2m1 codes and f16 block scales of the
 kernel layout (one group, one matrix: `nvfp4.layout`) with one fp32 global scale per output column. NVFP4's
@@ -23,7 +23,7 @@ run at twice f16's rate. Built from the NVFP4 values, so both forms carry the sa
 rounding. It costs one byte per weight.
 
 A product with fewer output tiles than the GPU has SMs splits K (`kernel_w4.k_splits_to_fill`), so that all
-tiles run in one wave: each tile's rate is bound per SM (see docs/performance.md).
+tiles run in one wave: each tile's rate was measured bound per SM.
 """
 
 from __future__ import annotations

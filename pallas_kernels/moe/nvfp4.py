@@ -91,9 +91,9 @@ def layout(codes, scale):
 
 
 def from_checkpoint(packed, scale, scale2, *, gate_up: bool):
-    """One routed-experts matrix as an NVFP4 checkpoint stores it (inkling_jax/checkpoint/nvfp4.py: packed
-    uint8 [G, rows, K / 2] with the even column in the low nibble, e4m3 `scale` [G, rows, K / 16], fp32
-    `scale2` [G]) -> its three Nvfp4Experts fields, the same codes and scales (no requantisation), the width padded with zeros as
+    """One routed-experts matrix as an NVFP4 checkpoint stores it (inkling_jax/checkpoint/nvfp4.py: packed uint8 [G,
+    rows, K / 2] with the even column in the low nibble, e4m3 `scale` [G, rows, K / 16], fp32 `scale2` [G]) -> its three
+    Nvfp4Experts fields, the same codes and scales (no requantisation), the width padded with zeros as
     `quantize_experts` pads it. gate_up: the checkpoint's w13, rows 2i gate and 2i + 1 up (-> w13, w13_scale,
     w13_scale2); else w2 [G, H, I / 2] (-> w2, w2_scale, w2_scale2). NumPy in, NumPy out."""
     packed, scale = np.asarray(packed), np.asarray(scale)

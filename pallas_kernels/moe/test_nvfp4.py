@@ -1,8 +1,8 @@
-"""NVFP4 routed experts (nvfp4.py, kernel_w4.py, w4_codes.py): the layout and quantiser
-against inkling_jax/checkpoint/nvfp4.py's, a checkpoint's packed tensors in the kernel layout, and the W4A16
-kernels against their jnp formula in the slab layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU
-compiled. Shapes: 3 output-row tiles and 3+ k steps, an empty group, a group spread over several slabs, rows
-past sum(group_sizes), an expert width that needs padding."""
+"""NVFP4 routed experts (nvfp4.py, kernel_w4.py, w4_codes.py): the layout and quantiser against
+inkling_jax/checkpoint/nvfp4.py's, a checkpoint's packed tensors in the kernel layout, and the W4A16 kernels against
+their jnp formula in the slab layouts. On CPU the Mosaic GPU kernels run in Pallas' GPU interpreter; on a GPU compiled.
+Shapes: 3 output-row tiles and 3+ k steps, an empty group, a group spread over several slabs, rows past
+sum(group_sizes), an expert width that needs padding."""
 
 import dataclasses
 

@@ -1,0 +1,318 @@
+"""The engine: a background thread that admits requests, runs scheduled steps, turns sampled tokens into text
+and hands each request's outputs to its listener.
+
+Other threads only `submit`, `abort` and `shutdown`; everything else (scheduler, pages, device state) belongs to
+the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
+
+Host work overlaps device work: a step's samples are first applied to their sequences (tokens appended, EOS,
+stop ids and length limits end them, freeing their slots), which the next step's schedule needs; the text work
+(detokenizing, stop strings, handing outputs to listeners) waits until the next step is dispatched and runs while
+the device computes it. A stop string found then ends a sequence that the step in flight still computes: the
+tokens it brings back for that sequence are dropped. A decode run that can go on (no waiting sequence could be
+admitted, every row has tokens left) is continued before its tokens are read: the next run feeds back the last
+tokens on device, so the device never waits for the host between runs; a sequence that ended in the first run
+has the second's tokens dropped. A request arriving meanwhile waits for the run in flight, but no run is
+continued or made multi-step while it waits for admission.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import threading
+import time
+from typing import Callable
+
+from inkling_jax.nn.model import InklingModel
+from serve.engine.block_manager import BlockManager
+from serve.engine.config import EngineConfig
+from serve.engine.metrics import Metrics
+from serve.engine.outputs import Output, Sample
+from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
+from serve.engine.sampling_params import SamplingParams
+from serve.engine.scheduler import Chunk, Scheduler
+from serve.engine.sequence import Sequence
+from serve.runner.model_runner import ModelRunner
+from serve.runner.placement import Placement
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
+                 metrics: Metrics | None = None, placement: Placement | None = None):
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.metrics = metrics or Metrics()
+        self.runner = ModelRunner(model, config, placement)
+        self._new_state()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._requests: dict[str, Request] = {}
+        self._owner: dict[int, Request] = {}  # seq_id -> its request
+        self._unreported: list[tuple[Sequence, Sample]] = []  # applied tokens whose text is not yet out
+        self._read_at = 0.0  # when the host read the unreported tokens
+        self._inflight = None  # (chunks, dispatched): a decode run queued before the last one was read
+        self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
+        self.max_queued = config.max_queued  # adjustable while serving
+        self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
+        self._accepting = True
+        self._refusal = "the server is shutting down"  # what a request hears once no more are taken
+        self._cancel_all = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _new_state(self) -> None:
+        self.blocks = BlockManager(self.runner.num_pages, self.config.page_size, self.config.snapshots)
+        self.scheduler = Scheduler(self.config, self.blocks)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Called from other threads
+
+    def start(self) -> None:
+        """Compile every step (see `warm_up_seconds`), then start the engine thread.
+
+        The objects alive by then (the model, its compiled programs, jax's caches: hundreds of thousands) are
+        frozen out of Python's garbage collector (`gc.freeze`): a full collection walks every tracked object, a
+        pause of the engine thread wherever one falls. `shutdown` unfreezes them."""
+        self.warm_up_seconds = self.runner.warm_up()
+        gc.collect()
+        gc.freeze()
+        self._thread = threading.Thread(target=self._loop, name="inkling-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+               make_parser: Callable[[], OutputParser], sink: Callable[[Output], None], media=None) -> Request:
+        """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.http.media.Media`
+        of the (single) prompt's placeholders. Raises QueueFull or EngineStopped."""
+        seed = random.getrandbits(32)
+        extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}
+        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, **extra)
+                for i, prompt in enumerate(prompts) for j in range(n)]
+        request = Request(request_id, seqs, [make_parser() for _ in seqs], sink)
+        with self._lock:
+            if not self._accepting:
+                raise EngineStopped(self._refusal)
+            queued = self._queued + sum(len(r.seqs) for r in self._inbox)
+            if queued + len(seqs) > self.max_queued:
+                self.metrics.rejected.inc()
+                raise QueueFull(f"{queued} sequences are already waiting (limit {self.max_queued})")
+            self._inbox.append(request)
+        self._wake.set()
+        return request
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        """Taking requests, with a running engine thread."""
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_requests(self) -> int:
+        with self._lock:
+            return len(self._requests) + len(self._inbox)
+
+    def shutdown(self, drain_seconds: float = 10.0) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `drain_seconds`, abort the rest."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + drain_seconds
+        while self.num_requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with self._lock:
+            self._cancel_all = True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        gc.unfreeze()
+
+    # ------------------------------------------------------------------------------------------------------
+    # The engine thread
+
+    def _loop(self) -> None:
+        while True:
+            self._take_mail()
+            if self._stop.is_set():
+                return
+            if self.scheduler.idle:
+                self._inflight = None  # every sequence of a run still in flight has ended
+                self._report()
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a failed step must not take the server down: fail its requests, start clean
+                log.exception("engine step failed; failing every request in flight")
+                self._fail_requests()
+                try:
+                    self.runner.reset()
+                except Exception:  # no clean start (say the failed step's memory did not come back): stop
+                    log.exception("the engine could not start clean after a failed step; it takes no more requests")
+                    with self._lock:
+                        self._accepting = False
+                        self._refusal = "the engine stopped after a failed step (the server log says why)"
+                    self._take_mail()  # requests that came meanwhile fail too
+                    self._fail_requests()
+                    return
+                self._new_state()
+            self._update_gauges()
+
+    def _fail_requests(self) -> None:
+        self._unreported, self._inflight = [], None
+        for request_id in list(self._requests):
+            self._end_request(request_id, "error")
+
+    def _take_mail(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            cancel_all = self._cancel_all
+        for request in inbox:
+            self._requests[request.request_id] = request
+            for seq in request.seqs:
+                self._owner[seq.seq_id] = request
+                self.metrics.prompt_tokens.inc(seq.num_prompt)
+                if seq.params.max_tokens == 0:
+                    self._finish(seq, "length", [])
+                else:
+                    self.scheduler.add(seq)
+        for request_id in list(self._requests) if cancel_all else aborts:
+            self._end_request(request_id, "abort")
+        with self._lock:
+            self._queued = len(self.scheduler.waiting)
+
+    def step(self) -> None:
+        if self._inflight is not None:  # a continuation queued by the last step: read it now
+            (chunks, dispatched), self._inflight = self._inflight, None
+        else:
+            preempted = self.scheduler.num_preemptions
+            chunks = self.scheduler.schedule()
+            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+            if not chunks:
+                self._report()
+                return
+            for chunk in chunks:
+                if chunk.admitted:
+                    self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
+            for chunk, steps in zip(chunks, self._decode_plan(chunks, [0] * len(chunks)) or ()):
+                chunk.steps = steps
+            # The previous step's text is reported while the device runs this one.
+            dispatched = self.runner.dispatch(chunks, on_queued=self._report)
+        # A decode run that can go on is continued before its tokens are read, so that the device does not
+        # wait for the host's reading, stop checks and scheduling.
+        ahead = [c.steps for c in chunks]
+        plan = self._decode_plan(chunks, ahead)
+        if plan is not None:
+            following = [Chunk(c.seq, 1, steps=n, ahead=a) for c, a, n in zip(chunks, ahead, plan)]
+            self._inflight = following, self.runner.dispatch(
+                following, on_queued=self._report, previous=self.runner.last_tokens(dispatched))
+        self._report()  # (a no-op where a dispatch above has reported)
+        samples = self.runner.collect(dispatched)
+        self._read_at = time.monotonic()
+        self._unreported = self._apply(chunks, samples)
+
+    def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
+        """Put a step's samples into their sequences; end those that hit EOS, a stop id or a length limit (the
+        sample's `finish_reason`). Returns the applied samples with their sequences, for `_report`."""
+        applied = []
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.finished:  # a stop string ended it after this step was dispatched
+                continue
+            self._advance(seq, chunk.num_tokens)
+            for k, sample in enumerate(samples.get(seq.seq_id, ())):
+                if k:
+                    self._advance(seq, 1)  # the token fed back on device is in the cache
+                seq.append(sample.token_id)
+                sample.finish_reason = seq.end_reason(sample.token_id, self.eos_token_id, self.config.max_model_len)
+                applied.append((seq, sample))
+                if sample.finish_reason:  # the device's later tokens of this row are discarded
+                    self.scheduler.finish(seq)
+                    break
+        return applied
+
+    def _report(self) -> None:
+        """Text and outputs of the applied tokens not yet reported."""
+        applied, self._unreported = self._unreported, []
+        for seq, sample in applied:
+            if seq.seq_id in self._owner:  # not ended by an earlier stop string or an abort
+                self._on_token(seq, sample, self._read_at)
+
+    def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
+        """`Scheduler.decode_plan`, at the decode steps set now; a request that arrived meanwhile counts as
+        waiting, so that the next schedule sees it."""
+        with self._lock:
+            mail = bool(self._inbox)
+        return self.scheduler.decode_plan(chunks, ahead, self.decode_steps, mail)
+
+    def _advance(self, seq: Sequence, num_tokens: int) -> None:
+        """`num_tokens` more tokens are in the cache: publish its full pages, and snapshot a prefill chunk's
+        end."""
+        seq.num_cached += num_tokens
+        if self.config.prefix_caching:
+            self.blocks.register(seq)
+            snapshot = self.blocks.snapshot_slot(seq) if num_tokens > 1 else None
+            if snapshot is not None:
+                self.runner.save_snapshot(seq.slot, snapshot)
+
+    def _on_token(self, seq: Sequence, sample: Sample, now: float) -> None:
+        request = self._owner[seq.seq_id]
+        parser = request.parsers[seq.seq_id]
+        self.metrics.generation_tokens.inc()
+        last = request.last_token.get(seq.seq_id)
+        if last is None:
+            self.metrics.ttft.observe(now - request.arrival)
+        else:
+            self.metrics.itl.observe(now - last)
+        request.last_token[seq.seq_id] = now
+        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text
+            self._finish(seq, "stop", parser.finish())
+            return
+        deltas = parser.feed(sample.token_id, sample if seq.params.logprobs is not None else None)
+        if parser.stopped:
+            self._finish(seq, "stop", deltas)
+        elif sample.finish_reason == "length":
+            self._finish(seq, "length", deltas + parser.finish())
+        elif deltas:
+            self._emit(request, Output(seq.index, deltas, None, seq.num_output))
+
+    def _finish(self, seq: Sequence, reason: str, deltas: list) -> None:
+        request = self._owner.pop(seq.seq_id)
+        self.scheduler.finish(seq)
+        self.metrics.requests.labels(reason).inc()
+        request.remaining -= 1
+        if request.remaining == 0:
+            self._requests.pop(request.request_id, None)
+            self.metrics.e2e.observe(time.monotonic() - request.arrival)
+        self._emit(request, Output(seq.index, deltas, reason, seq.num_output))
+
+    def _end_request(self, request_id: str, reason: str) -> None:
+        request = self._requests.get(request_id)
+        for seq in request.seqs if request else []:
+            if seq.seq_id in self._owner:
+                self._finish(seq, reason, [])
+
+    def _emit(self, request: Request, output: Output) -> None:
+        try:
+            request.sink(output)
+        except Exception:  # the listener is gone (its event loop closed): nobody wants the rest
+            log.warning("request %s lost its listener; aborting it", request.request_id)
+            with self._lock:
+                self._aborts.append(request.request_id)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queued.set(len(self.scheduler.waiting))
+        m.running.set(len(self.scheduler.running))
+        m.cache_usage.set(1.0 - self.blocks.num_free / self.blocks.num_blocks)
+        with self._lock:
+            self._queued = len(self.scheduler.waiting)

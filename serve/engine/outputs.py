@@ -1,0 +1,27 @@
+"""What the engine hands out: a `Sample` per generated token, into its request's output parser, and an `Output` per
+event of a request, to its sink."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Sample:
+    """One sampled token of a sequence, from the device sampler's read-out (`ModelRunner.collect`) to the response
+    that reports its logprobs; the text layers carry it beside the token's text."""
+
+    token_id: int
+    logprob: float  # of the model's own distribution (0 from the plain sampler, which computes none)
+    top: tuple[tuple[int, float], ...]  # the request's `logprobs` most likely (token id, logprob), best first
+    finish_reason: str | None = None  # set as the engine applies it: "stop" (EOS, a stop id) or "length"
+
+
+@dataclasses.dataclass
+class Output:
+    """One event of a request: new text of choice `index`, and its finish reason once it is done."""
+
+    index: int
+    deltas: list  # what the request's parser released (`serve.http.text_stream.Delta`s for the API)
+    finish_reason: str | None  # "stop", "length", "abort", "error" or None while running
+    num_output: int

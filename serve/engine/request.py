@@ -1,0 +1,43 @@
+"""A request as the engine tracks it (its sequences, their output parsers, where its outputs go), what a parser
+is, and the two ways `Engine.submit` refuses one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Protocol
+
+from serve.engine.outputs import Output, Sample
+from serve.engine.sequence import Sequence
+
+
+class QueueFull(RuntimeError):
+    """More sequences are waiting than the engine accepts (the API answers 429)."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is shutting down and takes no new requests (the API answers 503)."""
+
+
+class OutputParser(Protocol):
+    """Turns one sequence's tokens into what its `Output`s carry (text for the API: `serve.http.text_stream`)."""
+
+    stopped: bool  # a stop string ended the sequence
+
+    def feed(self, token_id: int, sample: Sample | None = None) -> list:
+        """One more token (`sample`: its Sample, where the request wants logprobs); what it releases."""
+
+    def finish(self) -> list:
+        """The sequence ended: what is still held back."""
+
+
+class Request:
+    def __init__(self, request_id: str, seqs: list[Sequence], parsers: list[OutputParser],
+                 sink: Callable[[Output], None]):
+        self.request_id = request_id
+        self.seqs = seqs
+        self.parsers = {seq.seq_id: parser for seq, parser in zip(seqs, parsers)}
+        self.sink = sink
+        self.remaining = len(seqs)
+        self.arrival = time.monotonic()
+        self.last_token: dict[int, float] = {}

@@ -1,0 +1,162 @@
+"""Which tokens of which sequences go into the next step.
+
+Every step has a token budget. Running sequences come first, oldest first: a decoding sequence costs one token,
+one still in prefill gets the next chunk of its prompt. Waiting requests are then admitted in arrival order
+(preempted ones at the head) as long as a slot, budget and pages remain, each starting with the prefix the cache
+already holds. So prefill is never deferred behind decodes, and decodes keep running while long prompts are
+prefilled chunk by chunk (continuous batching).
+
+Chunks end on page boundaries (where snapshots for the prefix cache can be taken), and with prefix caching a
+prompt's chunks stop once at the last page boundary before its end, so that boundary gets a snapshot.
+When the pages run out, the most recently admitted sequence is preempted: its pages are returned and it goes
+back to the head of the queue, to be recomputed (its prefix may well still be cached).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from serve.engine.block_manager import BlockManager
+from serve.engine.config import EngineConfig
+from serve.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass
+class Chunk:
+    seq: Sequence
+    num_tokens: int
+    restore: int | None = None  # snapshot to load into the sequence's slot first (a prefix-cache hit)
+    admitted: bool = False  # the sequence (re)entered a slot in this step
+    steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
+    ahead: int = 0  # tokens a decode run still in flight adds first: this chunk continues after them
+
+    @property
+    def samples(self) -> int:
+        """Tokens this chunk samples: `steps` if it ends its sequence's known tokens (as scheduled), else 0."""
+        return self.steps if self.seq.num_cached + self.num_tokens == len(self.seq) else 0
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> list[Chunk]:
+        budget = self.config.max_num_batched_tokens
+        chunks = []
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING:  # preempted while making room for an older one
+                continue
+            n = self._chunk_size(seq, budget)
+            if n == 0 or not self._fits(chunks, n) or not self._make_room(seq, seq.num_cached + n):
+                continue
+            self.blocks.grow(seq, seq.num_cached + n)
+            chunks.append(Chunk(seq, n))
+            budget -= n
+        while self.waiting and self.free_slots and budget > 0:
+            chunk = self._admit(self.waiting[0], budget, chunks)
+            if chunk is None:
+                break
+            self.waiting.popleft()
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return chunks
+
+    def decode_plan(self, chunks: list[Chunk], ahead: list[int], decode_steps: int, mail: bool) -> list[int] | None:
+        """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
+        `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens and the context length, with
+        the pages for them reserved. None where a multi-token run is not wanted (a prefill chunk, an ended
+        sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be admitted meanwhile)
+        or the free pages do not cover it."""
+        cfg, blocks = self.config, self.blocks
+        steps = min(decode_steps, cfg.decode_steps)
+        admissible = (self.waiting or mail) and self.free_slots
+        if admissible or any(c.num_tokens > 1 or c.seq.finished for c in chunks):
+            return None
+        plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
+                for c, a in zip(chunks, ahead)]
+        ends = [c.seq.num_cached + a + n for c, a, n in zip(chunks, ahead, plan)]
+        needed = sum(max(0, blocks.blocks_for(end) - len(c.seq.block_ids)) for c, end in zip(chunks, ends))
+        if min(plan) < 1 or needed > blocks.num_free:
+            return None
+        for chunk, end in zip(chunks, ends):
+            blocks.grow(chunk.seq, end)
+        return plan
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a sequence out (done or aborted), returning its slot and pages."""
+        if seq.status is Status.RUNNING:
+            self._evict(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+
+    # ------------------------------------------------------------------------------------------------------
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_uncached
+        n = min(remaining, budget, self.config.max_chunk)
+        page = self.config.page_size
+        if n < remaining:
+            n -= n % page  # a partial chunk ends on a page boundary
+        boundary = (len(seq) - 1) // page * page
+        if self.config.prefix_caching and seq.num_cached < boundary < seq.num_cached + n:
+            n = boundary - seq.num_cached
+        return n
+
+    def _fits(self, chunks: list[Chunk], n: int) -> bool:
+        """Whether a chunk of n tokens can join the step's prefill rows within a compiled bucket."""
+        prefill = [c.num_tokens for c in chunks if c.num_tokens > 1]
+        return n == 1 or self.config.fits(len(prefill) + 1, max(prefill + [n]))
+
+    def _admit(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> Chunk | None:
+        cached, snapshot = self.blocks.match_prefix(seq) if self.config.prefix_caching else ([], None)
+        hit = len(cached) * self.config.page_size
+        seq.num_cached = hit  # provisional, for the chunk size; `admit` sets it for good
+        n = self._chunk_size(seq, budget)
+        reclaimed = sum(1 for b in cached if self.blocks.blocks[b].ref_count == 0)
+        needed = self.blocks.blocks_for(hit + n) - len(cached)
+        if n == 0 or not self._fits(chunks, n) or needed > self.blocks.num_free - reclaimed:
+            seq.num_cached = 0
+            return None
+        self.blocks.admit(seq, cached)
+        self.blocks.grow(seq, hit + n)
+        seq.slot = self.free_slots.pop()
+        seq.status = Status.RUNNING
+        seq.prefix_hit = hit
+        self.running.append(seq)
+        return Chunk(seq, n, restore=snapshot, admitted=True)
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Preempt the newest sequences until `seq` can hold `num_tokens`; False if `seq` itself had to go."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._evict(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _evict(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        self.free_slots.append(seq.slot)
+        seq.slot = None

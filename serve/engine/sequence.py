@@ -1,0 +1,81 @@
+"""One sequence the engine generates: its tokens, its place in the cache, and where it is in its life.
+
+A request with n choices (or several prompts) is several sequences. `num_cached` tokens are in the cache; the
+tokens after them are what the next step must feed (the whole prompt, a prefill chunk, or the one token just
+sampled). Preemption drops the cache (`num_cached = 0`) and keeps the tokens, so it resumes by recompute.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+from serve.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "", index: int = 0,
+                 media=None, hash_seed: bytes = b""):
+        if not prompt_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index  # its choice index in the request
+        self.params = params
+        self.token_ids = list(prompt_ids)
+        self.num_prompt = len(prompt_ids)
+        self.num_cached = 0
+        self.status = Status.WAITING
+        self.slot: int | None = None
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of its full blocks (a function of the tokens)
+        self.num_registered = 0  # leading blocks already published to the prefix cache
+        self.num_preemptions = 0
+        self.prefix_hit = 0  # prompt tokens taken from the prefix cache at the last admission
+        self.media = media  # (prompt positions [M], embeddings [M, hidden]) that replace those tokens, or None
+        self.hash_seed = hash_seed  # starts the block-hash chain: prompts with different media never share pages
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def end_reason(self, token: int, eos_token_id: int, max_model_len: int) -> str | None:
+        """Why the sequence ends with `token` just appended: "stop" (EOS unless ignored, or a stop id), "length"
+        (max_tokens or the context), else None."""
+        p = self.params
+        if (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            return "stop"
+        if self.num_output >= p.max_tokens or len(self) >= max_model_len:
+            return "length"
+        return None
+
+    def append(self, token: int) -> None:
+        self.token_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={len(self)}, cached={self.num_cached}, "
+                f"slot={self.slot})")

@@ -1,0 +1,147 @@
+"""The OpenAI request schema (with the usual vLLM extensions) and OpenAI-style errors.
+
+Schema violations become 400 responses naming the parameter; unknown fields are ignored, as vLLM does. The
+sampling fields are `SamplingParams`' own, under its names: typed here, checked by its constructor, which the
+schema calls as it parses a body (`SamplingFields.sampling_values`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serve.engine.sampling_params import InvalidParams, SamplingParams
+
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {...}}` with an HTTP status (always 4xx for a client's mistake)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both endpoints. A sampling field left out (or null) keeps `SamplingParams`' default."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _valid_sampling(self):
+        SamplingParams(**self.sampling_values())  # raises InvalidParams: a schema error naming the field
+        return self
+
+    def sampling_values(self) -> dict:
+        """The `SamplingParams` fields this request sets, by name."""
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS
+                  if name in type(self).model_fields and getattr(self, name) is not None}
+        if "stop" in values:
+            values["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if "stop_token_ids" in values:
+            values["stop_token_ids"] = tuple(self.stop_token_ids)
+        return values
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+
+class ImageURL(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    url: str
+    detail: str | None = None
+
+
+class InputAudio(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    data: str
+    format: str = "wav"
+
+
+class ContentPart(BaseModel):
+    """A text, image_url (base64 data URL) or input_audio (base64 wav) part."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+    image_url: ImageURL | None = None
+    input_audio: InputAudio | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    reasoning_effort: Union[str, float, None] = None
+    tools: list[dict] | None = None
+    response_format: dict | None = None
+
+    def sampling_values(self) -> dict:
+        """Chat's API names two of them its own way: max_completion_tokens (over the older max_tokens), and
+        top_logprobs, the count of `logprobs`, which is a flag here."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParams("top_logprobs needs logprobs: true", "top_logprobs")
+        values = super().sampling_values()
+        values["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        if self.max_completion_tokens is not None:
+            values["max_tokens"] = self.max_completion_tokens
+        return values
+
+
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic error, the way OpenAI phrases them."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    cause = first.get("ctx", {}).get("error")
+    if isinstance(cause, InvalidParams):  # `SamplingParams`' own check, run as the body was parsed
+        return str(cause), cause.param
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    return (f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "invalid request")), param

@@ -1,0 +1,224 @@
+"""A request's run on the engine as its HTTP response (`respond`): server-sent events as the engine's outputs come,
+or one body once every choice has finished, for `/v1/completions` and `/v1/chat/completions`.
+
+A `Choice` accumulates one choice's text and samples; a responder turns an engine `Output` into stream chunks, and
+the finished choices into a whole response. A client that goes away aborts its request (the engine frees its
+pages): streaming or not, `respond` watches the connection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from typing import Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve.engine.engine import Engine
+from serve.engine.outputs import Output, Sample
+from serve.engine.request import EngineStopped, OutputParser, QueueFull
+from serve.engine.sampling_params import SamplingParams
+from serve.http.protocol import APIError, SamplingFields
+from serve.http.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Choice:
+    text: dict[str, str] = dataclasses.field(default_factory=dict)  # channel -> text so far
+    samples: dict[str, list[tuple[int, Sample]]] = dataclasses.field(default_factory=dict)  # (text offset, sample)
+    finish_reason: str | None = None
+    num_output: int = 0
+
+    def add(self, output: Output) -> None:
+        for delta in output.deltas:
+            start = len(self.text.get(delta.channel, ""))
+            self.samples.setdefault(delta.channel, []).extend((start, s) for s in delta.samples)
+            self.text[delta.channel] = self.text.get(delta.channel, "") + delta.text
+        self.finish_reason = output.finish_reason or self.finish_reason
+        self.num_output = output.num_output
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Responder:
+    object_name = ""
+    chunk_name = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer):
+        self.request_id, self.model, self.tokenizer = request_id, model, tokenizer
+        self.created = int(time.time())
+
+    def envelope(self, name: str, choices: list, **extra) -> dict:
+        return {"id": self.request_id, "object": name, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def usage_chunk(self, usage_body: dict) -> dict:
+        return self.envelope(self.chunk_name, [], usage=usage_body)
+
+
+class CompletionResponder(Responder):
+    object_name = chunk_name = "text_completion"
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, echo: list[str] | None, n: int):
+        super().__init__(request_id, model, tokenizer)
+        self.echo, self.n = echo, n  # echo[i]: prompt i's text, when the request asked for echo
+
+    def echo_text(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def first_chunks(self, num_choices: int) -> list[dict]:
+        return [self.envelope(self.chunk_name, [self._choice(i, self.echo_text(i), None, None)])
+                for i in range(num_choices) if self.echo_text(i)]
+
+    def chunks(self, output: Output, logprobs: bool, before: Choice) -> list[dict]:
+        """Stream chunks of one output; `before` is the choice as it was before this output."""
+        text = "".join(d.text for d in output.deltas)
+        samples = [(0, s) for d in output.deltas for s in d.samples]
+        if not text and not samples and output.finish_reason is None:
+            return []
+        start = len(self.echo_text(output.index)) + len(before.text.get("text", ""))
+        lp = self._logprobs(samples, start) if logprobs else None
+        return [self.envelope(self.chunk_name, [self._choice(output.index, text, lp, output.finish_reason)])]
+
+    def response(self, choices: list[Choice], logprobs: bool, usage_body: dict) -> dict:
+        body = []
+        for i, c in enumerate(choices):
+            echo = self.echo_text(i)
+            lp = self._logprobs(c.samples.get("text", []), len(echo)) if logprobs else None
+            body.append(self._choice(i, echo + c.text.get("text", ""), lp, c.finish_reason))
+        return self.envelope(self.object_name, body, usage=usage_body)
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs, finish_reason) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, samples: list[tuple[int, Sample]], shift: int) -> dict:
+        text = self.tokenizer.token_text
+        return {"tokens": [text(s.token_id) for _, s in samples], "token_logprobs": [s.logprob for _, s in samples],
+                "top_logprobs": [{text(i): lp for i, lp in s.top} for _, s in samples],
+                "text_offset": [shift + offset for offset, _ in samples]}
+
+
+class ChatResponder(Responder):
+    object_name = "chat.completion"
+    chunk_name = "chat.completion.chunk"
+
+    def first_chunks(self, num_choices: int) -> list[dict]:
+        return [self.envelope(self.chunk_name, [self._delta(i, {"role": "assistant", "content": ""}, None, None)])
+                for i in range(num_choices)]
+
+    def chunks(self, output: Output, logprobs: bool, before: Choice) -> list[dict]:
+        out = []
+        for d in output.deltas:
+            key = "reasoning_content" if d.channel == "reasoning" else "content"
+            lp = {"content": self._logprobs(d.samples)} if logprobs and d.channel == "content" else None
+            if d.text or lp:
+                out.append(self.envelope(self.chunk_name, [self._delta(output.index, {key: d.text}, lp, None)]))
+        if output.finish_reason is not None:
+            out.append(self.envelope(self.chunk_name, [self._delta(output.index, {}, None, output.finish_reason)]))
+        return out
+
+    def response(self, choices: list[Choice], logprobs: bool, usage_body: dict) -> dict:
+        body = []
+        for i, c in enumerate(choices):
+            message = {"role": "assistant", "content": c.text.get("content", ""),
+                       "reasoning_content": c.text.get("reasoning")}
+            lp = {"content": self._logprobs([s for _, s in c.samples.get("content", [])])} if logprobs else None
+            body.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
+        return self.envelope(self.object_name, body, usage=usage_body)
+
+    @staticmethod
+    def _delta(index: int, delta: dict, logprobs, finish_reason) -> dict:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, samples: list[Sample]) -> list[dict]:
+        def one(token_id: int, logprob: float) -> dict:
+            return {"token": self.tokenizer.token_text(token_id), "logprob": logprob,
+                    "bytes": list(self.tokenizer.token_bytes(token_id))}
+
+        return [{**one(s.token_id, s.logprob), "top_logprobs": [one(i, lp) for i, lp in s.top]} for s in samples]
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _next_output(queue: asyncio.Queue, request: Request):
+    """The engine's next output for this request; raises _ClientGone once the client has disconnected."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise _ClientGone from None
+
+
+async def respond(engine: Engine, request: Request, body: SamplingFields, prompts: list[list[int]],
+                  params: SamplingParams, responder: Responder, make_parser: Callable[[], OutputParser],
+                  media=None) -> Response:
+    """Run the request's choices on the engine; its response, streamed if the body asks for it."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    request_id = responder.request_id
+    try:
+        engine.submit(request_id, prompts, params, body.n, make_parser,
+                      lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media)
+    except QueueFull as exc:
+        raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
+                       code="rate_limit_exceeded") from None
+    except EngineStopped as exc:
+        raise APIError(503, str(exc), kind="server_error") from None
+    choices = [Choice() for _ in range(len(prompts) * body.n)]
+    pending = [len(choices)]
+    logprobs = params.logprobs is not None
+
+    def record(output) -> None:
+        choices[output.index].add(output)
+        pending[0] -= output.finish_reason is not None
+
+    def abort_unfinished() -> None:  # the client left, or anything else ended the handler early
+        if pending[0]:
+            engine.abort(request_id)
+
+    def total() -> dict:
+        return usage(sum(map(len, prompts)), sum(c.num_output for c in choices))
+
+    if body.stream:
+        async def events():
+            try:
+                with contextlib.suppress(_ClientGone):
+                    for chunk in responder.first_chunks(len(choices)):
+                        yield _sse(chunk)
+                    while pending[0]:
+                        output = await _next_output(queue, request)
+                        for chunk in responder.chunks(output, logprobs, choices[output.index]):
+                            yield _sse(chunk)
+                        record(output)
+                    if body.stream_options and body.stream_options.include_usage:
+                        yield _sse(responder.usage_chunk(total()))
+                    yield "data: [DONE]\n\n"
+            finally:
+                abort_unfinished()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+    try:
+        while pending[0]:
+            record(await _next_output(queue, request))
+    except _ClientGone:
+        return Response(status_code=499)  # nobody is listening; the request was aborted
+    finally:
+        abort_unfinished()
+    if any(c.finish_reason == "error" for c in choices):
+        raise APIError(500, "the engine failed while running this request", kind="server_error")
+    return JSONResponse(responder.response(choices, logprobs, total()))
+
+
+def _sse(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"

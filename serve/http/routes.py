@@ -1,0 +1,175 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both streaming as
+server-sent events, `serve.http.responses`), `/health` and `/metrics`.
+
+Every malformed request gets a 4xx with an OpenAI-style error body: the schema's (`serve.http.protocol`), or a
+limit of this server's, checked here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import InvalidParams, SamplingParams
+from serve.http.chat import ChatError, ChatFormat, ChatOutput
+from serve.http.protocol import APIError, ChatRequest, CompletionRequest, SamplingFields, validation_message
+from serve.http.responses import ChatResponder, CompletionResponder, respond
+from serve.http.text_stream import TextOutput
+from serve.http.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Service:
+    """What the routes serve, and their limits."""
+
+    engine: Engine
+    tokenizer: Tokenizer
+    model_name: str
+    description: str
+    vocab_size: int
+    max_prompt_tokens: int
+    max_tokens: int
+    max_n: int = 16
+    api_key: str | None = None
+    chat: ChatFormat | None = None
+    started: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def create_app(service: Service, lifespan=None) -> FastAPI:
+    app = FastAPI(title="inkling-jax", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(APIError)
+    async def api_error(_, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        message, param = validation_message(exc.errors())
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    def authorized(request: Request) -> None:
+        if service.api_key and request.headers.get("authorization") != f"Bearer {service.api_key}":
+            raise APIError(401, "invalid or missing API key (send `Authorization: Bearer <key>`)",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not service.engine.alive:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(service.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{
+            "id": service.model_name, "object": "model", "created": service.started, "owned_by": "inkling-jax",
+            "description": service.description, "max_model_len": service.engine.config.max_model_len}]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(service, body)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+        if body.echo and body.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        prompts = _completion_prompts(service, body.prompt)
+        params = _params(service, body, prompts)
+        echo = [service.tokenizer.decode(p) for p in prompts] if body.echo else None
+        responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer, echo,
+                                        body.n)
+        return await respond(service.engine, request, body, prompts, params, responder,
+                             lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        _check_model(service, body)
+        if body.tools:
+            raise APIError(400, "tools are not supported by this server", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
+        if service.chat is None:
+            raise APIError(400, "this model's tokenizer has no chat format", param="messages")
+        try:
+            prompt, items = service.chat.render_with_media([m.model_dump(exclude_none=True) for m in body.messages],
+                                                           body.reasoning_effort)
+        except ChatError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        media = None
+        if items and len(prompt) <= service.max_prompt_tokens:  # longer prompts get their 400 below
+            media = await asyncio.get_running_loop().run_in_executor(None, service.chat.media.encode, items)
+        params = _params(service, body, [prompt])
+        responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer)
+        return await respond(service.engine, request, body, [prompt], params, responder,
+                             lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media)
+
+    return app
+
+
+def _check_model(service: Service, body: SamplingFields) -> None:
+    if body.model != service.model_name:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves {service.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def _completion_prompts(service: Service, prompt) -> list[list[int]]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt]
+    if not prompts or len(prompts) > service.max_n:
+        raise APIError(400, f"prompt must hold 1 to {service.max_n} prompts", param="prompt")
+    if any(not 0 <= t < service.vocab_size for p in prompts for t in p):
+        raise APIError(400, f"prompt token ids must be in [0, {service.vocab_size})", param="prompt")
+    return prompts
+
+
+def _params(service: Service, body: SamplingFields, prompts: list[list[int]]) -> SamplingParams:
+    """Check a request against the server's limits; its sampling parameters, with this server's max_tokens where
+    it sets none."""
+    values = body.sampling_values()
+    limit_model = service.engine.config.max_model_len
+    longest = max(len(p) for p in prompts)
+    if min(len(p) for p in prompts) == 0:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    if longest > service.max_prompt_tokens:
+        raise APIError(400, f"the prompt has {longest} tokens; this server takes at most {service.max_prompt_tokens}",
+                       param="prompt", code="context_length_exceeded")
+    max_tokens = values.get("max_tokens")
+    if max_tokens is None:
+        max_tokens = min(service.max_tokens, limit_model - longest)
+    if max_tokens > service.max_tokens or longest + max_tokens > limit_model:
+        raise APIError(400, f"max_tokens {max_tokens} with a {longest}-token prompt exceeds the limits (context "
+                       f"{limit_model}, max_tokens {service.max_tokens})", param="max_tokens",
+                       code="context_length_exceeded")
+    if body.n * len(prompts) > service.max_n:
+        raise APIError(400, f"n x prompts must be at most {service.max_n}", param="n")
+    if values.get("logprobs") is not None and values["logprobs"] > service.engine.config.max_logprobs:
+        raise APIError(400, f"at most {service.engine.config.max_logprobs} logprobs", param="logprobs")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if any(not 0 <= t < service.vocab_size for t in values.get("stop_token_ids", ())):
+        raise APIError(400, f"stop_token_ids must be in [0, {service.vocab_size})", param="stop_token_ids")
+    if "top_k" in values:  # past the vocabulary: all of it
+        values["top_k"] = min(values["top_k"], service.vocab_size)
+    try:
+        return SamplingParams(**{**values, "max_tokens": max_tokens})
+    except InvalidParams as exc:
+        raise APIError(400, str(exc), param=exc.param) from None

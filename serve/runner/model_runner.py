@@ -1,0 +1,291 @@
+"""Runs scheduled chunks on the device: the cache, the compiled steps (`serve.runner.steps`, one per shape bucket),
+the sampler state (penalty counts) and the snapshot pool.
+
+Every bucket is compiled ahead of time by `warm_up`, and a call outside the buckets is an error, never a silent
+compilation. A decode group runs as max(`steps`) dispatches of its `decode` program back to back, each feeding
+the next its samples on device (each chunk takes its own `steps` of them); a prefill group as one `prefill`
+program.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inkling_jax.generate import flat_params
+from inkling_jax.nn.model import InklingModel
+from serve.engine import memory_plan
+from serve.engine.config import EngineConfig
+from serve.engine.outputs import Sample
+from serve.engine.scheduler import Chunk
+from serve.runner import cache_rows
+from serve.runner.compilation import compile_options
+from serve.runner.placement import Placement
+from serve.runner.sampler import read_samples, unpack_samples
+from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
+
+log = logging.getLogger(__name__)
+
+class ModelRunner:
+    def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None):
+        self.config = config
+        self.placement = placement or Placement()
+        self.placement.check(model.config.text)
+        self.text = model.config.text
+        self.vocab = self.text.unpadded_vocab_size
+        fused = config.fuse_projections and self.placement.fuse_projections(model)
+        log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
+                 else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
+        self.model = self.placement.shard_model(model)
+        self.params, merge = flat_params(self.model)
+        self.multimodal = model.vision is not None or model.audio is not None
+        self.num_pages = config.num_pages or memory_plan.pages_for_memory(
+            self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
+        if self.num_pages < config.pages_per_row:
+            raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
+        self.reset()
+        self.programs = StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row,
+                                     self._constrain_cache, self._whole)
+        # The step indices and the "no previous tokens" rows of the decode runs, on device once.
+        self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
+        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
+        self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
+        self._save = self._restore = self._init_penalties = None
+        log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
+                 "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
+                 memory_plan.page_bytes(self.text, config, model.dtype) * self.num_pages / 2**20,
+                 config.max_num_seqs, cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots,
+                 self.placement.devices)
+
+    def reset(self) -> None:
+        """Fresh device state (also after a failed step, whose donated buffers may be gone)."""
+        cfg = self.config
+        self.cache = self.snapshots = None  # the old ones go first
+
+        def cache():
+            return self.model.init_cache(cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size,
+                                         num_pages=self.num_pages)
+
+        def snapshots():
+            return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)
+
+        shapes = jax.eval_shape(cache)
+        self.cache_shardings = self.placement.cache_shardings(self.text, shapes)
+        self.snapshot_shardings = None if self.cache_shardings is None else cache_rows.row_state(
+            self.text, self.cache_shardings)
+        if memory_plan.grows_on_demand(self.placement.device_list):
+            self.placement.reserve(memory_plan.bytes_per_device(shapes, self.cache_shardings)
+                                   + memory_plan.bytes_per_device(jax.eval_shape(snapshots), self.snapshot_shardings))
+        try:  # an allocation that fails shows once the arrays are waited for
+            self.cache, self.snapshots = jax.block_until_ready((
+                self.placement.create(cache, self.cache_shardings),
+                self.placement.create(snapshots, self.snapshot_shardings)))
+        except jax.errors.JaxRuntimeError as err:
+            if not memory_plan.is_out_of_memory(str(err)):
+                raise
+            # No smaller pool is tried: the arrays of a failed allocation may stay allocated (seen on GPUs).
+            gib = self.num_pages * self.page_bytes_per_device() / 2**30
+            raise MemoryError(f"the KV pool of {self.num_pages} pages ({gib:.1f} GiB per device) could not be "
+                              f"allocated: pass fewer with --num-pages, or a smaller --memory-fraction "
+                              f"({str(err).splitlines()[0]})") from None
+        self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
+                                                         jnp.zeros((cfg.num_rows, self.vocab), bool)))
+
+    def _constrain_cache(self, cache):
+        if self.cache_shardings is None:
+            return cache
+        return jax.lax.with_sharding_constraint(cache, self.cache_shardings)
+
+    def _whole(self, logits):
+        replicated = self.placement.replicated()
+        return logits if replicated is None else jax.lax.with_sharding_constraint(logits, replicated)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Compilation
+
+    def warm_up(self) -> float:
+        """Compile every step bucket and helper; returns the seconds it took."""
+        start = time.perf_counter()
+        jit = self.placement.jit
+        step_out = {"decode": None, "prefill": None}
+        if self.cache_shardings is not None:
+            replicated = self.placement.replicated()
+            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
+                        "prefill": (self.cache_shardings, replicated, replicated)}
+        decode = jit(self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
+                     donate_argnums=(1, 2))
+        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
+                      donate_argnums=(1, 2))
+        lowered = {}
+        for rows, chunk in self.config.buckets:
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
+            gather = rows != self.config.num_rows
+            for full in (False, True):  # a program per sampler kind (see `sampler.sample`)
+                if chunk > 1:
+                    lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
+                                                               gather=gather, full=full)
+                else:
+                    lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
+                                                              self._step_index[0], self._no_tokens[rows],
+                                                              gather=gather, full=full)
+        scalar = self.placement.put(np.int32(0))
+        tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
+        lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
+            self.penalties, scalar, tokens, scalar)
+        if self.config.snapshots:
+            lowered["save"] = jit(self._save_fn, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
+                self.cache, self.snapshots, scalar, scalar)
+            lowered["restore"] = jit(self._restore_fn, out_shardings=self.cache_shardings, donate_argnums=0).lower(
+                self.cache, self.snapshots, scalar, scalar)
+        # XLA compiles outside the GIL: the buckets compile side by side.
+        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda key: lowered[key].compile(compile_options(key)), lowered)))
+        pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
+                                           memory_plan.free_bytes(self.placement.device_list),
+                                           self.config.num_pages is not None)
+        if pages != self.num_pages:  # a smaller pool, and the programs again for its shapes
+            self._resize_pool(pages)
+            self.warm_up()
+            return time.perf_counter() - start
+        self._init_penalties = compiled.pop("init_penalties")
+        self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
+        self._steps = compiled
+        self._run_once()
+        seconds = time.perf_counter() - start
+        log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
+                 len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
+        return seconds
+
+    def page_bytes_per_device(self) -> int:
+        """Bytes of one KV page on each device (its share of the KV heads)."""
+        return memory_plan.page_bytes(self.text, self.config, self.model.dtype, self.placement.kv_shards(self.text))
+
+    def _resize_pool(self, pages: int) -> None:
+        if pages < self.config.pages_per_row:
+            raise ValueError(f"after the step programs' buffers, {pages} pages fit: not one sequence of "
+                             f"{self.config.max_model_len} tokens (lower --max-model-len or the step buckets)")
+        self.num_pages = pages
+        self.penalties = None  # freed, with the cache, before the smaller pool is made
+        self.reset()
+
+    def _run_once(self) -> None:
+        """Runs every step program once on rows that hold nothing (they change no state), so that the first run
+        of a program on a GPU (loading its kernels) does not land in a request's time to first token."""
+        for (rows, chunk, _), program in self._steps.items():
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
+            if chunk > 1:
+                self.cache, self.penalties, _ = program(self.params, self.cache, self.penalties, inputs)
+            else:
+                self.run_decode(program, rows, inputs, 1)
+        jax.block_until_ready(self.cache)
+
+    def _init_penalties_fn(self, penalties: PenaltyState, row, tokens, num_prompt):
+        """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt`
+        are its prompt."""
+        position = jnp.arange(tokens.shape[0])
+        index = jnp.where(tokens >= 0, tokens, self.vocab)  # padding: out of range, dropped
+        counts = jnp.zeros((self.vocab,), jnp.int32).at[index].add((position >= num_prompt).astype(jnp.int32),
+                                                                    mode="drop")
+        in_prompt = jnp.zeros((self.vocab,), bool).at[jnp.where(position < num_prompt, index, self.vocab)].set(
+            True, mode="drop")
+        return PenaltyState(penalties.counts.at[row].set(counts), penalties.prompt_mask.at[row].set(in_prompt))
+
+    def _save_fn(self, cache, snapshots, row, snapshot):
+        return cache_rows.save_snapshot(self.text, cache, snapshots, row, snapshot)
+
+    def _restore_fn(self, cache, snapshots, row, snapshot):
+        return cache_rows.restore_snapshot(self.text, cache, snapshots, row, snapshot)
+
+    # ------------------------------------------------------------------------------------------------------
+    # Execution
+
+    def dispatch(self, chunks: list[Chunk], on_queued: Callable[[], None] = lambda: None, previous=None) -> list:
+        """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
+        waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
+        there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`:
+        the last tokens of the decode run that continuation chunks (`Chunk.ahead`) follow, on device."""
+        put = self.placement.put
+        for chunk in chunks:
+            seq = chunk.seq
+            if chunk.restore is not None:
+                self.cache = self._restore(self.cache, self.snapshots, put(np.int32(seq.slot)),
+                                           put(np.int32(chunk.restore)))
+            if chunk.admitted and seq.params.uses_penalties:
+                tokens = np.full((self.config.max_model_len,), -1, np.int32)
+                tokens[:len(seq)] = seq.token_ids
+                self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
+                                                                            np.int32(seq.num_prompt))))
+        return [(group, *self._dispatch(group, on_queued if i == 0 else lambda: None, previous))
+                for i, group in enumerate(self._groups(chunks))]
+
+    @staticmethod
+    def last_tokens(dispatched: list):
+        """The device tokens a decode step's last program sampled, for a continuation to feed back."""
+        return dispatched[0][2]
+
+    def collect(self, dispatched: list) -> dict[int, list[Sample]]:
+        """Wait for a dispatched step; returns seq_id -> the chunk's `steps` Samples (with the request's
+        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens."""
+        results = {}
+        for group, outs, _ in dispatched:
+            host = unpack_samples(np.concatenate(jax.device_get(outs)))
+            for chunk, row in zip(group, self._row_index(group)):
+                if chunk.samples:
+                    num_top = chunk.seq.params.logprobs or 0
+                    results[chunk.seq.seq_id] = read_samples(host, row, chunk.samples, num_top)
+        return results
+
+    def save_snapshot(self, slot: int, snapshot: int) -> None:
+        put = self.placement.put
+        self.snapshots = self._save(self.cache, self.snapshots, put(np.int32(slot)), put(np.int32(snapshot)))
+
+    @staticmethod
+    def _groups(chunks: list[Chunk]) -> list[list[Chunk]]:
+        """One step for the decodes (one token each), one for the prefill chunks."""
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        return [group for group in (decode, prefill) if group]
+
+    def _row_index(self, group: list[Chunk]) -> list[int]:
+        rows = self.config.row_bucket(len(group))
+        return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
+
+    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple[list[jax.Array], object]:
+        """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
+        [1, rows, 2 + 2K], `sampler.pack_samples`) and a decode run's last tokens."""
+        rows = self.config.row_bucket(len(group))
+        chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
+        inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
+        full = any(c.seq.params.needs_full_sampler for c in group)
+        program = self._steps[rows, chunk, full]
+        if chunk > 1:
+            self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
+            on_queued()
+            return [out], None
+        return self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous)
+
+    def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
+                   previous=None):
+        """`num_steps` dispatches of a compiled decode program over the same (device) inputs, each feeding the
+        next its samples (the first feeds `previous` to rows whose input id is -1); calls `on_queued` after the
+        first. Returns the samples of every step and the last step's tokens."""
+        outs = []
+        previous = self._no_tokens[rows] if previous is None else previous
+        for k in range(num_steps):
+            self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
+                                                                self._step_index[k], previous)
+            outs.append(out)
+            if k == 0:
+                on_queued()
+        return outs, previous
+
+    def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
+        media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
+        return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)

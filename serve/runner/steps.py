@@ -1,0 +1,188 @@
+"""The engine's device programs, each compiled once per shape bucket (see `serve.engine.config`).
+
+`prefill`: R rows of up to T tokens, a chunk each; the head runs only at each row's last real token (at
+Inkling's vocabulary the head over every position would be the step's largest matmul), one sample per row.
+`decode`: step `step` of a run of one-token steps over the same inputs, each row feeding back its own sample
+(`previous`, a device array) so the host dispatches the next step without waiting for this one and reads the
+samples of the whole run at once. Row r takes `steps[r]` of them (0: a padding row, untouched). Sampling uses
+each row's parameters and (seed, output index), so the tokens equal those of one call per token; the host
+discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
+reads its condition on the host at every iteration and copies loop-carried buffers: idle device time per token
+(see docs/performance.md).
+
+Both gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
+back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh); `whole`
+puts the `full` sampler's logits whole on every device (a mesh), one gather of [R, V] rather than the collective
+per pass of the cutoff searches that XLA would otherwise give the vocabulary-split filters (`sampler.top_k_top_p`).
+
+Host overhead per call is on the serving critical path, so the programs take the parameters as a flat list of
+arrays (`inkling_jax.generate.flat_params`) and the step inputs packed into two arrays (`pack`; one
+host-to-device copy each instead of fifteen).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from serve.engine.config import EngineConfig
+from serve.engine.scheduler import Chunk
+from serve.runner import cache_rows
+from serve.runner.sampler import FLOAT_FIELDS, INT_FIELDS, NO_SEQUENCE, SamplingBatch, batch_of, pack_samples, sample
+
+
+@struct.dataclass
+class StepInputs:
+    rows: jax.Array  # [R] cache row of each step row (padding rows: distinct rows past the cache)
+    ids: jax.Array  # [R, T]
+    n_new: jax.Array  # [R] real tokens per row (decode: 1)
+    lengths: jax.Array  # [R] tokens already cached
+    page_rows: jax.Array  # [R, pages_per_row]
+    steps: jax.Array  # [R] tokens the row samples (prefill: 1 if the chunk ends its known tokens, else 0)
+    params: SamplingBatch
+    media: jax.Array | None = None  # [R, T, hidden] media embeddings (multimodal models' prefill only)
+    is_media: jax.Array | None = None  # [R, T] bool: positions that take `media` instead of their token
+
+
+_INT_COLUMNS = ("rows", "n_new", "lengths", "steps")
+
+
+@struct.dataclass
+class PackedInputs:
+    """StepInputs in a few arrays: ints [R, 7 + T + pages_per_row] (the int columns, the sampler's int fields, the
+    ids, the page rows), floats [R, 6] (the sampler's float fields), and the media arrays of a multimodal
+    prefill."""
+    ints: jax.Array
+    floats: jax.Array
+    media: jax.Array | None = None
+    is_media: jax.Array | None = None
+
+
+def pack(inp: StepInputs) -> PackedInputs:
+    """Host numpy StepInputs -> PackedInputs (numpy)."""
+    columns = [getattr(inp, name).astype(np.int32) for name in _INT_COLUMNS]
+    columns += [getattr(inp.params, name).astype(dtype).view(np.int32) for name, dtype in INT_FIELDS.items()]
+    ints = np.concatenate([np.stack(columns, axis=1), inp.ids.astype(np.int32), inp.page_rows.astype(np.int32)],
+                          axis=1)
+    floats = np.stack([getattr(inp.params, name).astype(np.float32) for name in FLOAT_FIELDS], axis=1)
+    return PackedInputs(ints, floats, inp.media, inp.is_media)
+
+
+def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
+    """The inverse of `pack`, inside a program."""
+    n = len(_INT_COLUMNS) + len(INT_FIELDS)
+    ints = packed.ints
+    column = dict(zip(_INT_COLUMNS + tuple(INT_FIELDS), (ints[:, i] for i in range(n))))
+    floats = {name: packed.floats[:, i] for i, name in enumerate(FLOAT_FIELDS)}
+    params = SamplingBatch(**floats, **{name: jax.lax.bitcast_convert_type(column[name], dtype)
+                                        for name, dtype in INT_FIELDS.items()})
+    return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
+                      lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
+                      steps=column["steps"], params=params, media=packed.media, is_media=packed.is_media)
+
+
+@struct.dataclass
+class PenaltyState:
+    counts: jax.Array  # [rows, V] int32: output tokens so far
+    prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt
+
+
+class StepPrograms:
+    def __init__(self, merge: Callable, text_config, num_top: int, pages_per_row: int,
+                 constrain: Callable = lambda cache: cache, whole: Callable = lambda logits: logits):
+        self.merge = merge  # parameter leaves -> model (see `flat_params`)
+        self.pages_per_row = pages_per_row
+        self.text = text_config
+        self.num_top = num_top
+        self.constrain = constrain
+        self.whole = whole
+
+    def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool,
+                full: bool):
+        """A prefill chunk per row; `full` as in `decode`."""
+        model = self.merge(param_leaves)
+        inp = unpack(packed, self.pages_per_row)
+        sub = self._rows_in(cache, inp, gather)
+        embeds = None
+        if inp.media is not None:
+            tokens = model.embed_tokens(inp.ids)
+            embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
+        logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=jnp.maximum(inp.n_new - 1, 0))
+        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
+        cache = self._rows_out(cache, inp, sub, gather)
+        return cache, penalties.replace(counts=counts), pack_samples(out)[None]
+
+    def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
+               gather: bool, full: bool):
+        """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R, 2 + 2K]
+        (`sampler.pack_samples`), tokens [R]).
+        `full`: the sampler with penalties, filters and logprobs (see `sampler.sample`)."""
+        model = self.merge(param_leaves)
+        inp = unpack(packed, self.pages_per_row)
+        active = step < inp.steps
+        inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
+        sub = self._rows_in(cache, inp, gather)
+        ids = jnp.where((step == 0) & (inp.ids[:, 0] >= 0), inp.ids[:, 0], previous)[:, None]
+        rows = ids.shape[0]
+        logits, sub = model.extend(ids, sub, active.astype(jnp.int32), logits_at=jnp.zeros((rows,), jnp.int32))
+        params = inp.params.replace(index=inp.params.index + step)
+        out, counts = self._sample(logits, penalties, inp, params, active, full)
+        cache = self._rows_out(cache, inp, sub, gather)
+        return cache, penalties.replace(counts=counts), pack_samples(out)[None], out.tokens
+
+    def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, full):
+        """One token per row. Returns the samples and the output-token counts, with the active penalised rows'
+        new tokens added (`full` only: penalised rows always run the full sampler). The full sampler applies
+        penalties to every row (neutral values change nothing): a branch on whether any row uses them would
+        cost a host round-trip (see `sampler.sample`)."""
+        if not full:
+            return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
+        rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
+        out = sample(self.whole(logits), p, rows(penalties.counts), rows(penalties.prompt_mask), self.num_top)
+        counts = penalties.counts.at[inp.rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
+                                                               mode="drop")
+        return out, counts
+
+    def _rows_in(self, cache, inp: StepInputs, gather: bool):
+        sub = cache_rows.take_rows(cache, inp.rows) if gather else cache
+        return sub.replace(lengths=inp.lengths, page_table=inp.page_rows)
+
+    def _rows_out(self, cache, inp: StepInputs, sub, gather: bool):
+        return self.constrain(cache_rows.put_rows(cache, inp.rows, sub) if gather else sub)
+
+
+def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: int, chunk: int,
+                media_like=None) -> StepInputs:
+    """Host arrays of one step of `rows` rows x `chunk` tokens: chunk group[i] in row index[i]; padding rows add
+    nothing. In a gathered step each padding row gets its own row number past the cache (they read the scratch
+    row, the last one, and their writes are dropped), so that the rows a step scatters back are distinct (see
+    `cache_rows.put_rows`). media_like: (width, dtype) of media features where the model has media towers."""
+    every_row = rows == cfg.num_rows
+    cache_row = np.arange(rows, dtype=np.int32) + (0 if every_row else cfg.num_rows)
+    ids = np.zeros((rows, chunk), np.int32)
+    n_new, lengths, steps = (np.zeros((rows,), np.int32) for _ in range(3))
+    page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
+    params, index_out = [NO_SEQUENCE] * rows, [0] * rows
+    media = is_media = None
+    if media_like is not None:
+        media = np.zeros((rows, chunk, media_like[0]), media_like[1])
+        is_media = np.zeros((rows, chunk), bool)
+    for c, row in zip(group, index):
+        seq = c.seq
+        cache_row[row] = seq.slot
+        start = seq.num_cached + c.ahead
+        ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
+        n_new[row], lengths[row] = c.num_tokens, start
+        page_rows[row, :len(seq.block_ids)] = seq.block_ids
+        steps[row] = c.samples
+        params[row], index_out[row] = seq.params, seq.num_output + c.ahead
+        if media is not None and seq.media is not None:
+            positions, features = seq.media
+            inside = (positions >= start) & (positions < start + c.num_tokens)
+            media[row, positions[inside] - start] = features[inside]
+            is_media[row, positions[inside] - start] = True
+    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, batch_of(params, index_out), media, is_media)

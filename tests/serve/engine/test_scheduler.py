@@ -1,0 +1,85 @@
+"""The scheduler: token budget, prefill chunks beside decodes, compiled buckets, first-come admission bounded by
+slots, and preemption by recompute."""
+
+from serve.engine.block_manager import BlockManager
+from serve.engine.config import EngineConfig
+from serve.engine.scheduler import Scheduler
+from serve.engine.sequence import Status
+from tests.serve.engine.sequences import seq_of
+
+
+def make_scheduler(num_blocks=64, **overrides):
+    config = EngineConfig(**{**dict(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=20, page_size=4,
+                                    chunk_buckets=(1, 8)), **overrides})
+    return Scheduler(config, BlockManager(num_blocks, config.page_size, config.snapshots))
+
+
+def run_step(scheduler, sample=True):
+    """Schedule, pretend the model ran, append a token to every sequence that reached its end."""
+    chunks = scheduler.schedule()
+    for c in chunks:
+        c.seq.num_cached += c.num_tokens
+        scheduler.blocks.register(c.seq)
+        if sample and c.seq.num_cached == len(c.seq):
+            c.seq.append(7)
+    return chunks
+
+
+def test_budget_chunks_and_decodes_share_steps():
+    scheduler = make_scheduler(prefix_caching=False)
+    long, short = seq_of(30), seq_of(3)
+    scheduler.add(long)
+    scheduler.add(short)
+    first = run_step(scheduler)
+    assert [(c.seq, c.num_tokens) for c in first] == [(long, 8), (short, 3)]  # chunk cap, then a whole prompt
+    second = run_step(scheduler)
+    assert [(c.seq, c.num_tokens) for c in second] == [(long, 8), (short, 1)]  # prefill chunk + a decode
+    for chunks in (first, second):
+        assert sum(c.num_tokens for c in chunks) <= 20
+        assert all(c.seq.num_cached % 4 == 0 or c.seq.num_cached == len(c.seq) - 1 for c in chunks)
+
+
+def test_prefix_caching_cuts_a_chunk_at_the_last_page_boundary():
+    scheduler = make_scheduler()
+    seq = seq_of(7)  # boundary at 4: chunks 4 + 3
+    scheduler.add(seq)
+    assert [c.num_tokens for c in run_step(scheduler)] == [4]
+    assert [c.num_tokens for c in run_step(scheduler)] == [3]
+
+
+def test_prefill_rows_stay_within_a_compiled_bucket():
+    scheduler = make_scheduler(prefix_caching=False)  # rows (1, 2, 4) x 8 tokens: 4 x 8 > the budget of 20
+    assert (4, 8) not in scheduler.config.buckets and (4, 1) in scheduler.config.buckets
+    for _ in range(3):
+        scheduler.add(seq_of(2))
+    assert [c.num_tokens for c in run_step(scheduler)] == [2, 2]
+    assert [c.num_tokens for c in run_step(scheduler)] == [1, 1, 2]
+
+
+def test_admission_is_first_come_first_served_and_bounded_by_slots():
+    scheduler = make_scheduler(prefix_caching=False, max_num_batched_tokens=32)
+    seqs = [seq_of(2) for _ in range(5)]
+    for s in seqs:
+        scheduler.add(s)
+    run_step(scheduler)
+    assert scheduler.running == seqs[:3] and list(scheduler.waiting) == seqs[3:]
+    scheduler.finish(seqs[1])
+    run_step(scheduler)
+    assert scheduler.running == [seqs[0], seqs[2], seqs[3]]
+    assert seqs[1].status is Status.FINISHED and seqs[1].block_ids == []
+
+
+def test_preemption_by_recompute_when_pages_run_out():
+    scheduler = make_scheduler(num_blocks=4, prefix_caching=False)  # 16 tokens of KV in all
+    old, new = seq_of(6), seq_of(6)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefilled (2 pages each), then decode until old needs a third page
+    for _ in range(3):
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 1 and len(old) == 10
+    assert new.status is Status.WAITING and new.num_cached == 0 and new.block_ids == [] and new.slot is None
+    assert list(scheduler.waiting) == [new] and len(new) == 9  # its sampled tokens are kept for the recompute
+    scheduler.finish(old)
+    chunks = run_step(scheduler, sample=False)
+    assert [(c.seq, c.num_tokens) for c in chunks] == [(new, 8)]  # recomputed: prompt and output alike

@@ -1,0 +1,297 @@
+"""The server end to end, through the official `openai` client and raw HTTP, on 127.0.0.1.
+
+One engine (a 2-layer variant of the `tiny` preset with seeded random weights, so it compiles quickly; one
+sliding and one full-attention layer, a dense MLP and a MoE) serves every test. Its KV pool holds 16 pages of
+8 tokens for 4 slots of up to 96 tokens, so concurrent traffic preempts and recomputes sequences.
+"""
+
+import concurrent.futures
+import http.client
+import json
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+
+import numpy as np
+import openai
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from inkling_jax import Backend, preset
+from inkling_jax.generate import greedy_generate
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.request import EngineStopped
+from serve.engine.sampling_params import SamplingParams
+from serve.http.chat import ChatFormat, ChatOutput
+from serve.http.routes import Service
+from serve.http.server import ServerThread, serving_app
+from serve.http.tokenizer import ByteTokenizer
+from serve.random_weights import random_model
+from serve.runner.compilation import compilation_count
+
+REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
+MODEL = "tiny-2-layer-random"
+KEY = "test-key"
+LENGTH, NEW = 36, 12  # reference prompts: 32 tokens of chat framing + 4 characters of user text
+RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+    tokenizer = ByteTokenizer()
+    model = random_model(config, seed=0, backend=REFERENCE)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32,
+                                        page_size=8, chunk_buckets=(1, 16), row_buckets=(2, 5), num_pages=16,
+                                        num_snapshots=8), eos_token_id=config.eos_token_id)
+    engine.start()
+    service = Service(engine, tokenizer, MODEL, "test model", config.text.unpadded_vocab_size,
+                      max_prompt_tokens=80, max_tokens=24, max_n=4, api_key=KEY, chat=ChatFormat(tokenizer))
+    with ServerThread(serving_app(service), drain_seconds=20) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield types.SimpleNamespace(url=thread.url, client=client, engine=engine, model=model, thread=thread,
+                                    tokenizer=tokenizer, chat=service.chat)
+
+
+def post(url, path, body, key=KEY, raw=None):
+    """(status, parsed JSON or text) of a raw POST; never raises for an HTTP status."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers), timeout=120) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def ids(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def metric(url, name):
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def complete(client, prompt, **kw):
+    kw.setdefault("extra_body", {}).setdefault("ignore_eos", True)
+    return client.completions.create(model=MODEL, prompt=prompt, **kw)
+
+
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_models_health_metrics_and_auth(server):
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+    with urllib.request.urlopen(server.url + "/health", timeout=30) as r:
+        assert r.status == 200
+    assert metric(server.url, "inkling_kv_cache_usage_ratio") >= 0
+    status, body = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, body = post(server.url, "/v2/nothing", {})
+    assert status == 404 and "error" in body
+
+
+def test_greedy_completions_and_chat_equal_greedy_generate(server):
+    messages = [{"role": "user", "content": "Why?"}]
+    chat_prompt = server.chat.render(messages)
+    prompts = [ids(LENGTH, seed) for seed in range(3)] + [chat_prompt]
+    assert len(chat_prompt) == LENGTH
+    expected = greedy_generate(server.model, np.array(prompts), NEW).tolist()
+    out = complete(server.client, prompts[:3], max_tokens=NEW, temperature=0, logprobs=2)
+    for choice, tokens in zip(out.choices, expected):
+        assert choice.text == server.tokenizer.decode(tokens) and choice.finish_reason == "length"
+        lp = choice.logprobs
+        assert len(lp.tokens) == NEW and all(lp.token_logprobs[i] == max(lp.top_logprobs[i].values())
+                                             for i in range(NEW))
+    assert out.usage.prompt_tokens == 3 * LENGTH and out.usage.completion_tokens == 3 * NEW
+    chat = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW, temperature=0,
+                                                 extra_body={"ignore_eos": True})
+    parser = ChatOutput(server.chat)
+    deltas = [d for t in expected[3] for d in parser.feed(t)] + parser.finish()
+    assert chat.choices[0].message.content == "".join(d.text for d in deltas if d.channel == "content")
+
+
+def test_stop_strings_split_across_tokens(server):
+    prompt = ids(LENGTH, 0)
+    full = complete(server.client, prompt, max_tokens=NEW, temperature=0).choices[0].text
+    assert len(full) >= 6
+    stop = full[3:6]  # byte-level tokens: a 3-character stop string spans at least 3 tokens
+    cut = full[:full.index(stop)]
+    got = complete(server.client, prompt, max_tokens=NEW, temperature=0, stop=[stop, "never seen"]).choices[0]
+    assert (got.text, got.finish_reason) == (cut, "stop")
+    stream = complete(server.client, prompt, max_tokens=NEW, temperature=0, stop=stop, stream=True,
+                      stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens >= 4
+    assert not any(stop in c.choices[0].text for c in chunks if c.choices)
+
+
+def test_concurrent_streams_equal_one_at_a_time(server):
+    jobs = [dict(prompt=ids(5 + 4 * (i % 16), 100 + i), max_tokens=3 + i % 8,
+                 temperature=0 if i % 2 else 0.8, seed=i) for i in range(64)]
+
+    def run(job, stream):
+        if not stream:
+            choice = complete(server.client, **job).choices[0]
+            return choice.text, choice.finish_reason
+        chunks = [c for c in complete(server.client, stream=True, **job) if c.choices]
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+
+    alone = [run(job, False) for job in jobs]
+    preempted = metric(server.url, "inkling_preemptions_total")
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: run(job, True), jobs, timeout=300))
+    assert together == alone
+    assert all(reason == "length" for _, reason in alone)
+    assert metric(server.url, "inkling_preemptions_total") > preempted  # recomputed sequences lost nothing
+
+
+def test_n_choices_with_a_seed_are_reproducible(server):
+    kw = dict(prompt=ids(10, 7), max_tokens=8, temperature=1.0, n=3, seed=11)
+    first = [c.text for c in complete(server.client, **kw).choices]
+    again = [c.text for c in complete(server.client, **kw).choices]
+    assert first == again and len(set(first)) > 1
+
+
+def test_prefix_cache_hit_equals_miss(server):
+    prompt = ids(45, 3)  # a snapshot at the last page boundary before the end: 40
+    for kw in (dict(temperature=0), dict(temperature=0.9, seed=5)):
+        prompt[0] = (prompt[0] + 1) % 256  # a fresh prefix for each case
+        hits = metric(server.url, "inkling_prefix_cache_hit_tokens_total")
+        miss = complete(server.client, prompt, max_tokens=10, **kw).choices[0].text
+        assert metric(server.url, "inkling_prefix_cache_hit_tokens_total") == hits
+        hit = complete(server.client, prompt, max_tokens=10, **kw).choices[0].text
+        assert metric(server.url, "inkling_prefix_cache_hit_tokens_total") == hits + 40
+        assert hit == miss
+
+
+def test_presence_penalty_stops_repeats(server):
+    prompt = ids(LENGTH, 1)
+    plain = complete(server.client, prompt, max_tokens=24, temperature=0, logprobs=0).choices[0].logprobs.tokens
+    penalised = complete(server.client, prompt, max_tokens=24, temperature=0, presence_penalty=2.0,
+                         logprobs=0).choices[0].logprobs.tokens
+    assert len(set(plain)) < len(plain)  # the random model repeats itself greedily...
+    assert len(set(penalised)) == len(penalised)  # ...and a presence penalty of 2 outweighs its logit gaps
+
+
+def test_disconnected_stream_returns_its_pages(server):
+    aborted = metric(server.url, 'inkling_requests_total{finish_reason="abort"}')
+    host, port = server.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": ids(20, 9), "max_tokens": 24,
+                                                        "stream": True, "ignore_eos": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    conn.sock.close()
+    conn.close()
+    blocks = server.engine.blocks
+    deadline = time.monotonic() + 30
+    while (server.engine.num_requests or blocks.num_free < blocks.num_blocks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.num_requests == 0 and blocks.num_free == blocks.num_blocks
+    assert metric(server.url, 'inkling_requests_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_full_queue_answers_429(server):
+    server.engine.max_queued = 0
+    try:
+        with pytest.raises(openai.RateLimitError):
+            complete(server.client, "hi", max_tokens=2)
+    finally:
+        server.engine.max_queued = 256
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL}),
+    ("/v1/completions", {"model": "other", "prompt": "x"}),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 999]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 90}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 25}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 5}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logit_bias": {"1": 2}}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop": ["a"] * 17}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [-1]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": 2**40, "max_tokens": 1}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "system", "content": "x"}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "reasoning_effort": "extreme"}),
+])
+def test_malformed_requests_get_openai_errors(server, path, body):
+    status, reply = post(server.url, path, body)
+    assert status == 200 if body.get("top_k") else 400 <= status < 500, reply
+    assert status == 200 or set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unparseable_bodies_get_400(server):
+    for raw in (b"{not json", b"[1, 2]", b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode()):
+        status, reply = post(server.url, "/v1/completions", None, raw=raw)
+        assert status == 400 and "error" in reply
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                 max_size=3), max_leaves=8)
+FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "min_p", "n", "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs",
+          "echo", "presence_penalty", "frequency_penalty", "repetition_penalty", "reasoning_effort", "best_of",
+          "ignore_eos", "skip_special_tokens", "suffix", "tools", "response_format", "unknown"]
+PLAUSIBLE = st.integers(-3, 5) | st.floats(-3, 3) | st.sampled_from(["a", "hi", "low", "text", MODEL]) | \
+    st.lists(st.integers(-2, 400), max_size=3) | st.just([{"role": "user", "content": "hi"}])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(chat=st.booleans(), changes=st.dictionaries(st.sampled_from(FIELDS), PLAUSIBLE | JSON, max_size=4))
+def test_fuzzed_request_bodies_never_get_5xx(server, chat, changes):
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                 else {"prompt": "hi"}), **changes}
+    status, reply = post(server.url, "/v1/chat/completions" if chat else "/v1/completions", body)
+    event(f"HTTP {status}")
+    assert status < 500, (body, reply)
+
+
+def test_nothing_compiles_after_warm_up(server):
+    before = compilation_count()
+    complete(server.client, ids(40, 20), max_tokens=5, temperature=0.7, top_p=0.9, n=2, logprobs=3,
+             frequency_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2})
+    complete(server.client, ids(40, 20), max_tokens=3)  # a prefix-cache hit
+    list(server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "yo"}],
+                                               max_tokens=4, stream=True))
+    assert compilation_count() == before
+
+
+def test_graceful_shutdown_drains_streams_then_refuses_work(server):
+    first_chunk = threading.Event()
+    result = {}
+
+    def stream():
+        chunks = []
+        for chunk in complete(server.client, ids(8, 4), max_tokens=20, stream=True):
+            chunks.append(chunk)
+            first_chunk.set()
+        result["reason"] = chunks[-1].choices[0].finish_reason
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first_chunk.wait(60)
+    server.thread.__exit__(None, None, None)  # what SIGTERM does: stop listening, drain, stop the engine
+    reader.join(60)
+    assert result == {"reason": "length"}
+    with pytest.raises(EngineStopped):
+        server.engine.submit("late", [[1]], SamplingParams(), 1, lambda: None, lambda out: None)

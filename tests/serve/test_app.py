@@ -1,0 +1,40 @@
+"""The command line: defaults that suit the backend, and a mesh that cannot serve the model stopping the server
+before any weight loads."""
+
+import jax
+import pytest
+
+from inkling_jax import preset
+from serve.app import engine_config, main, parse_args
+from serve.runner.placement import MeshError, Placement
+
+
+def test_command_line_defaults_suit_the_backend():
+    config = engine_config(parse_args(["--max-num-seqs", "4", "--no-prefix-caching"]))
+    assert config.buckets == [(5, 1), (5, 16)] and not config.prefix_caching  # CPU: two compilations
+    assert engine_config(parse_args([])).buckets == [(9, 1), (9, 16)]
+    with pytest.raises(ValueError):
+        engine_config(parse_args(["--chunk-buckets", "16,64"]))  # decode needs the 1-token bucket
+    with pytest.raises(ValueError):  # 9 rows x 32 tokens: no prefill step would fit the budget of 256
+        engine_config(parse_args(["--chunk-buckets", "1,32"]))
+
+
+@pytest.mark.skipif(jax.device_count() < 3, reason="needs 3 (simulated) devices")
+def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
+    """A mesh that cannot split the experts stops the server with one line, before any weight loads; one that
+    splits less than asked says what stays whole."""
+    with pytest.raises(SystemExit, match="--mesh expert=3: the model's 8 routed experts do not split over expert=3"):
+        main(["--mesh", "expert=3"])
+    with pytest.raises(SystemExit, match="needs 64 devices"):
+        main(["--mesh", "tensor=64"])
+    with pytest.raises(MeshError, match="bad mesh axis"):
+        Placement.from_spec("pipeline=2")
+    text = preset("tiny").text
+    with caplog.at_level("WARNING", logger="inkling_jax.parallel.rules"):
+        Placement.from_spec("tensor=3").check(text)
+    assert "full-attention layers' 4 query / 1 KV heads" in caplog.text
+    assert "does not divide the expert width 32" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="inkling_jax.parallel.rules"):
+        Placement.from_spec("tensor=2").check(text)  # the full layer's single KV head stays whole
+    assert "full-attention" in caplog.text and "sliding" not in caplog.text and "expert width" not in caplog.text
