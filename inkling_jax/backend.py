@@ -3,7 +3,8 @@
 It is given at construction (`InklingModel(config, backend=...)`, `load_pretrained(..., backend=...)`) and held
 by every module that calls a kernel (attention, ShortConv, MoE, NVFP4 matrices) as a static attribute, so it is
 part of what jit compiles for; `with_backend(model, backend)` gives a model that runs another one, sharing the
-arrays. `python -m serve.app`, `python -m train.run` and the bench scripts take it as `--backend SPEC` (`parse`).
+arrays. `python -m serve.app`, `python -m train.run` and `python -m benchmarks.model` take it as `--backend SPEC`
+(`Backend.parse`).
 
 Fields, each "auto" by default:
 - attention: self-attention over whole sequences (training, forward) and prefill chunks over the cache;

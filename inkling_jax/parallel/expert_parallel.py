@@ -45,9 +45,8 @@ WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the 
 
 def width_axis(mesh: Mesh, routed, shared) -> str | None:
     """`tensor` when the mesh has one and it divides the routed and the shared width (split alike), else None:
-    every shard holds whole experts. NVFP4 experts
-    split in whole groups of 64 output columns (their w13 holds gate and up rows in turns of 64: 2 of its row
-    groups)."""
+    every shard holds whole experts. NVFP4 experts split in whole groups of 64 output columns (their w13 holds
+    gate and up rows in turns of 64: 2 of its row groups)."""
     n = mesh.shape[WIDTH_AXIS]
     # the dimension `_shard_map` splits, of w_gate, w_gate_fp8 or w13_nvfp4
     name, first = _routed_names(routed)[0], routed[0]
