@@ -2,7 +2,7 @@
 weights, with the kernels the model picks: prefill tok/s, and the decode step's tok/s and achieved bytes/s
 against a device copy measured in the same run.
 
-    python -m benchmarks.model [--moe pallas|ragged] [--quick] [--preset tiny]
+    python -m benchmarks.model [--backend moe=ragged] [--quick] [--preset tiny]
 
 The decode step's bytes are `decode_step_bytes`: every text weight but the routed experts no token touches and
 the embedding rows not looked up, plus the K/V in use. `--preset tiny` starts the same cases on a CPU.
@@ -18,7 +18,7 @@ from flax import nnx
 
 from benchmarks.timing import copy_bandwidth, median_seconds, stamp, stamp_line
 from inkling_jax import InklingModel, preset
-from inkling_jax.nn import kernels
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.generate import StepFunctions
 from inkling_jax.nn.moe_dispatch import ROUTED_FP8, ROUTED_NVFP4
 
@@ -50,9 +50,9 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
     return int(total + batch * kv)
 
 
-def build(config):
+def build(config, backend):
     """The model with its random weights made on the device, in one jitted program (not layer by layer)."""
-    abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=backend))
     graphdef, _ = nnx.split(abstract)
     state = jax.jit(lambda: nnx.split(InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[1])()
     return nnx.merge(graphdef, state)
@@ -61,7 +61,7 @@ def build(config):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--moe", default="auto", choices=["auto", "pallas", "ragged"], help="MoE implementation")
+    add_backend_flag(parser)
     parser.add_argument("--quick", action="store_true", help="batch-1 cases only")
     parser.add_argument("--preset", default="bench", help="the model's configuration (tiny: a start on CPU)")
     args = parser.parse_args(argv)
@@ -70,12 +70,11 @@ def main(argv=None):
     print(f"device copy (read + write): {ceiling / 1e9:.0f} GB/s")
     config = preset(args.preset)
     vocab = config.text.unpadded_vocab_size
-    kernels.set_backend("auto", moe=args.moe)
     t0 = time.time()
-    model = build(config)
+    model = build(config, args.backend)
     params = sum(v.get_value().size for _, v in nnx.iter_graph(model) if isinstance(v, nnx.Param))
     print(f"{args.preset} preset: {params / 1e9:.2f}B parameters, built in {time.time() - t0:.1f}s, "
-          f"moe={kernels.moe_backend()}")
+          f"{args.backend.resolve()}")
     steps = StepFunctions(model)
     rows = []
     for batch, length in ((1, 2048), (8, 1024)) if not args.quick else ((1, 2048),):

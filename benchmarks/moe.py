@@ -9,9 +9,8 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
   jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a custom_vjp and `jax.lax.ragged_dot`
   (fused [gate|up] weight, SwiGLU in XLA). ragged_dot pads every group to all rows (a [34, M, 6144] buffer), so
   it runs at a reduced token count, stated in its row.
-- layer rows: `inkling_jax.nn.moe.experts` with the Pallas backend (routing sort, gathers, combine included) on
-  the model's separate routed / shared weights: shared experts as an XLA einsum, or in the same launch
-  (which first copies the 34 experts' weights into one stack).
+- layer row: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
+  on the model's separate routed / shared weights, the shared experts as an XLA einsum.
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
@@ -36,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
-from inkling_jax.nn import kernels
+from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
@@ -44,6 +43,7 @@ from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 
 START = time.perf_counter()
+PALLAS = Backend(moe="pallas")  # the model's MoE on the grouped-matmul kernels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +189,7 @@ def split(s, w):
 
 
 def layer(run, w, d):
-    """`mlp.experts` (what the model runs) with the shared experts dense or in the same launch."""
+    """`moe.experts` (what the model runs), the shared experts as an einsum."""
     s = run.s
     routed, shared = split(s, w)
     x = d["x"][:s.tokens]
@@ -197,12 +197,11 @@ def layer(run, w, d):
     wts = jax.random.uniform(ks[0], (s.tokens, s.top_k), jnp.float32, 0.1, 1.0)
     shared_wts = jax.random.uniform(ks[1], (s.tokens, s.shared), jnp.float32, 0.1, 1.0)
     flops = 6 * s.tokens * (s.top_k + s.shared) * s.hidden * s.width
-    for in_launch in (False, True):
-        def f(x, routed, shared, wts, shared_wts, ids, in_launch=in_launch):
-            return experts(x, routed, shared, ids, wts, shared_wts, shared_in_launch=in_launch).astype(x.dtype)
-        name = f"layer: ours, shared {'in the same launch' if in_launch else 'as XLA einsum'}"
-        measure(run, name, f, (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:s.tokens]), 5, flops,
-                note="incl. routing sort/gather/combine" + (", weight stack copy" if in_launch else ""))
+    def f(x, routed, shared, wts, shared_wts, ids):
+        return experts(x, routed, shared, ids, wts, shared_wts, backend=PALLAS).astype(x.dtype)
+    measure(run, "layer: ours, shared as XLA einsum", f, (x, routed, shared, wts, shared_wts, d["ids"],
+                                                          d["dy"][:s.tokens]), 5, flops,
+            note="incl. routing sort/gather/combine")
 
 
 def ragged_peer(run, w):
@@ -233,9 +232,8 @@ def decode(run, w):
         cases = {"kernel": (kernel, (d["x"], wg, wu, wd, d["gs"], d["rw"]))}
         x, ids = d["x"][:tokens], d["ids"]
         wts, swts = jnp.full((tokens, s.top_k), 0.1), jnp.full((tokens, s.shared), 0.2)
-        for in_launch in (False, True):
-            f = jax.jit(functools.partial(experts, shared_in_launch=in_launch))
-            cases[f"layer_shared_{'in_launch' if in_launch else 'einsum'}"] = (f, (x, routed, shared, ids, wts, swts))
+        cases["layer_shared_einsum"] = (jax.jit(functools.partial(experts, backend=PALLAS)),
+                                        (x, routed, shared, ids, wts, swts))
         cases["ragged_dot"] = (jax.jit(functools.partial(unfused_ffn, jax.lax.ragged_dot)),
                                (d["x"], wg, wu, wd, d["gs"], d["rw"]))
         for name, (f, args) in cases.items():
@@ -343,10 +341,9 @@ def main(argv=None):
         if args.quantized:
             quantized_vs_bf16(run, w)
             return
-        with kernels.use(moe="pallas"):
-            d = prefill(run, w)
-            decode(run, w)
-            layer(run, w, d)
+        d = prefill(run, w)
+        decode(run, w)
+        layer(run, w, d)
         ragged_peer(run, w)
     finally:
         summary(run, args.out)

@@ -77,16 +77,16 @@ def packed_batch(config, batch: int, seq: int):
 def train_jax(config, args, moe: str, remat: str) -> dict:
     import jax
 
-    from inkling_jax.nn import kernels
+    from inkling_jax.backend import Backend
     from inkling_jax.parallel.mesh import make_mesh
     from train.optim import OptimConfig
     from train.state import seeded_params
     from train.step import StepConfig, Trainer
 
-    kernels.set_backend(moe=moe)
+    backend = Backend(moe=moe)
     mesh = make_mesh(args.mesh) if args.mesh else make_mesh("data=1", devices=jax.devices()[:1])
     trainer = Trainer(config, mesh,
-                      StepConfig(compute_dtype="bfloat16", remat=remat, loss_chunk=512),
+                      StepConfig(compute_dtype="bfloat16", remat=remat, loss_chunk=512, backend=backend),
                       OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000))
     state, frozen = trainer.init(seeded_params(config, 0, trainer.param_shardings()))
     batch = trainer.place_batch(packed_batch(config, args.batch, args.seq))
@@ -103,7 +103,7 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
     if not all(map(math.isfinite, losses)):
         raise FloatingPointError(f"non-finite loss with moe={moe}: {losses}")
     stats = jax.devices()[0].memory_stats() or {}
-    return {"moe": kernels.moe_backend(), "remat": remat, "step_s": statistics.median(times),
+    return {"moe": backend.resolve().moe, "remat": remat, "step_s": statistics.median(times),
             "first_step_s": first_s, "losses": losses, "peak_bytes": stats.get("peak_bytes_in_use"),
             "grad_norm": float(metrics["grad_norm"]), "devices": mesh.size}
 

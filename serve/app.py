@@ -23,6 +23,7 @@ import os
 import jax
 import uvicorn
 
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.config.generation import SAMPLING_FIELDS
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -96,8 +97,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--max-tokens", type=int, help="largest accepted max_tokens (default: max-model-len - 1)")
     a("--max-n", type=int, default=16, help="largest n (choices x prompts) per request")
     a("--drain-seconds", type=float, default=10.0, help="on shutdown, how long in-flight requests may finish")
-    a("--moe-backend", default="auto", choices=["auto", "dense", "ragged", "pallas"],
-      help="MoE implementation (see inkling_jax.nn.kernels)")
+    add_backend_flag(p)
     a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
@@ -129,11 +129,9 @@ def build_service(args: argparse.Namespace) -> Service:
     from inkling_jax import load_config, load_pretrained, preset
     from inkling_jax.assets import DEFAULT_MODEL_NAME, default_model_description, default_model_dir
     from inkling_jax.config import GenerationConfig, load_generation_config
-    from inkling_jax.nn import kernels
     from inkling_jax.quant import QuantConfig, serving_view
     from serve.random_weights import random_model
 
-    kernels.set_backend(moe=args.moe_backend)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     placement = Placement.from_spec(args.mesh)
     directory = None if args.random_weights else args.model or default_model_dir()
@@ -145,14 +143,15 @@ def build_service(args: argparse.Namespace) -> Service:
     generation = GenerationConfig() if directory is None else load_generation_config(directory)
     quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     if directory is not None:
-        model = load_pretrained(directory, dtype=dtype, config=model_config, mesh=placement.mesh, quant=quant)
+        model = load_pretrained(directory, dtype=dtype, config=model_config, mesh=placement.mesh, quant=quant,
+                                backend=args.backend)
         if args.model:
             name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
             description = f"checkpoint {args.model}"
         else:
             name, description = args.served_model_name or DEFAULT_MODEL_NAME, default_model_description()
     else:
-        model = serving_view(random_model(model_config, dtype, args.seed), quant, fuse=False)
+        model = serving_view(random_model(model_config, dtype, args.seed, backend=args.backend), quant, fuse=False)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.layers import INIT_STD
 from inkling_jax.nn.model import InklingModel
@@ -17,8 +18,8 @@ from inkling_jax.nn.model import InklingModel
 ZERO_INIT = ("router_bias",)  # 1-D parameters that start at zero; every other 1-D one starts at one
 
 
-def random_model(config: InklingConfig, dtype=jnp.float32, seed: int = 0) -> InklingModel:
-    model = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+def random_model(config: InklingConfig, dtype=jnp.float32, seed: int = 0, backend: Backend = Backend()) -> InklingModel:
+    model = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0), backend=backend))
     rng = np.random.default_rng(seed)
     for path, var in nnx.iter_graph(model):
         if not isinstance(var, nnx.Param):

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import preset
+from inkling_jax import Backend, preset, with_backend
 from inkling_jax.checkpoint import nvfp4
-from inkling_jax.nn import kernels
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.quant import QuantConfig, serving_view
@@ -55,10 +54,8 @@ def test_matmul_pads_and_slices_odd_widths_the_same_on_both_paths():
     linear = Nvfp4Linear.quantize(w)
     assert linear.nvfp4_codes.get_value().shape == (1, 2, 4, 8, 128) and linear.nvfp4_scale2.get_value().shape == (72,)
     x = jax.random.normal(jax.random.key(2), (2, 3, 100), jnp.float32)
-    with kernels.use(moe="ragged"):
-        formula = linear(x)
-    with kernels.use(moe="pallas"):
-        kernel = linear(x)
+    formula = with_backend(linear, Backend(moe="ragged"))(x)
+    kernel = with_backend(linear, Backend(moe="pallas"))(x)
     assert formula.shape == kernel.shape == (2, 3, 72) and kernel.dtype == x.dtype
     assert _rel(kernel, formula) < 1e-2
     np.testing.assert_allclose(formula, x @ linear.dequantize(), rtol=1e-2, atol=1e-3)
@@ -84,20 +81,20 @@ def test_an_nvfp4_dense_mlp_fuses_gate_and_up_without_requantising():
     mlp = DenseMLP(64, 128, dtype=jnp.float32, rngs=nnx.Rngs(0))
     split = SplitMLP(*(Nvfp4Linear.quantize(w[...]) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)), mlp.global_scale)
     x = jax.random.normal(jax.random.key(5), (3, 64), jnp.float32)
+    split = with_backend(split, Backend(moe="ragged"))
     fused = split.fused()
-    with kernels.use(moe="ragged"):
-        want, got = split(x)[0], fused(x)[0]
+    want, got = split(x)[0], fused(x)[0]
     assert isinstance(fused, FusedMLP) and isinstance(fused.w_gate_up, Nvfp4Linear)
+    assert fused.w_gate_up.backend == Backend(moe="ragged")  # the fused matrix keeps the parts' backend
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_quantised_model_is_fused_and_stays_close():
     config = preset("tiny")
-    model = random_model(config, jnp.float32)
+    model = random_model(config, jnp.float32, backend=Backend.parse("reference"))
     view = serving_view(model, QuantConfig(dense_precision="nvfp4"), fuse=False)  # NVFP4 fuses all the same
     forward = nnx.jit(lambda model, tokens: model(tokens))  # compiled: op by op is slow on CPU
-    with kernels.use("jnp", moe="ragged"):
-        want, got = forward(model, TOKENS), forward(view, TOKENS)
+    want, got = forward(model, TOKENS), forward(view, TOKENS)
     attentions = [node for _, node in nnx.iter_graph(view) if isinstance(node, Attention)]
     assert len(attentions) == config.text.num_layers + config.mtp.num_layers
     for attention in attentions:  # trunk and MTP
@@ -110,6 +107,8 @@ def test_quantised_model_is_fused_and_stays_close():
     dense = [layer.mlp for layer in view.layers if isinstance(layer.mlp, DenseMLP)]  # fp8, fused
     assert dense and all(isinstance(m, FusedMLP) and isinstance(m.w_gate_up, Fp8Linear) for m in dense)
     assert isinstance(view, Fp8HeadModel)
+    # the NVFP4 matrices run the kernels of the modules they were made from
+    assert {node.backend for _, node in nnx.iter_graph(view) if isinstance(node, Nvfp4Linear)} == {model.backend}
     assert 1e-3 < _rel(got, want) < 0.15
 
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.quant import QuantConfig, dense_fp8, serving_view
@@ -28,6 +27,7 @@ from serve.random_weights import random_model
 from tests.greedy import greedy_tokens
 
 TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
+REFERENCE = Backend.parse("reference")  # the MoE and the NVFP4 products by XLA's ragged_dot and formula
 
 
 def _rel(a, b):
@@ -53,12 +53,11 @@ def test_the_product_is_its_formula_and_stays_close_to_bf16():
 
 def test_quantised_view_holds_fp8_dense_weights_and_its_logits_stay_close():
     config = preset("tiny")
-    model = random_model(config, jnp.bfloat16)
+    model = random_model(config, jnp.bfloat16, backend=Backend(moe="ragged"))
     fp8 = QuantConfig(dense_precision="fp8")
     view = serving_view(model, fp8, fuse=False)
     forward = nnx.jit(lambda model, tokens: model(tokens))  # compiled: op by op is slow on CPU
-    with kernels.use(moe="ragged"):
-        want, got = forward(model, TOKENS), forward(view, TOKENS)
+    want, got = forward(model, TOKENS), forward(view, TOKENS)
     dense = [layer.mlp for layer in view.layers if isinstance(layer.mlp, DenseMLP)]
     assert len(dense) == len(config.text.dense_layer_ids)
     assert all(isinstance(m, SplitMLP) and isinstance(m.w_gate, Fp8Linear) for m in dense)
@@ -77,17 +76,17 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
     full-sequence forward picks greedily. (fp8 experts with bf16 dense weights are served in
     tests/test_fp8_experts.py's mesh test.)"""
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
-    model = serving_view(random_model(config, jnp.float32, seed=1), QuantConfig("fp8", dense_precision), fuse=False)
+    model = serving_view(random_model(config, jnp.float32, seed=1, backend=REFERENCE),
+                         QuantConfig("fp8", dense_precision), fuse=False)
     assert isinstance(model.layers[1].mlp.experts, Fp8RoutedExperts)
     assert isinstance(model.layers[0].mlp.w_gate_up if dense_precision == "nvfp4" else model.layers[0].mlp.w_gate,
                       Fp8Linear)
     prompt = [3, 14, 15, 92, 65, 35]
-    with kernels.use("jnp", moe="ragged"):
-        want = greedy_tokens(model, prompt, 6)
-        engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
-                                            chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
-                        eos_token_id=config.eos_token_id)
-        engine.start()
+    want = greedy_tokens(model, prompt, 6)
+    engine = Engine(model, EngineConfig(max_num_seqs=1, max_model_len=32, max_num_batched_tokens=32, page_size=8,
+                                        chunk_buckets=(1, 16), row_buckets=(2,), num_pages=8, decode_steps=2),
+                    eos_token_id=config.eos_token_id)
+    engine.start()
     try:
         got = generate(engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=6))[0]
     finally:
@@ -109,21 +108,20 @@ def test_quantised_model_on_a_mesh_equals_one_device(precision, spec, monkeypatc
 
     monkeypatch.setattr(experts, "TWIN_TOKENS", 1)
     monkeypatch.setattr(dense_nvfp4, "TWIN_ROWS", 1)
-    quantised = serving_view(random_model(preset("tiny"), jnp.float32, seed=2),
+    quantised = serving_view(random_model(preset("tiny"), jnp.float32, seed=2, backend=REFERENCE),
                              QuantConfig(precision, precision, fp8_twins=precision == "nvfp4"), fuse=False)
-    with kernels.use("jnp", moe="ragged"):
-        want = nnx.jit(lambda m, t: m(t))(quantised, TOKENS)
-        model = shard_model(quantised, make_mesh(spec))
-        if precision == "fp8":
-            assert model.layers[0].mlp.w_gate.values.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
-            assert model.head.values.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
-        else:
-            assert isinstance(model.layers[0].attn, FusedAttention)
-            assert model.layers[0].attn.wqkvr.nvfp4_codes.get_value().sharding.is_fully_replicated
-            assert model.layers[0].attn.wqkvr.twin.values.get_value().sharding.is_fully_replicated
-            twin = model.layers[1].mlp.experts.twin.w_gate_fp8  # the experts' twin
-            assert twin.get_value().sharding.spec[0] == "expert"
-        got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
+    want = nnx.jit(lambda m, t: m(t))(quantised, TOKENS)
+    model = shard_model(quantised, make_mesh(spec))
+    if precision == "fp8":
+        assert model.layers[0].mlp.w_gate.values.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
+        assert model.head.values.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
+    else:
+        assert isinstance(model.layers[0].attn, FusedAttention)
+        assert model.layers[0].attn.wqkvr.nvfp4_codes.get_value().sharding.is_fully_replicated
+        assert model.layers[0].attn.wqkvr.twin.values.get_value().sharding.is_fully_replicated
+        twin = model.layers[1].mlp.experts.twin.w_gate_fp8  # the experts' twin
+        assert twin.get_value().sharding.spec[0] == "expert"
+    got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset, with_backend
 from inkling_jax.nn.moe import MoE
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.experts import Fp8RoutedExperts
@@ -22,14 +21,18 @@ from serve.random_weights import random_model
 from tests.greedy import greedy_tokens
 
 
+RAGGED, PALLAS = Backend(moe="ragged"), Backend(moe="pallas")
+
+
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def moe_pair(precision="fp8"):
-    """The tiny preset's MoE layer as built, and its view with the routed experts quantised."""
-    bf16 = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    """The tiny preset's MoE layer as built (the ragged backend: quantised experts by their jnp formula), and its
+    view with the routed experts quantised, which keeps that backend."""
+    bf16 = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=RAGGED)
     return bf16, moe_view(bf16, QuantConfig(expert_precision=precision))
 
 
@@ -51,14 +54,12 @@ def test_quantised_layer_holds_fp8_experts_in_place_of_its_bf16_ones():
 def test_quantised_layer_stays_close_and_routes_the_same(tokens, precision):
     bf16, quantised = moe_pair(precision)
     x = jax.random.normal(jax.random.key(tokens), (tokens, 64), jnp.bfloat16)
-    with kernels.use(moe="ragged"):  # a jit per backend: the backend is read while tracing, not a cache key
-        call = nnx.jit(lambda m, x: m(x))
-        want, want_ids = call(bf16, x)
-        formula, ids = call(quantised, x)
+    call = nnx.jit(lambda m, x: m(x))
+    want, want_ids = call(bf16, x)
+    formula, ids = call(quantised, x)
     np.testing.assert_array_equal(ids, want_ids)
     assert _rel(formula, want) < WITHIN[precision]
-    with kernels.use(moe="pallas"):
-        kernel, kernel_ids = nnx.jit(lambda m, x: m(x))(quantised, x)
+    kernel, kernel_ids = call(with_backend(quantised, PALLAS), x)
     np.testing.assert_array_equal(kernel_ids, want_ids)
     assert _rel(kernel, formula) < 1e-2
 
@@ -66,14 +67,14 @@ def test_quantised_layer_stays_close_and_routes_the_same(tokens, precision):
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
 def test_quantised_model_logits_stay_close(precision):
     config = preset("tiny")
-    model = random_model(config, jnp.bfloat16)
+    model = random_model(config, jnp.bfloat16, backend=RAGGED)
     view = serving_view(model, QuantConfig(expert_precision=precision), fuse=False)
     tokens = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
     forward = nnx.jit(lambda model, tokens: model(tokens))
-    with kernels.use(moe="ragged"):
-        want, got = forward(model, tokens), forward(view, tokens)
+    want, got = forward(model, tokens), forward(view, tokens)
     served = [layer.mlp for layer in view.layers if isinstance(layer.mlp, ServingMoE)]
     assert len(served) == sum(not config.text.is_dense(i) for i in range(config.text.num_layers)) > 0
+    assert all(moe.backend == RAGGED for moe in served)
     assert 1e-4 < _rel(got, want) < WITHIN[precision]
 
 
@@ -95,16 +96,15 @@ def test_quantised_layer_on_a_mesh_equals_one_device(spec, tokens, backend, prec
     from inkling_jax.parallel.mesh import make_mesh
     from inkling_jax.parallel.placement import shard_model
 
-    quantised = moe_view(MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(3)),
+    quantised = moe_view(MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(3), backend=Backend(moe=backend)),
                          QuantConfig(expert_precision=precision))
     x = jax.random.normal(jax.random.key(tokens), (tokens, 64), jnp.float32)
-    with kernels.use("jnp", moe=backend):
-        want, want_ids = nnx.jit(lambda m, x: m(x))(quantised, x)
-        moe = shard_model(quantised, make_mesh(spec))
-        first = moe.experts.w_gate_fp8 if precision == "fp8" else moe.experts.w13_nvfp4
-        placed = first.get_value().sharding.spec  # [experts, width, hidden]
-        assert tuple(placed[:2]) == ("expert" if "expert" in spec else None, "tensor" if "tensor" in spec else None)
-        got, ids = nnx.jit(lambda m, x: m(x))(moe, x)
+    want, want_ids = nnx.jit(lambda m, x: m(x))(quantised, x)
+    moe = shard_model(quantised, make_mesh(spec))
+    first = moe.experts.w_gate_fp8 if precision == "fp8" else moe.experts.w13_nvfp4
+    placed = first.get_value().sharding.spec  # [experts, width, hidden]
+    assert tuple(placed[:2]) == ("expert" if "expert" in spec else None, "tensor" if "tensor" in spec else None)
+    got, ids = nnx.jit(lambda m, x: m(x))(moe, x)
     np.testing.assert_array_equal(ids, want_ids)
     # NVFP4 rounds h to f16: a last-bit difference of another summation order can move one h by an f16 ulp
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 if precision == "fp8" else 1e-4)
@@ -117,8 +117,8 @@ def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints
 
     path, _ = checkpoints("base")
     fp8 = QuantConfig(expert_precision="fp8")
-    direct = load_pretrained(path, progress=False, quant=fp8)
-    after = serving_view(load_pretrained(path, progress=False), fp8, fuse=False)
+    direct = load_pretrained(path, progress=False, quant=fp8, backend=RAGGED)
+    after = serving_view(load_pretrained(path, progress=False, backend=RAGGED), fp8, fuse=False)
     moes = [layer.mlp for layer in direct.layers if isinstance(layer.mlp, MoE)]
     assert moes and all(isinstance(m.experts, Fp8RoutedExperts) for m in moes)
     assert nnx.graphdef(direct) == nnx.graphdef(after)
@@ -126,8 +126,7 @@ def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     tokens = jnp.asarray([[1, 5, 9, 2, 7]])
     forward = nnx.jit(lambda model, tokens: model(tokens))  # one compiled program for both
-    with kernels.use(moe="ragged"):
-        np.testing.assert_array_equal(forward(direct, tokens), forward(after, tokens))
+    np.testing.assert_array_equal(forward(direct, tokens), forward(after, tokens))
     with pytest.raises(ValueError, match="expert_precision"):
         QuantConfig(expert_precision="int4")
 
@@ -166,21 +165,20 @@ def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, t
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(directory / "tokenizer.json"))
 
-    with kernels.use():  # build_service sets the MoE backend for the process: put it back after
-        service = build_service(parse_args([
-            "--model", str(directory), "--mesh", "tensor=2,expert=4", "--expert-precision", "fp8", "--max-num-seqs",
-            "2", "--max-model-len", "32", "--max-num-batched-tokens", "48", "--moe-backend", "ragged"]))
+    service = build_service(parse_args([
+        "--model", str(directory), "--mesh", "tensor=2,expert=4", "--expert-precision", "fp8", "--max-num-seqs",
+        "2", "--max-model-len", "32", "--max-num-batched-tokens", "48", "--backend", "moe=ragged"]))
     try:
         moe = next(layer.mlp for layer in service.engine.runner.model.layers if isinstance(layer.mlp, MoE))
+        assert moe.backend == RAGGED
         assert moe.experts.w_gate_fp8.get_value().sharding.spec[:2] == ("expert", "tensor")
         prompt = service.tokenizer.encode("b c d e")
         assert prompt == [1, 2, 3, 4]
         got = generate(service.engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))[0]
     finally:
         service.engine.shutdown(drain_seconds=0)
-    model = load_pretrained(directory, progress=False, quant=QuantConfig(expert_precision="fp8"))
-    with kernels.use(moe="ragged"):
-        want = greedy_tokens(model, prompt, 4)
+    model = load_pretrained(directory, progress=False, quant=QuantConfig(expert_precision="fp8"), backend=RAGGED)
+    want = greedy_tokens(model, prompt, 4)
     assert got.token_ids == want
 
 

@@ -10,8 +10,7 @@ import pytest
 from flax import nnx
 
 from benchmarks.model import decode_step_bytes
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset
 from inkling_jax.nn.attention import Attention
 from inkling_jax.quant import QuantConfig, dense_fp8, experts, serving_view
 from inkling_jax.quant.dense_nvfp4 import TWIN_ROWS, Nvfp4Linear, Nvfp4LinearWithTwin
@@ -27,7 +26,8 @@ from tests.test_fp8_experts import _rel, moe_pair
 
 
 def _linear(shape=(96, 128), seed=0, twin=True):
-    linear = Nvfp4Linear.quantize(0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32))
+    linear = Nvfp4Linear.quantize(0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32),
+                                  backend=Backend(moe="ragged"))  # the jnp formula
     return linear.with_twin() if twin else linear
 
 
@@ -36,14 +36,14 @@ def test_a_dense_twin_takes_only_the_wide_products():
     values, scale = twinned.twin.values.get_value(), twinned.twin.scale.get_value()
     assert values.dtype == jnp.float8_e4m3fn and values.shape == (128, 96)  # [out, in], as dense_fp8 holds it
     assert _rel(values.astype(jnp.float32).T * scale, plain.dequantize()) < 0.05
-    with kernels.use(moe="ragged"):
-        for rows in (1, TWIN_ROWS):  # narrow: the NVFP4 product, unchanged by the twin
-            x = jax.random.normal(jax.random.key(rows), (rows, 96), jnp.float32)
-            np.testing.assert_array_equal(twinned(x), plain(x))
-        x = jax.random.normal(jax.random.key(7), (2, TWIN_ROWS // 2 + 1, 96), jnp.float32)
-        wide = twinned(x)
-        np.testing.assert_array_equal(wide, dense_fp8.matmul(x, values, scale))
-        assert wide.shape == (2, TWIN_ROWS // 2 + 1, 128) and _rel(wide, plain(x)) < 0.05
+    assert twinned.backend == plain.backend  # the twinned matrix runs the kernels its NVFP4 form ran
+    for rows in (1, TWIN_ROWS):  # narrow: the NVFP4 product, unchanged by the twin
+        x = jax.random.normal(jax.random.key(rows), (rows, 96), jnp.float32)
+        np.testing.assert_array_equal(twinned(x), plain(x))
+    x = jax.random.normal(jax.random.key(7), (2, TWIN_ROWS // 2 + 1, 96), jnp.float32)
+    wide = twinned(x)
+    np.testing.assert_array_equal(wide, dense_fp8.matmul(x, values, scale))
+    assert wide.shape == (2, TWIN_ROWS // 2 + 1, 128) and _rel(wide, plain(x)) < 0.05
 
 
 def test_concatenation_keeps_the_twins_and_refuses_a_mix():
@@ -62,14 +62,13 @@ def test_expert_twin_serves_wide_steps(monkeypatch):
     _, plain = moe_pair("nvfp4")
     monkeypatch.setattr(experts, "TWIN_TOKENS", 16)
     x = jax.random.normal(jax.random.key(3), (16, 64), jnp.bfloat16)
-    with kernels.use(moe="ragged"):
-        before, ids = plain(x)
-        narrow = plain(x[:15])[0]
-        moe = moe_view(plain, QuantConfig(expert_precision="nvfp4", fp8_twins=True))
-        assert isinstance(moe.experts, Nvfp4RoutedExpertsWithTwin)
-        assert isinstance(moe.routed_experts(15), Nvfp4Experts) and isinstance(moe.routed_experts(16), Fp8Experts)
-        np.testing.assert_array_equal(moe(x[:15])[0], narrow)
-        wide, wide_ids = moe(x)
+    before, ids = plain(x)  # the ragged backend (`moe_pair`)
+    narrow = plain(x[:15])[0]
+    moe = moe_view(plain, QuantConfig(expert_precision="nvfp4", fp8_twins=True))
+    assert isinstance(moe.experts, Nvfp4RoutedExpertsWithTwin) and moe.backend == plain.backend
+    assert isinstance(moe.routed_experts(15), Nvfp4Experts) and isinstance(moe.routed_experts(16), Fp8Experts)
+    np.testing.assert_array_equal(moe(x[:15])[0], narrow)
+    wide, wide_ids = moe(x)
     for a, b in zip(fp8_float(moe.routed_experts(16)), nvfp4_float(moe.routed_experts())):
         assert _rel(a, b) < 0.05
     np.testing.assert_array_equal(wide_ids, ids)  # routing does not involve the experts' weights

@@ -11,9 +11,8 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from inkling_jax import preset
+from inkling_jax import Backend, preset, with_backend
 from inkling_jax.generate import StepFunctions
-from inkling_jax.nn import kernels
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.nn.moe import MoE
@@ -34,6 +33,7 @@ CONFIG = preset("tiny")  # sliding and full layers (2 and 1 KV heads), MTP block
 SMALL = CONFIG.replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), sliding_window=16, rel_extent=24)
 PROMPT = 18  # past the window: the decode steps read a wrapped ring
 TOL = 1e-5  # fp32 at full matmul precision: a wrong column order would be off by O(1)
+REFERENCE = Backend.parse("reference,moe=dense")
 
 
 def nodes_of(model, kind) -> list:
@@ -45,8 +45,8 @@ def attentions(model) -> list[Attention]:
     return nodes_of(model, Attention)
 
 
-def fused_model(config, seed):
-    return serving_view(random_model(config, seed=seed), fuse=True)
+def fused_model(config, seed, backend=REFERENCE):
+    return serving_view(random_model(config, seed=seed, backend=backend), fuse=True)
 
 
 def test_fused_kernel_is_the_four_concatenated_and_replaces_them():
@@ -89,12 +89,13 @@ def test_fused_mlps_hold_gate_then_up_and_widened_shared_experts_replace_the_sta
 
 @pytest.mark.parametrize("moe", ["dense", "ragged", "pallas"])
 def test_widened_shared_experts_give_the_stacked_ones_output(moe):
-    model = random_model(CONFIG, seed=2)
+    model = random_model(CONFIG, seed=2, backend=Backend.parse(f"reference,moe={moe}"))
     plain = nodes_of(model, MoE)[0]
     x = jax.random.normal(jax.random.key(3), (2, 5, CONFIG.text.hidden_size))
-    with kernels.use("jnp", moe=moe):
-        want, want_ids = plain(x)
-        got, got_ids = moe_view(plain, fuse=True)(x)
+    want, want_ids = plain(x)
+    widened = moe_view(plain, fuse=True)
+    assert widened.backend == plain.backend
+    got, got_ids = widened(x)
     np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
     assert relative_error(got, want) < TOL
 
@@ -119,10 +120,10 @@ def test_fused_model_on_an_expert_parallel_mesh_equals_one_device(spec):
     if jax.device_count() < 4:
         pytest.skip("needs 4 (simulated) devices")
     ids = np.random.default_rng(6).integers(0, 380, (2, 8)).astype(np.int32)
-    with kernels.use("jnp", moe="ragged"):
-        want = nnx.jit(lambda m, t: m(t))(fused_model(SMALL, seed=3), ids)
-        sharded = shard_model(fused_model(SMALL, seed=3), make_mesh(spec, jax.devices()[:4]))
-        got = nnx.jit(lambda m, t: m(t))(sharded, ids)
+    ragged = Backend.parse("reference")
+    want = nnx.jit(lambda m, t: m(t))(fused_model(SMALL, seed=3, backend=ragged), ids)
+    sharded = shard_model(fused_model(SMALL, seed=3, backend=ragged), make_mesh(spec, jax.devices()[:4]))
+    got = nnx.jit(lambda m, t: m(t))(sharded, ids)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -138,13 +139,13 @@ def cached_logits(model, prefill: StepFunctions, decode: StepFunctions, ids):
 
 def test_fused_model_gives_the_unfused_logits():
     ids = np.random.default_rng(1).integers(0, 380, (2, PROMPT + 4)).astype(np.int32)
-    plain, fused = random_model(SMALL, seed=0), fused_model(SMALL, seed=0)
-    with kernels.use("jnp", moe="dense"):
-        plain_steps, fused_steps = StepFunctions(plain), StepFunctions(fused)
-        expected = cached_logits(plain, plain_steps, plain_steps, ids)
-        assert relative_error(cached_logits(fused, fused_steps, fused_steps, ids), expected) < TOL
-        with kernels.use("pallas"):  # decode steps through the fused prologue kernel (interpreted on CPU)
-            assert relative_error(cached_logits(fused, fused_steps, StepFunctions(fused), ids), expected) < TOL
+    plain, fused = random_model(SMALL, seed=0, backend=REFERENCE), fused_model(SMALL, seed=0)
+    plain_steps, fused_steps = StepFunctions(plain), StepFunctions(fused)
+    expected = cached_logits(plain, plain_steps, plain_steps, ids)
+    assert relative_error(cached_logits(fused, fused_steps, fused_steps, ids), expected) < TOL
+    # decode steps through the fused prologue kernel (interpreted on CPU)
+    pallas_steps = StepFunctions(with_backend(fused, Backend.parse("pallas,moe=dense")))
+    assert relative_error(cached_logits(fused, fused_steps, pallas_steps, ids), expected) < TOL
 
 
 @pytest.mark.parametrize("flag, mesh, fused", [(True, None, True), (False, None, False),

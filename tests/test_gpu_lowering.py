@@ -4,9 +4,8 @@ The kernels' CPU tests run them in Pallas' interpret mode, which checks their ar
 lowering sees: Mosaic GPU's register layouts (a loop carry whose layout differs between iterations, say), the
 shapes that wgmma and TMA accept, Triton's block shapes. Here the engine's decode and prefill steps (per expert and
 dense precision) and a training gradient are traced with the Pallas kernels in their compiled form
-(`pallas_kernels._common.lowering_for_gpu`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic
-GPU or Triton. Not checked: PTX assembly and what happens at run time, which need the GPU (docs/kernels.md,
-"Testing").
+(`Backend(interpret=False)`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic GPU or Triton.
+Not checked: PTX assembly and what happens at run time, which need the GPU (docs/kernels.md, "Testing").
 
 The model is the `bench` preset's per-layer structure cut to two layers, a sliding one with the dense MLP and a
 full one with the MoE, at widths the kernels tile; its parameters are abstract (nothing is allocated).
@@ -19,11 +18,11 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from inkling_jax import InklingModel, preset
+from inkling_jax import Backend, InklingModel, preset
 from inkling_jax.generate import flat_params
-from inkling_jax.nn import kernels
 from inkling_jax.quant import QuantConfig, serving_view
-from pallas_kernels._common import interpret_default, lowering_for_gpu
+
+COMPILED = dataclasses.replace(Backend.parse("pallas"), interpret=False)  # every kernel in its GPU form, on any host
 
 
 def _config():
@@ -38,16 +37,14 @@ def _config():
 
 def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False):
     def build():
-        model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=COMPILED)
         return serving_view(model, QuantConfig(expert_precision, dense_precision, fp8_twins), fuse=False)
     return nnx.eval_shape(build)
 
 
 def _kernels_in(fn, *args) -> dict[str, int]:
-    """Lowers fn(*args) for CUDA with the compiled kernels; the Mosaic GPU and Triton kernel calls it holds."""
-    with kernels.use("pallas", moe="pallas"), lowering_for_gpu():
-        assert not interpret_default()
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """Lowers fn(*args) for CUDA; the Mosaic GPU and Triton kernel calls it holds."""
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     return {"mosaic": text.count("mosaic_gpu_v2"), "triton": text.count("xla.gpu.triton")}
 
 

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from inkling_jax.backend import Backend
 from inkling_jax.nn import kernels
 from inkling_jax.parallel.mesh import make_mesh
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 devices 
 
 B, T, HQ, HKV, D, D_REL, E = 4, 12, 4, 2, 16, 4, 10
 PAGES, PAGE, WINDOW = 9, 4, 8
+PALLAS = Backend.parse("pallas")  # interpreted on CPU
 
 
 def _normal(rng, *shape):
@@ -40,35 +42,39 @@ def _cases(rng):
     return {
         "self_attention": (
             lambda q, k, v, r, rel_proj, tau, mesh: kernels.self_attention(q, k, v, r, rel_proj, positions, tau=tau,
-                                                                           mesh=mesh),
+                                                                           backend=PALLAS, mesh=mesh),
             (q, k, v, r, rel_proj, tau), (2, 2, 2, 2, None, None)),
         "self_attention_sliding": (
-            lambda q, k, v, r, mesh: kernels.self_attention(q, k, v, r, rel_proj, positions, window=5, mesh=mesh),
+            lambda q, k, v, r, mesh: kernels.self_attention(q, k, v, r, rel_proj, positions, window=5,
+                                                                 backend=PALLAS, mesh=mesh),
             (q, k, v, r), (2, 2, 2, 2)),
         "chunk_attention": (
             lambda q, kp, vp, r, mesh: kernels.chunk_attention(
                 q[:, :3], kp, vp, table, r[:, :3], rel_proj, q_start=cached, key_start=0 * cached,
-                key_end=cached + 3, tau=tau[:, :3], mesh=mesh),
+                key_end=cached + 3, tau=tau[:, :3], backend=PALLAS, mesh=mesh),
             (q, k_pages, v_pages, r), (2, 2, 2, 2)),
         "decode_attention_paged": (
             lambda q, kp, vp, r, mesh: kernels.decode_attention(q[:, 0], kp, vp, r[:, 0], rel_proj, cached + 1,
-                                                                page_table=table, tau=tau[:, 0], mesh=mesh),
+                                                                page_table=table, tau=tau[:, 0], backend=PALLAS,
+                                                                mesh=mesh),
             (q, k_pages, v_pages, r), (2, 2, 2, 2)),
         "decode_attention_ring": (
             lambda q, kr, vr, r, mesh: kernels.decode_attention(q[:, 0], kr, vr, r[:, 0], rel_proj[:, :WINDOW],
-                                                                cached + 1, window=WINDOW, mesh=mesh),
+                                                                cached + 1, window=WINDOW, backend=PALLAS,
+                                                                mesh=mesh),
             (q, *rings, r), (2, 2, 2, 2)),
         "decode_prologue": (
             lambda q, k, v, wk, wv, ks, vs, kr, vr, mesh: kernels.decode_prologue(
                 q[:, 0].reshape(B, -1), k[:, 0].reshape(B, -1), v[:, 0].reshape(B, -1), wk, wv, *norms, ks, vs,
-                kr, vr, jnp.array([3, -1, 17, 30]), eps=1e-6, mesh=mesh),
+                kr, vr, jnp.array([3, -1, 17, 30]), eps=1e-6, backend=PALLAS, mesh=mesh),
             (q, k, v, *taps, *states, *rings), (2, 2, 2, 0, 0, 2, 2, 2, 2)),
         "shortconv_heads": (
-            lambda x, w, state, mesh: kernels.shortconv_prefill(x.reshape(B, T, -1), w, state, mesh=mesh,
-                                                                split_channels=True),
+            lambda x, w, state, mesh: kernels.shortconv_prefill(x.reshape(B, T, -1), w, state, backend=PALLAS,
+                                                                mesh=mesh, split_channels=True),
             (k, taps[0], states[0]), (2, 0, 2)),
         "shortconv_residual": (
-            lambda x, w, mesh: kernels.shortconv_prefill(x.reshape(B, T, -1), w, mesh=mesh), (k, taps[0]),
+            lambda x, w, mesh: kernels.shortconv_prefill(x.reshape(B, T, -1), w, backend=PALLAS, mesh=mesh),
+            (k, taps[0]),
             (None, None)),
     }
 
@@ -93,10 +99,9 @@ def test_kernels_run_per_device_on_a_mesh(name):
     fn, inputs, head_dims = _cases(np.random.default_rng(0))[name]
     placed = [jax.device_put(x, NamedSharding(mesh, P() if d is None or mesh.shape["tensor"] == 1
                                               else P(*(None,) * d, "tensor"))) for x, d in zip(inputs, head_dims)]
-    with kernels.use("pallas"):
-        want = jax.jit(lambda *a: fn(*a, mesh=None))(*inputs)
-        got = jax.jit(lambda *a: fn(*a, mesh=mesh))(*placed)
-        jaxpr = jax.make_jaxpr(lambda *a: fn(*a, mesh=mesh))(*inputs).jaxpr
+    want = jax.jit(lambda *a: fn(*a, mesh=None))(*inputs)
+    got = jax.jit(lambda *a: fn(*a, mesh=mesh))(*placed)
+    jaxpr = jax.make_jaxpr(lambda *a: fn(*a, mesh=mesh))(*inputs).jaxpr
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     assert "shard_map" in str(jaxpr) and _pallas_calls_outside_shard_map(jaxpr) == 0
@@ -114,8 +119,7 @@ def test_gradients_through_the_per_device_kernels(name):
         return jnp.sum(out * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
 
     argnums = tuple(range(len(inputs)))
-    with kernels.use("pallas"):
-        want = jax.jit(jax.grad(lambda *a: loss(*a, mesh=None), argnums))(*inputs)
-        got = jax.jit(jax.grad(lambda *a: loss(*a, mesh=mesh), argnums))(*inputs)
+    want = jax.jit(jax.grad(lambda *a: loss(*a, mesh=None), argnums))(*inputs)
+    got = jax.jit(jax.grad(lambda *a: loss(*a, mesh=mesh), argnums))(*inputs)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels, moe_dispatch
+from inkling_jax import Backend, preset
+from inkling_jax.nn import moe_dispatch
 from inkling_jax.nn.moe import MoE
 from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model
@@ -21,9 +21,9 @@ from inkling_jax.parallel.rules import spec_for
 from pallas_kernels.moe.groups import running_sum
 
 
-def _moe(seed=0, skew=False, shared_in_launch=False):
-    moe = MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    moe.shared_in_launch = shared_in_launch
+def _moe(seed=0, skew=False, backend="dense"):
+    """The tiny preset's MoE layer with the MoE implementation `backend`."""
+    moe = MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(seed), backend=Backend(moe=backend))
     if skew:  # uneven routing: experts 0 and 1 favoured, expert 7 never chosen
         moe.router_bias.set_value(jnp.array([4.0, 4.0, 0, 0, 0, 0, 0, -50.0]))
     return moe
@@ -41,8 +41,7 @@ def _run(moe, x):
 @functools.lru_cache(maxsize=None)
 def _reference(shape, skew=False):
     """The dense backend on the single-device layer, once per input shape."""
-    with kernels.use("jnp", moe="dense"):
-        return nnx.jit(_run)(_moe(skew=skew), _input(shape))
+    return nnx.jit(_run)(_moe(skew=skew), _input(shape))
 
 
 def _input(shape):
@@ -62,32 +61,29 @@ def _assert_same(got, want, atol=1e-6):
 
 
 # The tiny preset's expert shapes (hidden 64, width 32, 8 experts, top-2 + 2 shared). 14 tokens give 28 routed
-# rows (56 with the shared groups): the Pallas kernel's decode layout; 80 tokens give 160 / 320 rows: its
-# row-blocked path. A width of 32 once left the Pallas w_down gradient unwritten (all NaN).
-@pytest.mark.parametrize("backend,shared_in_launch,tokens", [("ragged", True, 14), ("ragged", False, 80),
-                                                             ("pallas", False, 14), ("pallas", True, 80)])
-def test_backends_agree_in_value_and_gradient(backend, shared_in_launch, tokens):
-    with kernels.use("jnp", moe=backend):
-        got = nnx.jit(_run)(_moe(shared_in_launch=shared_in_launch), _input((2, tokens // 2)))
+# rows: the Pallas kernel's decode layout; 80 tokens give 160 rows: its row-blocked path. A width of 32 once left
+# the Pallas w_down gradient unwritten (all NaN).
+@pytest.mark.parametrize("backend,tokens", [("ragged", 14), ("ragged", 80), ("pallas", 14), ("pallas", 80)])
+def test_backends_agree_in_value_and_gradient(backend, tokens):
+    got = nnx.jit(_run)(_moe(backend=backend), _input((2, tokens // 2)))
     _assert_same(got, _reference((2, tokens // 2)))
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("spec,tokens,backend,shared_in_launch", [
-    ("expert=8", (2, 5), "ragged", False),
-    ("data=2,expert=4", (4, 6), "ragged", True),
-    ("fsdp=2,tensor=2,expert=2", (4, 6), "ragged", False),
-    ("data=4,expert=2", (4, 5), "pallas", True),
+@pytest.mark.parametrize("spec,tokens,backend", [
+    ("expert=8", (2, 5), "ragged"),
+    ("data=2,expert=4", (4, 6), "ragged"),
+    ("fsdp=2,tensor=2,expert=2", (4, 6), "ragged"),
+    ("data=4,expert=2", (4, 5), "pallas"),
 ])
-def test_expert_parallel_equals_single_device(spec, tokens, backend, shared_in_launch):
+def test_expert_parallel_equals_single_device(spec, tokens, backend):
     """All-to-all dispatch (the portable transport on CPU) equals the single-device layer: uneven routing,
     expert 7 receives nothing, token counts that do not split evenly over the expert shards."""
     want = _reference(tokens, skew=True)
     ids = np.asarray(want[1])
     assert 7 not in ids and np.bincount(ids.ravel())[0] > ids.shape[0] // 2
-    with kernels.use("jnp", moe=backend):
-        moe = shard_model(_moe(skew=True, shared_in_launch=shared_in_launch), make_mesh(spec))
-        got = nnx.jit(_run)(moe, _input(tokens))
+    moe = shard_model(_moe(skew=True, backend=backend), make_mesh(spec))
+    got = nnx.jit(_run)(moe, _input(tokens))
     _assert_same(got, want, atol=1e-5)
 
 
@@ -98,7 +94,7 @@ def test_a_batch_split_over_expert_stays_split(rows, split):
     stays split, with no all-gather of [tokens, hidden] activations. One that only splits over `data` (6 rows)
     is sliced per expert shard and gathered back."""
     mesh = make_mesh("data=2,expert=4")
-    moe = shard_model(_moe(), mesh)
+    moe = shard_model(_moe(backend="ragged"), mesh)
     x = jax.device_put(_input((rows, 4)), NamedSharding(mesh, spec_for(("batch", None, None), (rows, 4, 64), mesh)))
     forward = nnx.jit(lambda moe, x: moe(x)[0])
     hlo = forward.lower(moe, x).compile().as_text()
@@ -109,8 +105,7 @@ def test_a_batch_split_over_expert_stays_split(rows, split):
     slots = [int(rows) for line in hlo.splitlines() if "all-to-all" in line and "=" in line
              for rows in re.findall(r"\[1,(\d+),64\]", line.split("=")[1])]
     assert slots and max(slots) <= -(-rows * 4 // 8) * 2, slots
-    with kernels.use("jnp", moe="dense"):
-        want = nnx.jit(lambda moe, x: moe(x)[0])(_moe(), _input((rows, 4)))
+    want = nnx.jit(lambda moe, x: moe(x)[0])(_moe(), _input((rows, 4)))
     np.testing.assert_allclose(forward(moe, x), want, rtol=1e-5, atol=1e-6)
 
 
@@ -122,22 +117,18 @@ def test_expert_parallel_picks_the_decode_layout_by_a_safe_bound(monkeypatch, to
     decode layout applies with that bound. At T = 120 skewed routing sends more than 64 tokens to expert 0,
     more than a decode slab holds: a bound from one shard's share (15 tokens, 30 rows) would take the decode
     layout and drop rows."""
-    import pallas_kernels.moe as moe_kernels
-
-    bounds, decode = [], moe_kernels.moe_ffn_decode
+    bounds, decode = [], moe_dispatch.moe_ffn_decode
 
     def recording(*args, max_group_rows, **kwargs):
         bounds.append(max_group_rows)
         return decode(*args, max_group_rows=max_group_rows, **kwargs)
 
-    monkeypatch.setattr(moe_kernels, "moe_ffn_decode", recording)
+    monkeypatch.setattr(moe_dispatch, "moe_ffn_decode", recording)
     forward = nnx.jit(lambda moe, x: moe(x))  # the bound matters in the forward pass alone: no gradients
     x = _input(tokens)
-    with kernels.use("jnp", moe="dense"):
-        want, want_ids = forward(_moe(skew=True), x)
+    want, want_ids = forward(_moe(skew=True), x)
     assert np.bincount(np.asarray(want_ids).ravel())[0] > min(64, x.shape[0] * x.shape[1] // 2)
-    with kernels.use("jnp", moe="pallas"):
-        got, ids = forward(shard_model(_moe(skew=True), make_mesh("expert=8")), x)
+    got, ids = forward(shard_model(_moe(skew=True, backend="pallas"), make_mesh("expert=8")), x)
     assert sorted(set(bounds)) == decode_bounds
     np.testing.assert_array_equal(ids, want_ids)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

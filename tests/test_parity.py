@@ -4,9 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from inkling_jax import load_pretrained
+from inkling_jax import Backend, load_pretrained, with_backend
 from inkling_jax.generate import StepFunctions
-from inkling_jax.nn import kernels
 from tests.hf_oracle import AUDIO_TOKEN, IMAGE_TOKEN, logits, relative_error
 
 FP32_TOL = 1e-5
@@ -25,8 +24,7 @@ def test_text_logits_match_reference(checkpoints, name, seq, moe):
     vocab = model.config.text.unpadded_vocab_size
     ids = _ids(min(vocab, 150), (2, seq), seed=seq)
     ref = logits(ref_model, ids)
-    with kernels.use("jnp", moe=moe):
-        out = np.asarray(StepFunctions(model).forward(ids))
+    out = np.asarray(StepFunctions(with_backend(model, Backend.parse(f"reference,moe={moe}"))).forward(ids))
     assert out.shape == ref.shape == (2, seq, vocab)
     assert relative_error(out, ref) < FP32_TOL
 

@@ -46,9 +46,9 @@ CORPUS = {"name": "King James Version of the Bible (1611; Debian's bible-kjv-tex
 HELD_OUT_EVERY = 20  # chapter i is held out when i % 20 == 10
 VOCAB_SIZE = 4096  # the `inkling-tiny` preset's vocabulary
 CHATS_PER_CHAPTER = 2
-# The jnp attention and the dense MoE, on every device: the same program on CPU and GPU, and no Pallas tiling
-# constraint to meet at these widths.
-REFERENCE_PATHS = ["--kernels", "jnp", "--moe", "dense"]
+# The reference attention and ShortConv and the dense MoE, on every device: the same program on CPU and GPU, and no
+# Pallas tiling constraint to meet at these widths.
+REFERENCE_PATHS = ["--backend", "attention=reference,decode_attention=reference,shortconv=reference,moe=dense"]
 TRAIN_ARGS = ["--preset", "inkling-tiny", "--seq-len", "512", "--batch", "32", "--lr", "2e-3",
               "--weight-decay", "0.1", "--bias-update-rate", "1e-3", "--mtp-weight", "0.5", "--save-every", "1000",
               "--eval-every", "100", "--no-tensorboard", *REFERENCE_PATHS]

@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.config import InklingConfig, load_config, load_generation_config, preset
-from inkling_jax.nn import kernels
 from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import make_mesh
 from train import lora
@@ -80,9 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--freeze", action="append", default=[], help="regex of weights not to train (repeatable)")
     p.add_argument("--mtp-weight", type=float, default=0.0,
                    help="train the MTP head too, on this weight times its mean loss over depths (0: frozen)")
-    p.add_argument("--moe", choices=["auto", "dense", "ragged", "pallas"], help="MoE backend (default: auto)")
-    p.add_argument("--kernels", choices=["auto", "jnp", "pallas"],
-                   help="attention and ShortConv: Pallas kernels or the jnp references (default: auto, Pallas on GPU)")
+    add_backend_flag(p)
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--stop-at", type=int, help="leave after this step (checkpointed), e.g. to fit a job's time "
                    "limit; the schedule still runs to --steps and the next run resumes")
@@ -132,7 +130,6 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.distributed or args.coordinator:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    kernels.set_backend(args.kernels, moe=args.moe)
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
@@ -141,7 +138,7 @@ def main(argv=None) -> None:
         config, mesh,
         StepConfig(compute_dtype=args.dtype, remat=args.remat, loss_chunk=args.loss_chunk,
                    bias_update_rate=args.bias_update_rate, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                   freeze=tuple(args.freeze), mtp_weight=args.mtp_weight),
+                   freeze=tuple(args.freeze), mtp_weight=args.mtp_weight, backend=args.backend),
         OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip),
         compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None)

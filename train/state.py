@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.parallel.rules import logical_axes, spec_for
@@ -58,10 +59,11 @@ class ModelParts:
     dtype the model keeps it in, so fp32-only tensors such as the ShortConv taps stay fp32).
     """
 
-    def __init__(self, config: InklingConfig, compute_dtype):
+    def __init__(self, config: InklingConfig, compute_dtype, backend: Backend = Backend()):
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
-        abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=self.compute_dtype, rngs=nnx.Rngs(0)))
+        abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=self.compute_dtype, rngs=nnx.Rngs(0),
+                                                       backend=backend))
         self.graphdef, state = nnx.split(abstract)
         self.template = list(nnx.to_flat_state(state))
         self.paths = {name_of(p): p for p, _ in self.template}

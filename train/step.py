@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
-from inkling_jax.nn import kernels
 from inkling_jax.parallel.mesh import check_mesh
 from inkling_jax.parallel.placement import use_mesh
 from inkling_jax.parallel.rules import activation_sharding, constrain
@@ -44,6 +44,7 @@ class StepConfig:
     freeze: tuple[str, ...] = ()  # regexes of weights kept frozen in full fine-tuning
     # > 0: the MTP head trains too, on this weight times its depths' mean cross-entropy (predicting k + 2 ahead)
     mtp_weight: float = 0.0
+    backend: Backend = Backend()  # the kernels the model runs (`inkling_jax.backend`)
 
 
 class Trainer:
@@ -58,7 +59,7 @@ class Trainer:
         self.config, self.mesh, self.cfg, self.optim_config = config, mesh, step_config, optim_config
         self.tx, self.schedule = make_optimizer(optim_config), schedule(optim_config)
         self.compiler_options = dict(compiler_options or {})
-        self.parts = ModelParts(config, step_config.compute_dtype)
+        self.parts = ModelParts(config, step_config.compute_dtype, step_config.backend)
         self.shardings = Shardings(mesh, self._axes)
 
     @property
@@ -212,7 +213,7 @@ class Trainer:
 
     def _compiled(self, kind: str, state: TrainState, frozen: Flat, batch: dict):
         args = (state, frozen, batch)
-        key = (kind, self.config, self.cfg, self.optim_config, self.mesh, kernels.moe_backend(),
+        key = (kind, self.config, self.cfg, self.optim_config, self.mesh,
                tuple(sorted(self.compiler_options.items())), jax.tree.structure(args),
                tuple(f"{x.shape}{x.dtype}" for x in jax.tree.leaves(args)))
         if key not in _COMPILED:

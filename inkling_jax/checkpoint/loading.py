@@ -23,6 +23,7 @@ except ImportError:  # a declared dependency, but loading works without its prog
     def tqdm(items, **_):
         return items
 
+from inkling_jax.backend import Backend
 from inkling_jax.checkpoint.destination import taken
 from inkling_jax.checkpoint.hub_source import HubSource
 from inkling_jax.checkpoint.safetensors_io import (
@@ -164,9 +165,9 @@ def hub_layout(config: InklingConfig) -> dict[str, Rule]:
     return rules
 
 
-def abstract_model(config: InklingConfig, dtype) -> InklingModel:
+def abstract_model(config: InklingConfig, dtype, backend: Backend = Backend()) -> InklingModel:
     """The module tree with shapes and dtypes only (no memory), to be filled by a loader."""
-    return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0), backend=backend))
 
 
 def packed_expert_rules(layers: list[int], rules: dict[str, Rule]) -> dict[str, Rule]:
@@ -192,7 +193,7 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
                     mesh: jax.sharding.Mesh | None = None, quant: QuantConfig = QuantConfig(),
-                    verify_checksums: bool = True):
+                    verify_checksums: bool = True, backend: Backend = Backend()):
     """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.checkpoint.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
@@ -207,12 +208,13 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     so the devices never hold more than one layer's experts in `dtype`; the rest once all weights are in.
     verify_checksums: converted directories only: before restoring, check the chunk files this process will read
     against the checksums the converter recorded (one more read and crc32 of those bytes).
+    backend: the kernels the model runs (`inkling_jax.backend`; default "auto": Pallas on GPU).
     """
     if not isinstance(quant, QuantConfig):
         raise TypeError(f"quant must be an inkling_jax.quant.QuantConfig, not {type(quant).__name__}")
     path = os.fspath(path)
     config = config or load_config(path)
-    model = abstract_model(config, jnp.dtype(dtype))
+    model = abstract_model(config, jnp.dtype(dtype), backend)
     variables = model_variables(model)
     from inkling_jax.checkpoint import orbax_io  # orbax is imported only when a converted directory is loaded
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import TextConfig, log_scaling_tau
 from inkling_jax.nn import kernels
 from inkling_jax.nn.cache import LayerCache
@@ -16,7 +17,7 @@ from inkling_jax.parallel.kernel_sharding import pin_heads
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TextConfig, local: bool, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, local: bool, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         s = cfg.attention(local)
         self.local = local
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
@@ -29,13 +30,14 @@ class Attention(nnx.Module):
         self.wv = Linear(hidden, kv_width, dtype=dtype, rngs=rngs)
         self.wr = Linear(hidden, s.num_heads * cfg.d_rel, dtype=dtype, rngs=rngs)
         self.wo = Linear(s.num_heads * s.head_dim, hidden, dtype=dtype, rngs=rngs)
-        self.k_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True)
-        self.v_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True)
+        self.k_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True, backend=backend)
+        self.v_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True, backend=backend)
         self.q_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
         # One bank of bias-vs-distance profiles per layer, shared by all heads: P [d_rel, E].
         self.rel_proj = nnx.Param(normal(rngs, (cfg.d_rel, s.extent), dtype))
         self.mesh = None  # set by `placement.shard_model`: the kernels then run per device on its own heads
+        self.backend = backend  # which kernels run (`inkling_jax.backend`)
 
     def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
                  page_table=None, ring_rows=None):
@@ -52,12 +54,12 @@ class Attention(nnx.Module):
         tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
         if cache is not None and segment_ids is not None:
             raise ValueError("packed segments and a decode cache cannot be combined")
-        if cache is not None and seq == 1 and kernels.fused_decode_prologue():
+        if cache is not None and seq == 1 and kernels.fused_decode_prologue(self.backend):
             q, _, _, new_k, new_v, k_conv, v_conv = kernels.decode_prologue(
                 q[:, 0], k[:, 0], v[:, 0], self.k_sconv.weight[...], self.v_sconv.weight[...],
                 self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv, cache.v_conv, cache.k, cache.v,
-                self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0], eps=self.q_norm.eps,
-                mesh=self.mesh)
+                self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0], backend=self.backend,
+                eps=self.q_norm.eps, mesh=self.mesh)
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q[:, None], r, positions, n_new, tau)
             return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
 
@@ -68,8 +70,8 @@ class Attention(nnx.Module):
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
 
         if cache is None:
-            out = kernels.self_attention(q, k, v, r, self.rel_proj[...], positions, window=self.window, tau=tau,
-                                         segment_ids=segment_ids, mesh=self.mesh)
+            out = kernels.self_attention(q, k, v, r, self.rel_proj[...], positions, backend=self.backend,
+                                         window=self.window, tau=tau, segment_ids=segment_ids, mesh=self.mesh)
             updated = None
         else:
             out, new_k, new_v = self._cached_attention(cache, page_table, ring_rows, q, k, v, r, positions, n_new,
@@ -101,8 +103,9 @@ class Attention(nnx.Module):
         """A decode step's attention straight over the cache that already holds the new token."""
         lengths = jnp.maximum(positions[:, 0] + n_new, 1)  # idle rows (n_new 0) compute noise, write nothing
         out = kernels.decode_attention(q[:, 0], k_cache, v_cache, r[:, 0], self.rel_proj[...], lengths,
-                                       page_table=None if self.local else page_table, ring_rows=ring_rows,
-                                       window=self.window, tau=None if tau is None else tau[:, 0], mesh=self.mesh)
+                                       backend=self.backend, page_table=None if self.local else page_table,
+                                       ring_rows=ring_rows, window=self.window,
+                                       tau=None if tau is None else tau[:, 0], mesh=self.mesh)
         return out[:, None]
 
     def _cached_attention(self, cache, page_table, ring_rows, q, k, v, r, positions, n_new, tau):
@@ -132,9 +135,9 @@ class Attention(nnx.Module):
         if not self.local:  # the paged cache, with the chunk already written
             k_pages, v_pages, table = new_k, new_v, page_table
             q_start, key_start, key_end = cached, jnp.zeros_like(cached), cached + n_new
-        out = kernels.chunk_attention(q, k_pages, v_pages, table, r, self.rel_proj[...], q_start=q_start,
-                                      key_start=key_start, key_end=key_end, window=self.window, tau=tau,
-                                      mesh=self.mesh)
+        out = kernels.chunk_attention(q, k_pages, v_pages, table, r, self.rel_proj[...], backend=self.backend,
+                                      q_start=q_start, key_start=key_start, key_end=key_end, window=self.window,
+                                      tau=tau, mesh=self.mesh)
         return out, new_k, new_v
 
 

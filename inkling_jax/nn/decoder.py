@@ -2,6 +2,7 @@
 
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import TextConfig
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.cache import LayerCache
@@ -11,17 +12,18 @@ from inkling_jax.nn.moe import MoE
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TextConfig, *, local: bool, dense: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, local: bool, dense: bool, dtype, rngs: nnx.Rngs,
+                 backend: Backend = Backend()):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.attn_norm = RMSNorm(hidden, eps, dtype=dtype)
-        self.attn = Attention(cfg, local, dtype=dtype, rngs=rngs)
-        self.attn_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
+        self.attn = Attention(cfg, local, dtype=dtype, rngs=rngs, backend=backend)
+        self.attn_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs, backend=backend)
         self.mlp_norm = RMSNorm(hidden, eps, dtype=dtype)
         if dense:
             self.mlp = DenseMLP(hidden, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
         else:
-            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs)
-        self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs)
+            self.mlp = MoE(cfg, dtype=dtype, rngs=rngs, backend=backend)
+        self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs, backend=backend)
 
     def __call__(self, x, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
                  page_table=None, ring_rows=None, expert_ids=None):

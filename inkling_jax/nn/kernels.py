@@ -1,71 +1,38 @@
-"""The one switch between the pure-jnp reference paths and the Pallas kernels.
-
-The model calls the functions below and never a kernel directly. `set_backend` picks the implementation:
-- "jnp": the references in `pallas_kernels/*/reference.py` (CPU tests, the numerical ground truth);
-- "pallas": the Pallas kernels (GPU);
-- "auto" (default): Pallas on GPU, jnp elsewhere.
-The MoE has its own choice because it has three: "dense" (einsum over every expert, tiny models only),
-"ragged" (`jax.lax.ragged_dot` on tokens sorted by expert; "auto" off GPU) and "pallas" ("auto" on GPU).
-The choice is read while tracing, so set it before the first call of a jitted function.
+"""The model's calls into the kernels: every function here runs the implementation its `backend` (an
+`inkling_jax.backend.Backend`, held by the calling module) names, the pure-jnp reference or the Pallas kernel,
+and the model never calls a kernel directly. The choice is made while tracing, from the static backend.
 
 Every function takes the `mesh` of a sharded model (None: one device) and then runs once per device on its own
 heads and rows (`kernel_sharding`).
 """
 
-import contextlib
+import functools
 
 import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from inkling_jax.backend import Backend
 from inkling_jax.parallel.kernel_sharding import split
+from pallas_kernels import decode_attention as decode
+from pallas_kernels.attn_prologue import attn_prologue
+from pallas_kernels.rel_attention import rel_chunk_attention, rel_flash_attention
 from pallas_kernels.rel_attention import reference as attention_reference
 from pallas_kernels.shortconv import reference as shortconv_reference
-
-_VALID = {"backend": ("auto", "jnp", "pallas"), "moe": ("auto", "dense", "ragged", "pallas")}
-_settings = {"backend": "auto", "moe": "auto"}
+from pallas_kernels.shortconv import shortconv_prefill as shortconv_kernel
 
 
-def set_backend(backend: str | None = None, *, moe: str | None = None) -> None:
-    for key, value in (("backend", backend), ("moe", moe)):
-        if value is None:
-            continue
-        if value not in _VALID[key]:
-            raise ValueError(f"{key} must be one of {_VALID[key]}, got {value!r}")
-        _settings[key] = value
-
-
-@contextlib.contextmanager
-def use(backend: str | None = None, *, moe: str | None = None):
-    """Temporarily select implementations: `with kernels.use("jnp", moe="dense"): ...`."""
-    saved = dict(_settings)
-    set_backend(backend, moe=moe)
-    try:
-        yield
-    finally:
-        _settings.update(saved)
-
-
-def _pallas() -> bool:
-    choice = _settings["backend"]
-    return choice == "pallas" or (choice == "auto" and jax.default_backend() == "gpu")
-
-
-def moe_backend() -> str:
-    """"auto" means the Pallas kernel on GPU and "ragged" elsewhere (the kernel runs interpreted on CPU, which
-    is slower than XLA's ragged_dot there)."""
-    choice = _settings["moe"]
-    if choice == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "ragged"
-    return choice
-
-
-def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None, mesh=None, split_channels=False):
+def shortconv_prefill(x, w, state=None, *, backend: Backend, segment_ids=None, lengths=None, mesh=None,
+                      split_channels=False):
     """x [B, T, C], w [C, width], state [B, width - 1, C]; `split_channels`: the channels are heads x head_dim
     (K and V), split over `tensor` like the heads."""
+    use = backend.resolve()
     if state is None:
         state = jax.numpy.zeros((x.shape[0], w.shape[-1] - 1, x.shape[-1]), x.dtype)
-    fn = _shortconv_kernel if _pallas() else shortconv_reference.shortconv_prefill
+    if use.shortconv == "pallas":
+        fn = functools.partial(_shortconv_kernel, use.interpret)
+    else:
+        fn = shortconv_reference.shortconv_prefill
     how = split(mesh, (x.shape[-1],) if split_channels else (), batch=x.shape[0])
     if how:
         values, per_row = how.spec(2, 0), how.spec(None, 0)
@@ -73,20 +40,18 @@ def shortconv_prefill(x, w, state=None, *, segment_ids=None, lengths=None, mesh=
     return fn(x, w, state, segment_ids, lengths)
 
 
-@jax.custom_vjp
-def _shortconv_kernel(x, w, state, segment_ids, lengths):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _shortconv_kernel(interpret, x, w, state, segment_ids, lengths):
     """The Pallas forward with the reference's gradient (the conv is cheap to recompute; Pallas kernels have no
     transpose rule of their own)."""
-    from pallas_kernels.shortconv import shortconv_prefill as kernel
-
-    return kernel(x, w, state, segment_ids=segment_ids, lengths=lengths)
+    return shortconv_kernel(x, w, state, segment_ids=segment_ids, lengths=lengths, interpret=interpret)
 
 
-def _shortconv_fwd(x, w, state, segment_ids, lengths):
-    return _shortconv_kernel(x, w, state, segment_ids, lengths), (x, w, state, segment_ids, lengths)
+def _shortconv_fwd(interpret, x, w, state, segment_ids, lengths):
+    return _shortconv_kernel(interpret, x, w, state, segment_ids, lengths), (x, w, state, segment_ids, lengths)
 
 
-def _shortconv_bwd(residuals, cotangents):
+def _shortconv_bwd(interpret, residuals, cotangents):
     x, w, state, segment_ids, lengths = residuals
     _, vjp = jax.vjp(lambda x, w, s: shortconv_reference.shortconv_prefill(x, w, s, segment_ids=segment_ids,
                                                                             lengths=lengths), x, w, state)
@@ -97,12 +62,13 @@ def _shortconv_bwd(residuals, cotangents):
 _shortconv_kernel.defvjp(_shortconv_fwd, _shortconv_bwd)
 
 
-def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, key_start, key_end, window=None,
-                    tau=None, mesh=None):
+def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, backend: Backend, q_start, key_start,
+                    key_end, window=None, tau=None, mesh=None):
     """Prefill chunks continuing a cache, keys read through a page table (contract and layouts in
-    `pallas_kernels/rel_attention/chunk.py`)."""
-    if _pallas():
-        from pallas_kernels.rel_attention import rel_chunk_attention as fn
+    `pallas_kernels/rel_attention/chunk.py`); by the backend's `attention`."""
+    use = backend.resolve()
+    if use.attention == "pallas":
+        fn = functools.partial(rel_chunk_attention, interpret=use.interpret)
     else:
         fn = attention_reference.chunk_attention
 
@@ -117,14 +83,15 @@ def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, ke
     return call(q, k_pages, v_pages, r, page_table, rel_proj, q_start, key_start, key_end, tau)
 
 
-def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, segment_ids=None, mesh=None):
+def self_attention(q, k, v, r, rel_proj, positions, *, backend: Backend, window=None, tau=None, segment_ids=None,
+                   mesh=None):
     """T tokens attending among themselves; positions must step by one inside each segment (packed sequences
     restart at 0), which is what lets the flash kernel use index differences as distances."""
-    if _pallas():
-        from pallas_kernels.rel_attention import rel_flash_attention
-
+    use = backend.resolve()
+    if use.attention == "pallas":
         def call(q, k, v, r, rel_proj, positions, tau, segment_ids):
-            return rel_flash_attention(q, k, v, r, rel_proj, window=window, tau=tau, segment_ids=segment_ids)
+            return rel_flash_attention(q, k, v, r, rel_proj, window=window, tau=tau, segment_ids=segment_ids,
+                                       interpret=use.interpret)
     else:
         def call(q, k, v, r, rel_proj, positions, tau, segment_ids):
             return attention_reference.rel_attention(q, k, v, r, rel_proj, positions, positions, window=window,
@@ -138,30 +105,32 @@ def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, se
     return call(q, k, v, r, rel_proj, positions, tau, segment_ids)
 
 
-def fused_decode_prologue() -> bool:
-    """Whether a decode step (one token per row) runs its attention prologue as `decode_prologue` (the Pallas
-    backend) rather than as the model's separate jnp ops (ShortConv, norms, cache scatter)."""
-    return _pallas()
+def fused_decode_prologue(backend: Backend) -> bool:
+    """Whether a decode step (one token per row) runs its attention prologue as `decode_prologue` (the backend's
+    `decode_attention` is "pallas") rather than as the model's separate jnp ops (ShortConv, norms, cache
+    scatter)."""
+    return backend.resolve().decode_attention == "pallas"
 
 
 def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_state, k_cache, v_cache,
-                    write_idx, *, eps, mesh=None):
+                    write_idx, *, backend: Backend, eps, mesh=None):
     """The fused prologue of a decode step (`pallas_kernels/attn_prologue`) for one token per row.
 
     q [B, Hq*D], k and v [B, Hkv*D] projections; k_state, v_state [B, W-1, Hkv*D] the rows' ShortConv states;
     k_cache, v_cache any cache layout [..., Hkv, D] (pages or rings), written at its flat row write_idx [B]
     (negative: an idle row, which writes nothing and keeps its states). tau is not folded here: the decode
     attention applies it. Returns (q [B, Hq, D], k, v [B, Hkv, D], k_cache, v_cache, k_state, v_state), the
-    caches in their own shapes.
+    caches in their own shapes. The kernel has no jnp twin: `fused_decode_prologue` says when to call this.
     """
-    from pallas_kernels.attn_prologue import attn_prologue
+    interpret = backend.resolve().interpret
 
     def call(q, k, v, k_conv_w, v_conv_w, k_state, v_state, k_cache, v_cache, q_norm_w, k_norm_w, write_idx):
         flat = lambda cache: cache.reshape(-1, *cache.shape[-2:])  # noqa: E731
         slots = jax.numpy.arange(q.shape[0], dtype=jax.numpy.int32)
         q, k, v, k_state, v_state, new_k, new_v = attn_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w,
                                                                 k_state, v_state, slots, flat(k_cache),
-                                                                flat(v_cache), write_idx, eps=eps)
+                                                                flat(v_cache), write_idx, eps=eps,
+                                                                interpret=interpret)
         return q, k, v, new_k.reshape(k_cache.shape), new_v.reshape(v_cache.shape), k_state, v_state
 
     how = split(mesh, (q.shape[1] // k_cache.shape[-1], k_cache.shape[-2]))
@@ -171,20 +140,22 @@ def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_
     return call(q, k, v, k_conv_w, v_conv_w, k_state, v_state, k_cache, v_cache, q_norm_w, k_norm_w, write_idx)
 
 
-def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table=None, ring_rows=None, window=None,
-                     tau=None, mesh=None):
+def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Backend, page_table=None,
+                     ring_rows=None, window=None, tau=None, mesh=None):
     """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
     given) or a window ring (sliding layers; row b's ring is `ring_rows[b]`, default b). `lengths` counts the
-    new token."""
-    from pallas_kernels import decode_attention as decode
-
+    new token. By the backend's `decode_attention`."""
+    use = backend.resolve()
+    pallas = use.decode_attention == "pallas"
     if page_table is None:
-        fn = decode.ring_decode_attention if _pallas() else decode.ring_decode_reference
+        fn = functools.partial(decode.ring_decode_attention, interpret=use.interpret) if pallas \
+            else decode.ring_decode_reference
 
         def call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau):
             return fn(q, k_cache, v_cache, lengths, r, rel_proj, window=window, rows=ring_rows)
     else:
-        fn = decode.paged_decode_attention if _pallas() else decode.paged_decode_reference
+        fn = functools.partial(decode.paged_decode_attention, interpret=use.interpret) if pallas \
+            else decode.paged_decode_reference
 
         def call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau):
             return fn(q, k_cache, v_cache, page_table, lengths, r, rel_proj, tau=tau)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.nn import kernels
 from pallas_kernels.attn_prologue.reference import head_rms_norm as rms_norm  # the one RMSNorm definition
 
@@ -55,10 +56,12 @@ class ShortConv(nnx.Module):
     """Depthwise causal conv of width 4 with its residual, in fp32 (its taps are kept in fp32 whatever the
     model dtype, as the reference does). Carries a state of the last `width - 1` inputs between chunks."""
 
-    def __init__(self, channels: int, width: int, *, rngs: nnx.Rngs, split_channels: bool = False):
+    def __init__(self, channels: int, width: int, *, rngs: nnx.Rngs, split_channels: bool = False,
+                 backend: Backend = Backend()):
         self.weight = nnx.Param(normal(rngs, (channels, width), jnp.float32))
         self.split_channels = split_channels  # heads x head_dim (K, V): split over `tensor` like the heads
         self.mesh = None  # set by `sharding.shard_model`
+        self.backend = backend  # which kernels run (`inkling_jax.backend`)
 
     @property
     def history(self) -> int:
@@ -66,5 +69,5 @@ class ShortConv(nnx.Module):
 
     def __call__(self, x, state=None, segment_ids=None, lengths=None):
         """x [B, T, C] -> (y [B, T, C], new_state [B, width - 1, C])."""
-        return kernels.shortconv_prefill(x, self.weight[...], state, segment_ids=segment_ids, lengths=lengths,
-                                         mesh=self.mesh, split_channels=self.split_channels)
+        return kernels.shortconv_prefill(x, self.weight[...], state, backend=self.backend, segment_ids=segment_ids,
+                                         lengths=lengths, mesh=self.mesh, split_channels=self.split_channels)

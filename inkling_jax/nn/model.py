@@ -1,7 +1,7 @@
 """The Inkling model: normed embedding, decoder layers (attention + ShortConv, dense MLP or MoE + ShortConv),
 final norm, the muP-divided untied head; media towers whose outputs replace placeholder rows.
 
-    model = InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    model = InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0))   # backend=Backend(...): which kernels
     logits = model(input_ids)                          # [B, T, unpadded_vocab]
     cache = model.init_cache(batch, max_len)
     logits, cache = model.extend(prompt_ids, cache)    # prefill (a chunk; rows may be right-padded)
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.cache import Cache, init_cache
 from inkling_jax.nn.decoder import DecoderLayer
@@ -38,14 +39,16 @@ def _layer_forward(layer, x, positions, segment_ids, expert_ids):
 
 
 class InklingModel(nnx.Module):
-    def __init__(self, config: InklingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: InklingConfig, *, dtype=jnp.float32, rngs: nnx.Rngs, backend: Backend = Backend()):
+        """backend: the kernels every layer runs (`inkling_jax.backend`; `with_backend` gives a model another)."""
         cfg = config.text
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        self.backend = backend
         self.embed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.layers = nnx.List([
-            DecoderLayer(cfg, local=cfg.is_local(i), dense=cfg.is_dense(i), dtype=dtype, rngs=rngs)
+            DecoderLayer(cfg, local=cfg.is_local(i), dense=cfg.is_dense(i), dtype=dtype, rngs=rngs, backend=backend)
             for i in range(cfg.num_layers)
         ])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -54,7 +57,7 @@ class InklingModel(nnx.Module):
                                                                        rngs=rngs)
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
                                                                     rngs=rngs)
-        self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
+        self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs, backend=backend)
         self.mesh = None  # set by `placement.shard_model`: the embedding lookup then runs per vocabulary slice
 
     # ------------------------------------------------------------------------------------------------------

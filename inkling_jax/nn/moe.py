@@ -5,28 +5,22 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import TextConfig
-from inkling_jax.nn import kernels
 from inkling_jax.nn.layers import normal
-from inkling_jax.nn.moe_dispatch import local_experts, precision_of
+from inkling_jax.nn.moe_dispatch import local_experts
 from inkling_jax.parallel import expert_parallel as parallel
 
 
 class MoE(nnx.Module):
     """Router over E routed + S shared experts; top-k of the routed ones by sigmoid score plus a selection-only
     bias; the k chosen and the S shared experts share one normalisation, so shared experts draw weight away
-    from routed ones (the "sink"); weights scaled by route_scale and a learned global scale.
-
-    `shared_in_launch`: run the shared experts as S extra groups of the routed experts' grouped matmul (the
-    "linearised" layout, every token visits them with its sink weight) instead of a separate dense einsum.
-    One launch instead of two, but the launch needs one weight array, so every local expert's weights are
-    copied (read and written) once per call: that costs more than it saves unless the matmuls dwarf the copy
-    (see bench/moe.py), hence off by default.
+    from routed ones (the "sink"); weights scaled by route_scale and a learned global scale. The routed experts
+    run by the backend's `moe` (`inkling_jax.backend`).
     """
 
-    shared_in_launch: bool = False
 
-    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.route_scale = cfg.num_experts_per_tok, cfg.route_scale
         self.router = nnx.Param(normal(rngs, (h, e + s), dtype))
@@ -39,6 +33,7 @@ class MoE(nnx.Module):
         self.shared_up = nnx.Param(normal(rngs, (s, h, i), dtype))
         self.shared_down = nnx.Param(normal(rngs, (s, i, h), dtype))
         self.mesh = None  # set by `placement.shard_model`; an `expert` axis > 1 turns on expert parallelism
+        self.backend = backend  # which kernels run (`inkling_jax.backend`)
 
     @property
     def num_experts(self) -> int:
@@ -82,32 +77,28 @@ class MoE(nnx.Module):
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
         out = experts(flat, self.routed_experts(flat.shape[0]), self.shared_experts(), expert_ids, weights,
-                      shared_weights, mesh=self.mesh, shared_in_launch=self.shared_in_launch)
+                      shared_weights, backend=self.backend, mesh=self.mesh)
         apart = self.shared_apart(flat, shared_weights)
         if apart is not None:
             out = out + apart
         return out.astype(x.dtype).reshape(shape), expert_ids
 
 
-def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None, shared_in_launch=False):
+def experts(x, routed, shared, expert_ids, weights, shared_weights, *, backend: Backend, mesh=None):
     """sum_k weights[n, k] * E_{ids[n, k]}(x[n]) + sum_s shared_weights[n, s] * E^sh_s(x[n]), in fp32 (the
     second sum left out for shared None).
 
     x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
     Fp8Experts or Nvfp4Experts: `inkling_jax.quant.moe`; the dense backend then runs its ragged formula);
-    weights [N, k] and shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis
+    weights [N, k] and shared_weights [N, S] fp32. By the backend's `moe`; with a mesh whose `expert` axis
     is larger than 1, by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides
     the experts' width, every tensor shard runs its slice of the width and the partial outputs are summed (both
     in `inkling_jax.parallel.expert_parallel`).
     """
-    backend = kernels.moe_backend()
-    # quantised routed experts: the shared ones stay in their own launch, unquantised
-    shared_in_launch = shared_in_launch and shared is not None and precision_of(routed) == "bf16"
+    backend = backend.resolve()
     if mesh is not None:
         if mesh.shape[parallel.AXIS] > 1:
-            return parallel.experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
-                                       shared_in_launch=shared_in_launch)
+            return parallel.experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend)
         if parallel.width_axis(mesh, routed, shared):
-            return parallel.experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
-                                       shared_in_launch=shared_in_launch)
-    return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch)
+            return parallel.experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend)
+    return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend)

@@ -1,5 +1,5 @@
 """How an MoE's routed tokens reach the experts on one device: each token's top-k copies ordered by expert, the
-grouped matmuls of the selected backend (Pallas kernels, `jax.lax.ragged_dot`, or every expert on every token for
+grouped matmuls of the backend's `moe` (Pallas kernels, `jax.lax.ragged_dot`, or every expert on every token for
 tiny models), quantised experts' kernels or formulas, and the shared experts beside them. On a mesh
 `nn.moe.experts` hands over to `inkling_jax.parallel.expert_parallel` instead, which runs the same pieces on each shard.
 """
@@ -9,7 +9,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from inkling_jax.backend import Backend
 from inkling_jax.nn.layers import swiglu
+from pallas_kernels.moe import DECODE_MAX_ROWS, moe_ffn, moe_ffn_decode
 
 # The MoE's parameter names of its routed experts in each form, and of its shared experts' stacks
 ROUTED_BF16 = ("w_gate", "w_up", "w_down")
@@ -22,37 +24,18 @@ SHARED_NAMES = ("shared_gate", "shared_up", "shared_down")
 SORT_FREE_ROWS = 1024
 
 
-def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch=False, *,
-                  width_axis=None):
+def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend: Backend, *, width_axis=None):
     """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
-    slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum."""
-    if backend == "dense" and precision_of(routed) == "bf16":
+    slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum.
+    backend: resolved (`Backend.resolve`)."""
+    if backend.moe == "dense" and precision_of(routed) == "bf16":
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
     source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
-    group, row_weights, stack = expert_ids.reshape(-1), weights.reshape(-1), routed
-    if shared_in_launch:
-        source, group, row_weights, stack = with_shared_rows(source, group, row_weights, stack, shared,
-                                                             jnp.arange(num_tokens, dtype=jnp.int32),
-                                                             shared_weights)
-    y = grouped_rows(x, source, group, row_weights, stack, expert_ffn(backend, stack, num_tokens, width_axis))
-    y = y.astype(jnp.float32)
-    out = y[:num_tokens * top_k].reshape(num_tokens, top_k, -1).sum(1)
-    if shared_in_launch:
-        return out + y[num_tokens * top_k:].reshape(-1, num_tokens, out.shape[-1]).sum(0)
+    group, row_weights = expert_ids.reshape(-1), weights.reshape(-1)
+    y = grouped_rows(x, source, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width_axis))
+    out = y.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(1)
     return out + shared_dense(x, shared, shared_weights)
-
-
-def with_shared_rows(source, group, row_weights, routed, shared, tokens, shared_weights):
-    """Appends S groups after the E routed ones, each visited by every token of `tokens` (its source rows)
-    with its sink weight: the linearised layout. Returns (source, group, row_weights, stacked weights)."""
-    num_routed, num_shared = routed[0].shape[0], shared[0].shape[0]
-    shared_group = num_routed + jnp.repeat(jnp.arange(num_shared, dtype=jnp.int32), tokens.shape[0])
-    # Rows already marked "no expert" (group >= E) move past the shared groups.
-    group = jnp.where(group < num_routed, group, num_routed + num_shared)
-    return (jnp.concatenate([source, jnp.tile(tokens, num_shared)]), jnp.concatenate([group, shared_group]),
-            jnp.concatenate([row_weights, shared_weights.T.reshape(-1).astype(row_weights.dtype)]),
-            tuple(jnp.concatenate([r, s]) for r, s in zip(routed, shared)))
 
 
 def grouped_rows(x, source, group, row_weights, stack, ffn):
@@ -68,8 +51,8 @@ def grouped_rows(x, source, group, row_weights, stack, ffn):
 
 def order_by_group(group):
     """(order, place): the rows' stable order by group, and each row's place in it (order's inverse). Up to
-    SORT_FREE_ROWS rows, by comparing all pairs (one fusion each), not a sort: in the H200's 32-row decode step
-    the sort of 192 rows, the scatter of its inverse and the index select took ~6 us per MoE layer."""
+    SORT_FREE_ROWS rows, by comparing all pairs (one fusion each), not a sort: in a decode step the sort, the
+    scatter of its inverse and the index select were measured to cost more."""
     rows = group.shape[0]
     index = jnp.arange(rows, dtype=jnp.int32)
     if rows > SORT_FREE_ROWS:
@@ -82,17 +65,15 @@ def order_by_group(group):
     return order, place
 
 
-def grouped_ffn(backend, num_tokens: int | None = None):
+def grouped_ffn(backend: Backend, num_tokens: int | None = None):
     """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
     row_weights) -> [M, H], zeros past sum(group_sizes). `num_tokens` (static, when the rows are the top-k
     copies of that many tokens) bounds every group's size, which lets decode-sized batches use the kernel's
     layout that reads each touched expert once (at 32 tokens x top-6 the rows exceed its row threshold)."""
-    if backend == "pallas":
-        from pallas_kernels.moe import DECODE_MAX_ROWS, moe_ffn, moe_ffn_decode
-
+    if backend.moe == "pallas":
         if num_tokens is not None and num_tokens <= DECODE_MAX_ROWS:
-            return functools.partial(moe_ffn_decode, max_group_rows=num_tokens)
-        return moe_ffn
+            return functools.partial(moe_ffn_decode, max_group_rows=num_tokens, interpret=backend.interpret)
+        return functools.partial(moe_ffn, interpret=backend.interpret)
     return _ragged_ffn
 
 
@@ -109,11 +90,11 @@ def precision_of(routed) -> str:
     return next((p for p, form in expert_forms().items() if isinstance(routed, form)), "bf16")
 
 
-def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
+def expert_ffn(backend: Backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
     """The `grouped_ffn` for `routed`; for quantised experts, one called with the six fields of an Fp8Experts
-    or Nvfp4Experts: their kernels with the Pallas backend, else their jnp formula (pallas_kernels/moe/fp8.py,
-    nvfp4.py). width_axis: the mesh axis over which the experts' width is split, so that fp8's h is quantised
-    with its whole row's scale."""
+    or Nvfp4Experts: their kernels when the backend's `moe` is "pallas", else their jnp formula
+    (pallas_kernels/moe/fp8.py, nvfp4.py). width_axis: the mesh axis over which the experts' width is split, so
+    that fp8's h is quantised with its whole row's scale."""
     precision = precision_of(routed)
     if precision == "bf16":
         return grouped_ffn(backend, num_tokens)
@@ -132,8 +113,9 @@ def expert_ffn(backend, routed, num_tokens: int | None = None, width_axis: str |
 
     def ffn(rows, *args):
         experts, (group_sizes, row_weights) = form(*args[:6]), args[6:]
-        if backend == "pallas":
-            return kernel(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens, **extra)
+        if backend.moe == "pallas":
+            return kernel(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens,
+                          interpret=backend.interpret, **extra)
         return formula(rows, experts, group_sizes, row_weights, **extra)
     return ffn
 
@@ -150,7 +132,7 @@ def shared_dense(x, shared, shared_weights):
         return 0.0
     gate, up, down = shared
     # Batched over s on both sides: contracting x [n, h] with [s, h, i] directly makes XLA transpose the weights
-    # on every call (two 38 us copies per layer of the H200's decode step); the broadcast x costs nothing there.
+    # on every call; the broadcast x costs nothing.
     xs = jnp.broadcast_to(x, (gate.shape[0],) + x.shape)
     h = swiglu(jnp.einsum("snh,shi->sni", xs, gate), jnp.einsum("snh,shi->sni", xs, up))
     h = h * shared_weights.T[:, :, None].astype(x.dtype)

@@ -15,19 +15,20 @@ implementation as the spec transcribes it (section 3).
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.decoder import DecoderLayer  # each depth's block is an ordinary decoder layer
 from inkling_jax.nn.layers import Linear, RMSNorm
 
 
 class MTPLayer(nnx.Module):
-    def __init__(self, config: InklingConfig, depth: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: InklingConfig, depth: int, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         cfg = config.text
         self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.input_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.block = DecoderLayer(cfg, local=depth in config.mtp.local_layer_ids, dense=True, dtype=dtype,
-                                  rngs=rngs)
+                                  rngs=rngs, backend=backend)
 
     def __call__(self, h_prev, token_embeds, positions, segment_ids=None):
         z = self.input_proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(token_embeds)], axis=-1))
@@ -35,8 +36,9 @@ class MTPLayer(nnx.Module):
 
 
 class MTPHead(nnx.Module):
-    def __init__(self, config: InklingConfig, *, dtype, rngs: nnx.Rngs):
-        self.layers = nnx.List([MTPLayer(config, k, dtype=dtype, rngs=rngs) for k in range(config.mtp.num_layers)])
+    def __init__(self, config: InklingConfig, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
+        self.layers = nnx.List([MTPLayer(config, k, dtype=dtype, rngs=rngs, backend=backend)
+                                for k in range(config.mtp.num_layers)])
 
     def __call__(self, trunk_hidden, input_ids, embed, head):
         """Teacher-forced drafts over a whole sequence.

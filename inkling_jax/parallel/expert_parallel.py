@@ -5,15 +5,13 @@ Tokens come sharded over the batch axes (data x fsdp x expert: a trainer's batch
 that attention and the dense work are not repeated on every expert shard) and replicated across `tensor`. Where
 the token count does not split over `expert` (a decode step of 1 row), every expert shard holds all of them and
 takes its own 1/n slice. Each shard sorts its (token, slot) copies by expert and sends each copy only to the
-shard that owns the expert. By default the copies travel by `ragged_all_to_all_padded`: the contract of
-`jax.lax.ragged_all_to_all` over a fixed-size `all_to_all`. XLA:CPU lacks the ragged op, and on two H200s driven
-by one process XLA's ragged op (its one-shot kernel) made the layer 1.7-6.0x slower than the padded form from
-256 to 4096 tokens (18.9 against 4.8 ms at 1024; `bench/moe_ep.py`); pass `transport=jax.lax.ragged_all_to_all`
-to use it. The receiver runs its experts on everything it received, sends the results back the same way, and
-the home shard weights and sums the k copies of each token in fp32 (in slot order, no atomics); where the shard
-took a slice, an `all_gather` over `expert` returns the layer's output replicated again. Buffers are sized for
-the worst case (every copy to one shard), so there is no capacity and nothing is dropped. Shared experts run on
-the home shard's tokens: in the same launch (`shared_in_launch`) or dense.
+shard that owns the expert. The copies travel by `ragged_all_to_all_padded`: the contract of
+`jax.lax.ragged_all_to_all` over a fixed-size `all_to_all` (XLA:CPU lacks the ragged op, and on one host's GPUs
+XLA's ragged op was measured the slower). The receiver runs its experts on everything it received,
+sends the results back the same way, and the home shard weights and sums the k copies of each token in fp32 (in
+slot order, no atomics); where the shard took a slice, an `all_gather` over `expert` returns the layer's output
+replicated again. Buffers are sized for the worst case (every copy to one shard), so there is no capacity and
+nothing is dropped. Shared experts run on the home shard's tokens, dense.
 
 Width (Megatron's MLP split): when `tensor` divides the routed and the shared experts' width, each tensor shard
 holds columns of w_gate / w_up and the matching rows of w_down, so its SwiGLU and down projection give a partial
@@ -28,6 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from inkling_jax.backend import Backend
 from inkling_jax.nn.moe_dispatch import (
     ROUTED_BF16,
     ROUTED_QUANTISED,
@@ -37,7 +36,6 @@ from inkling_jax.nn.moe_dispatch import (
     local_experts,
     precision_of,
     shared_dense,
-    with_shared_rows,
 )
 from inkling_jax.parallel.rules import RULES, axes_of, logical_axes, spec_for
 
@@ -46,10 +44,9 @@ WIDTH_AXIS = RULES["expert_mlp"]  # the routed experts' width; RULES splits the 
 
 
 def width_axis(mesh: Mesh, routed, shared) -> str | None:
-    """`tensor` when the mesh has one and it divides the routed and the shared width (split alike, so the
-    stacks `shared_in_launch` concatenates line up), else None: every shard holds whole experts. NVFP4 experts
-    split in whole groups of 64 output columns (their w13 holds gate and up rows in turns of 64: 2 of its row
-    groups)."""
+    """`tensor` when the mesh has one and it divides the routed and the shared width (split alike), else None:
+    every shard holds whole experts. NVFP4 experts split in whole groups of 64 output columns (their w13 holds
+    gate and up rows in turns of 64: 2 of its row groups)."""
     n = mesh.shape[WIDTH_AXIS]
     # the dimension `_shard_map` splits, of w_gate, w_gate_fp8 or w13_nvfp4
     name, first = _routed_names(routed)[0], routed[0]
@@ -59,31 +56,27 @@ def width_axis(mesh: Mesh, routed, shared) -> str | None:
     return WIDTH_AXIS if n > 1 and split % (n * grain) == 0 and shared_splits else None
 
 
-def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
-               shared_in_launch: bool = False):
+def experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: Backend):
     """`nn.moe.experts` with every expert's width split over `tensor` and no `expert` axis (see module doc)."""
     width = width_axis(mesh, routed, shared)
 
     def shard(x, ids, wts, shared_wts, routed, shared):
-        out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, shared_in_launch, width_axis=width)
+        out = local_experts(x, routed, shared, ids, wts, shared_wts, backend, width_axis=width)
         return _sum_width(out, width)
 
     return _shard_map(shard, mesh, _tokens_spec(mesh, x.shape[0]), width, routed, shared)(
         x, expert_ids, weights, shared_weights, routed, _stacks(shared))
 
 
-def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: str, *,
-               shared_in_launch: bool = False, transport=None):
+def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mesh, backend: Backend):
     """`nn.moe.experts` with the routed experts sharded over `expert` (and their width over `tensor` when
     `width_axis` says so).
 
-    backend: the MoE backend whose `moe_dispatch.grouped_ffn` runs one shard's experts on the rows it received.
-    transport: the ragged all-to-all (default: `ragged_all_to_all_padded`, see module doc).
+    backend (resolved): its `moe` runs one shard's experts on the rows it received (`moe_dispatch.expert_ffn`).
     """
     num_experts, shards = routed[0].shape[0], mesh.shape[AXIS]
     if num_experts % shards:
         raise ValueError(f"{num_experts} experts do not split over an expert axis of {shards}")
-    transport = ragged_all_to_all_padded if transport is None else transport
     width = width_axis(mesh, routed, shared)
 
     tokens = _tokens_spec(mesh, x.shape[0])
@@ -108,31 +101,22 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         counts = jnp.bincount(dest_expert, length=num_experts).reshape(shards, num_local)
         plan = _Plan(jax.lax.all_gather(counts, AXIS), me)
         capacity = shards * per * top_k  # every copy of the group could go to this shard
-        received = transport(x_mine[order // top_k], jnp.zeros((capacity, x.shape[1]), x.dtype),
-                             *plan.dispatch(), axis_name=AXIS)
+        received = ragged_all_to_all_padded(x_mine[order // top_k], jnp.zeros((capacity, x.shape[1]), x.dtype),
+                                            *plan.dispatch(), axis_name=AXIS)
 
         # Routed weights are applied at home, after the combine (the kernel's row weights are ones).
-        source, buffer = jnp.arange(capacity, dtype=jnp.int32), received
-        group, row_weights, stack = plan.local_expert_of_received(capacity), jnp.ones((capacity,)), routed
-        if shared_in_launch:  # padding tokens are zeros with zero sink weight: their shared rows give zeros
-            source, group, row_weights, stack = with_shared_rows(
-                source, group, row_weights, stack, shared, capacity + jnp.arange(per, dtype=jnp.int32), shared_mine)
-            buffer = jnp.concatenate([received, x_mine])
+        source = jnp.arange(capacity, dtype=jnp.int32)
+        group, row_weights = plan.local_expert_of_received(capacity), jnp.ones((capacity,))
         # A local expert receives at most one copy of each of the group's num_tokens tokens (top-k picks are
-        # distinct), from whichever shard holds it; a shared group holds this shard's `per` <= num_tokens. So
-        # num_tokens bounds every group, and decode-sized steps get the kernel's decode layout although the
-        # receive buffer (shards x per x top_k rows) is larger.
-        y = grouped_rows(buffer, source, group, row_weights, stack, expert_ffn(backend, stack, num_tokens, width))
+        # distinct), from whichever shard holds it. So num_tokens bounds every group, and decode-sized steps get
+        # the kernel's decode layout although the receive buffer (shards x per x top_k rows) is larger.
+        y = grouped_rows(received, source, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width))
 
-        back = transport(y[:capacity], jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
-                         axis_name=AXIS)
+        back = ragged_all_to_all_padded(y, jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
+                                        axis_name=AXIS)
         copies = jnp.zeros_like(back).at[order].set(back).reshape(per, top_k, -1).astype(jnp.float32)
         out = (copies * wts_mine[:, :, None].astype(jnp.float32)).sum(1)
-        if shared_in_launch:
-            out = out + y[capacity:].astype(jnp.float32).reshape(-1, per, out.shape[-1]).sum(0)
-        else:
-            out = out + shared_dense(x_mine, shared, shared_mine)
-        out = _sum_width(out, width)
+        out = _sum_width(out + shared_dense(x_mine, shared, shared_mine), width)
         return out if split else jax.lax.all_gather(out, AXIS, tiled=True)[:num_tokens]
 
     return _shard_map(shard, mesh, tokens, width, routed, shared)(x, expert_ids, weights, shared_weights, routed,

@@ -13,8 +13,8 @@ lets fused matrices (`concatenate`: gate|up) keep each part's scale. The output 
 
     y = (f16(x) @ (code * block_scale)^T, fp32 accumulation, bf16 out) * scale2
 
-`Nvfp4Linear.__call__` runs the kernel with the Pallas MoE backend (`kernels.moe_backend`) and the formula in
-jnp otherwise (`reference_product`; CPU tests). Forward only.
+`Nvfp4Linear.__call__` runs the kernel when its backend's `moe` is "pallas" (`inkling_jax.backend`: the same
+kernel as the routed experts) and the formula in jnp otherwise (`reference_product`; CPU tests). Forward only.
 
 `Nvfp4LinearWithTwin`: the same matrix with an fp8 twin, the matrix dequantised and rounded to dense_fp8's format,
 which products of more than TWIN_ROWS rows (prompt chunks, large batches) multiply instead: there the W4A16
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from inkling_jax.nn import kernels
+from inkling_jax.backend import Backend
 from inkling_jax.quant import dense_fp8
 from inkling_jax.quant.form import ServingForm
 from pallas_kernels._common import interpret_default, round_up
@@ -51,20 +51,21 @@ TWIN_ROWS = DECODE_TOKENS  # products of more rows take the fp8 twin where there
 class Nvfp4Linear(ServingForm):
     """y = x @ W for an NVFP4-held W [in_features, out_features] (module doc)."""
 
-    def __init__(self, codes, block_scales, scale2, in_features: int):
+    def __init__(self, codes, block_scales, scale2, in_features: int, *, backend: Backend = Backend()):
         self.nvfp4_codes = nnx.Param(codes)  # uint8 [1, out_pad / 64, in_pad / 32, 8, 128] (kernel_w4's layout)
         self.nvfp4_scales = nnx.Param(block_scales)  # f16 [1, in_pad / 16, out_pad / 64, 1, 64]
         self.nvfp4_scale2 = nnx.Param(scale2)  # fp32 [out_features]
         self.in_features = in_features  # the codes hold it padded to a multiple of K_MULTIPLE
+        self.backend = backend  # its `moe` picks the kernel or the formula
 
     @property
     def out_features(self) -> int:
         return self.nvfp4_scale2.shape[0]
 
     @classmethod
-    def quantize(cls, kernel) -> Nvfp4Linear:
+    def quantize(cls, kernel, *, backend: Backend = Backend()) -> Nvfp4Linear:
         """From a float matrix [in, out]; one global scale for the whole matrix, as NVFP4 sets it."""
-        return cls(*_quantize(kernel), kernel.shape[0])
+        return cls(*_quantize(kernel), kernel.shape[0], backend=backend)
 
     @classmethod
     def concatenate(cls, parts: list[Nvfp4Linear]) -> Nvfp4Linear:
@@ -76,9 +77,12 @@ class Nvfp4Linear(ServingForm):
                              f"{[(p.in_features, p.out_features) for p in parts]}")
         if len({type(p) for p in parts}) != 1:
             raise ValueError("NVFP4 matrices concatenate with fp8 twins on all of them or none")
+        if len({p.backend for p in parts}) != 1:
+            raise ValueError(f"NVFP4 matrices concatenate with one backend: {[p.backend for p in parts]}")
         return Nvfp4Linear(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
                            jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
-                           jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features)
+                           jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features,
+                           backend=parts[0].backend)
 
     def with_twin(self) -> Nvfp4LinearWithTwin:
         """This matrix with an fp8 twin for wide products (module doc)."""
@@ -90,7 +94,7 @@ class Nvfp4Linear(ServingForm):
             self.nvfp4_scale2[...]
 
     def __call__(self, x):
-        return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...])
+        return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...], backend=self.backend)
 
 
 class Nvfp4LinearWithTwin(Nvfp4Linear):
@@ -98,7 +102,7 @@ class Nvfp4LinearWithTwin(Nvfp4Linear):
 
     def __init__(self, linear: Nvfp4Linear, twin: dense_fp8.Fp8Linear):
         super().__init__(linear.nvfp4_codes[...], linear.nvfp4_scales[...], linear.nvfp4_scale2[...],
-                         linear.in_features)
+                         linear.in_features, backend=linear.backend)
         self.twin = twin
 
     @classmethod
@@ -115,13 +119,14 @@ class Nvfp4LinearWithTwin(Nvfp4Linear):
         return super().__call__(x)
 
 
-def matmul(x, codes, block_scales, scale2):
+def matmul(x, codes, block_scales, scale2, *, backend: Backend):
     """x [..., in] @ the matrix (codes, block_scales, scale2 [out]) stand for -> [..., out] in x.dtype: the kernel
-    with the Pallas MoE backend, else the jnp formula."""
+    when the backend's `moe` is "pallas", else the jnp formula."""
     rows = x.reshape(-1, x.shape[-1])
     rows = jnp.pad(rows, ((0, 0), (0, codes.shape[2] * K_MULTIPLE - rows.shape[1])))
-    if kernels.moe_backend() == "pallas":
-        acc = kernel_product(rows, codes, block_scales)
+    use = backend.resolve()
+    if use.moe == "pallas":
+        acc = kernel_product(rows, codes, block_scales, interpret=use.interpret)
     else:
         acc = reference_product(rows, codes, block_scales)
     y = acc[:, :scale2.shape[0]] * scale2

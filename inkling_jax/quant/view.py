@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.nn.decoder import DecoderLayer
 from inkling_jax.nn.layers import Linear
 from inkling_jax.nn.mlp import DenseMLP
@@ -60,7 +61,8 @@ def attention_view(attention, quant: QuantConfig = QuantConfig(), *, fuse: bool 
         if not (fuse or quant.dense_precision == "nvfp4"):
             return attention
         attention = FusedAttention.fuse(attention)
-    return FusedAttention(attention, _held(attention.wqkvr, quant), _held(attention.wo, quant))
+    return FusedAttention(attention, _held(attention.wqkvr, quant, attention.backend),
+                          _held(attention.wo, quant, attention.backend))
 
 
 def dense_mlp_view(mlp: DenseMLP, *, fp8: bool = False, fuse: bool = False) -> DenseMLP:
@@ -95,15 +97,17 @@ def moe_view(moe: MoE, quant: QuantConfig = QuantConfig(), *, fuse: bool = False
     if fuse and isinstance(shared, SharedExpertStacks):
         shared = WidenedSharedExperts.widen(shared)
     if isinstance(shared, WidenedSharedExperts):
-        shared = WidenedSharedExperts(_held(shared.w_gate_up, quant), _held(shared.w_down, quant))
+        shared = WidenedSharedExperts(_held(shared.w_gate_up, quant, moe.backend),
+                                      _held(shared.w_down, quant, moe.backend))
     return ServingMoE(moe, experts, shared)
 
 
-def _held(linear: nnx.Module, quant: QuantConfig) -> nnx.Module:
+def _held(linear: nnx.Module, quant: QuantConfig, backend: Backend) -> nnx.Module:
     """A fused attention's or the widened shared experts' matrix as `quant` holds it: in NVFP4 with NVFP4 dense
-    weights, and with its fp8 twin where asked; else as it is."""
+    weights (running `backend`, that of the module holding it), and with its fp8 twin where asked; else as it
+    is."""
     if quant.dense_precision == "nvfp4" and not isinstance(linear, Nvfp4Linear):
-        linear = Nvfp4Linear.quantize(_kernel(linear, "nvfp4"))
+        linear = Nvfp4Linear.quantize(_kernel(linear, "nvfp4"), backend=backend)
     return linear.with_twin() if quant.fp8_twins and isinstance(linear, Nvfp4Linear) else linear
 
 

@@ -44,7 +44,7 @@ def interpret_params(interpret: bool):
 def num_sms(interpret: bool) -> int:
     if interpret:
         return INTERPRET_SMS
-    # lowered for CUDA on a machine without a GPU (`_common.lowering_for_gpu`): an H100 / H200's count
+    # lowered for CUDA on a machine without a GPU (`Backend(interpret=False)`): an H100 / H200's count
     return jax.devices()[0].core_count if jax.default_backend() == "gpu" else HOPPER_SMS
 
 

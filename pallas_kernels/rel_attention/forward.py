@@ -1,6 +1,6 @@
 """Forward kernel: online softmax over the key tiles of one (query block, KV head, batch) program.
 
-Returns the output and the base-2 logsumexp of every row, which the backward kernels use to rebuild the
+Returns the output and the base-2 logsumexp of every row, which the backward kernels read to rebuild the
 probabilities without a second softmax pass.
 """
 

@@ -21,10 +21,6 @@ from pallas_kernels.rel_attention import mgpu_dkdv, mgpu_dq, mgpu_forward, tunin
 from pallas_kernels.rel_attention.tiles import Geometry
 
 _PAD_SEGMENT = jnp.iinfo(jnp.int32).min  # padded tokens form their own segment
-# Which forward kernel runs: "mosaic" (mgpu_forward.py), "triton" (forward.py), or None: Mosaic where it applies
-# (compiled on a GPU, no packed segments, 16-bit inputs) and was measured faster, else Triton. "triton" also keeps
-# the backward on the Triton kernels. Per call, `forward_impl` overrides it.
-FORWARD_IMPL: str | None = None
 
 
 def _forward(geo: Geometry, *args):
@@ -119,9 +115,10 @@ def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int 
       scale: defaults to 1 / head_dim.
       interpret: Pallas interpret mode; defaults to True off GPU.
       block_q, block_k: override the tuned tile sizes of the Triton kernels (block_q counts tokens).
-      forward_impl: "mosaic", "triton" or None (FORWARD_IMPL, whose None picks Mosaic where it applies); an
-        explicit "mosaic" with interpret runs Pallas' Mosaic GPU interpreter (slow; tests); "triton" runs the
-        Triton kernels only, the backward's too.
+      forward_impl: which forward kernel runs: "mosaic" (mgpu_forward.py), "triton" (forward.py), or None:
+        Mosaic where it applies (compiled, no packed segments, 16-bit inputs) and was measured faster, else
+        Triton. An explicit "mosaic" with interpret runs Pallas' Mosaic GPU interpreter (slow; tests); "triton"
+        runs the Triton kernels only, the backward's too.
     """
     geos, args = plan(q, k, v, r, rel_proj, q_offset=q_offset, window=window, tau=tau, segment_ids=segment_ids,
                       scale=scale, interpret=interpret, block_q=block_q, block_k=block_k, forward_impl=forward_impl)
@@ -136,7 +133,7 @@ def plan(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, int
     groups = q.shape[2] // k.shape[2]
     tuned = tuple(dataclasses.replace(b, block_q=block_q or b.block_q, block_k=block_k or b.block_k)
                   for b in tuning.blocks(groups, q.shape[3], window))
-    impl = forward_impl or FORWARD_IMPL
+    impl = forward_impl
     if impl not in (None, "mosaic", "triton"):
         raise ValueError(f"forward_impl must be 'mosaic', 'triton' or None, not {impl!r}")
     interpret = interpret_default() if interpret is None else bool(interpret)

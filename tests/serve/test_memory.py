@@ -6,8 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset
 from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -17,27 +16,32 @@ from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.placement import Placement
 
+REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 ENGINE = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
               row_buckets=(3,))
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
 
 
+def _engine():
+    model = random_model(CONFIG, seed=0, backend=REFERENCE)
+    return Engine(model, EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
+
+
 def _serve(monkeypatch=None, pages_short=0):
     """Greedy tokens of PROMPTS and the engine's pool size, with the programs `pages_short` pages beyond what
     fits beside the first pool (which holds every slot at full length: 8 pages)."""
-    with kernels.use("jnp", moe="dense"):
-        engine = Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
-        runner = engine.runner
-        if monkeypatch is not None:
-            page = runner.page_bytes_per_device()
-            need = 20 * page  # the largest program's bytes, as the fake analysis reports them
-            first = runner.num_pages
-            monkeypatch.setattr(memory_plan, "program_bytes", lambda compiled: need)
-            # free memory falls by a page per page of pool; at the first pool, 21 pages (need + 5%) less the short
-            monkeypatch.setattr(memory_plan, "free_bytes", lambda devices: (
-                21 - pages_short + first - runner.num_pages) * page)
-        engine.start()
+    engine = _engine()
+    runner = engine.runner
+    if monkeypatch is not None:
+        page = runner.page_bytes_per_device()
+        need = 20 * page  # the largest program's bytes, as the fake analysis reports them
+        first = runner.num_pages
+        monkeypatch.setattr(memory_plan, "program_bytes", lambda compiled: need)
+        # free memory falls by a page per page of pool; at the first pool, 21 pages (need + 5%) less the short
+        monkeypatch.setattr(memory_plan, "free_bytes", lambda devices: (
+            21 - pages_short + first - runner.num_pages) * page)
+    engine.start()
     try:
         out = generate(engine, PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     finally:
@@ -108,8 +112,8 @@ def test_a_pool_that_cannot_be_allocated_stops_with_the_numbers(monkeypatch):
         return create(self, fn, shardings)
 
     monkeypatch.setattr(Placement, "create", out_of_memory_for_pools)
-    with kernels.use("jnp", moe="dense"), pytest.raises(MemoryError, match="KV pool of 8 pages .* --num-pages"):
-        Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
+    with pytest.raises(MemoryError, match="KV pool of 8 pages .* --num-pages"):
+        _engine()
     from serve.app import main  # the server stops with that line, no traceback
     with pytest.raises(SystemExit, match="KV pool of 4 pages .* could not be allocated"):
         main(["--num-pages", "4", "--max-model-len", "32"])
@@ -119,9 +123,8 @@ def test_a_failed_step_fails_its_requests_and_a_failed_restart_stops_the_engine(
     """A step that fails ends its requests with finish_reason "error" and the engine starts clean, serving the
     same tokens after; where it cannot start clean (its reset runs out of memory) it stops taking requests,
     instead of queueing them for an engine thread that is gone."""
-    with kernels.use("jnp", moe="dense"):
-        engine = Engine(random_model(CONFIG, seed=0), EngineConfig(**ENGINE), eos_token_id=CONFIG.eos_token_id)
-        engine.start()
+    engine = _engine()
+    engine.start()
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     runner, dispatch = engine.runner, engine.runner.dispatch
     try:

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from inkling_jax import preset
+from inkling_jax import Backend, preset
 from inkling_jax.generate import StepFunctions
-from inkling_jax.nn import kernels
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
@@ -20,6 +19,7 @@ from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.placement import Placement
 
+REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 PROMPTS = [np.random.default_rng(seed).integers(0, 256, n).tolist() for seed, n in enumerate((7, 19))]
 NEW = 9
@@ -27,12 +27,11 @@ NEW = 9
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_engine_equals_one_device_model():
-    with kernels.use("jnp", moe="dense"):
-        engine = Engine(random_model(CONFIG, seed=1), EngineConfig(
-            max_num_seqs=3, max_model_len=48, max_num_batched_tokens=64, page_size=8, chunk_buckets=(1, 16),
-            row_buckets=(4,), decode_steps=4), eos_token_id=CONFIG.eos_token_id,
-            placement=Placement.from_spec("tensor=2,expert=4"))
-        engine.start()
+    engine = Engine(random_model(CONFIG, seed=1, backend=REFERENCE), EngineConfig(
+        max_num_seqs=3, max_model_len=48, max_num_batched_tokens=64, page_size=8, chunk_buckets=(1, 16),
+        row_buckets=(4,), decode_steps=4), eos_token_id=CONFIG.eos_token_id,
+        placement=Placement.from_spec("tensor=2,expert=4"))
+    engine.start()
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     try:
         got = generate(engine, PROMPTS, params)
@@ -62,14 +61,13 @@ def test_sharded_engine_equals_one_device_model():
         if full:
             assert reduces[rows, chunk, True] - reduces[rows, chunk, False] < 8, (rows, chunk, reduces)
     # The one-device model over each prompt and its output: greedy picks and logprobs at every new position.
-    with kernels.use("jnp", moe="dense"):
-        steps = StepFunctions(random_model(CONFIG, seed=1))
-        for prompt, out in zip(PROMPTS + [reused], got):
-            assert len(out.token_ids) == NEW
-            logits = np.asarray(steps.forward(np.array([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
-            logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-            assert out.token_ids == logits.argmax(-1).tolist()
-            np.testing.assert_allclose(out.logprobs, logprobs[np.arange(NEW), out.token_ids], rtol=1e-4, atol=1e-4)
+    steps = StepFunctions(random_model(CONFIG, seed=1, backend=REFERENCE))
+    for prompt, out in zip(PROMPTS + [reused], got):
+        assert len(out.token_ids) == NEW
+        logits = np.asarray(steps.forward(np.array([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
+        logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+        assert out.token_ids == logits.argmax(-1).tolist()
+        np.testing.assert_allclose(out.logprobs, logprobs[np.arange(NEW), out.token_ids], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")

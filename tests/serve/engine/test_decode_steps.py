@@ -9,14 +9,14 @@ import re
 import numpy as np
 import pytest
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
 
+REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 RNG = np.random.default_rng(3)
 PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 21, 11)]
@@ -25,11 +25,10 @@ SAMPLED = dict(temperature=0.9, top_p=0.95, top_k=40, frequency_penalty=0.4, see
 
 @pytest.fixture(scope="module")
 def engine():
-    with kernels.use("jnp", moe="dense"):
-        engine = Engine(random_model(CONFIG, seed=0), EngineConfig(
-            max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, page_size=8, chunk_buckets=(1, 16),
-            row_buckets=(4,), num_pages=12, decode_steps=4), eos_token_id=CONFIG.eos_token_id)
-        engine.start()
+    engine = Engine(random_model(CONFIG, seed=0, backend=REFERENCE), EngineConfig(
+        max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, page_size=8, chunk_buckets=(1, 16),
+        row_buckets=(4,), num_pages=12, decode_steps=4), eos_token_id=CONFIG.eos_token_id)
+    engine.start()
     calls = []
     dispatch = engine.runner.dispatch
     engine.runner.dispatch = lambda chunks, **kw: calls.append(max(c.steps for c in chunks)) or dispatch(chunks, **kw)

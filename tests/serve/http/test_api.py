@@ -20,9 +20,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from inkling_jax import preset
+from inkling_jax import Backend, preset
 from inkling_jax.generate import greedy_generate
-from inkling_jax.nn import kernels
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.request import EngineStopped
@@ -34,6 +33,7 @@ from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
 from serve.runner.compilation import compilation_count
 
+REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 MODEL = "tiny-2-layer-random"
 KEY = "test-key"
 LENGTH, NEW = 36, 12  # reference prompts: 32 tokens of chat framing + 4 characters of user text
@@ -44,18 +44,17 @@ RNG = np.random.default_rng(0)
 def server():
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
     tokenizer = ByteTokenizer()
-    with kernels.use("jnp", moe="dense"):  # read while tracing: the references below use the same choice
-        model = random_model(config, seed=0)
-        engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32,
-                                            page_size=8, chunk_buckets=(1, 16), row_buckets=(2, 5), num_pages=16,
-                                            num_snapshots=8), eos_token_id=config.eos_token_id)
-        engine.start()
-        service = Service(engine, tokenizer, MODEL, "test model", config.text.unpadded_vocab_size,
-                          max_prompt_tokens=80, max_tokens=24, max_n=4, api_key=KEY, chat=ChatFormat(tokenizer))
-        with ServerThread(serving_app(service), drain_seconds=20) as thread:
-            client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-            yield types.SimpleNamespace(url=thread.url, client=client, engine=engine, model=model, thread=thread,
-                                        tokenizer=tokenizer, chat=service.chat)
+    model = random_model(config, seed=0, backend=REFERENCE)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32,
+                                        page_size=8, chunk_buckets=(1, 16), row_buckets=(2, 5), num_pages=16,
+                                        num_snapshots=8), eos_token_id=config.eos_token_id)
+    engine.start()
+    service = Service(engine, tokenizer, MODEL, "test model", config.text.unpadded_vocab_size,
+                      max_prompt_tokens=80, max_tokens=24, max_n=4, api_key=KEY, chat=ChatFormat(tokenizer))
+    with ServerThread(serving_app(service), drain_seconds=20) as thread:
+        client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        yield types.SimpleNamespace(url=thread.url, client=client, engine=engine, model=model, thread=thread,
+                                    tokenizer=tokenizer, chat=service.chat)
 
 
 def post(url, path, body, key=KEY, raw=None):
@@ -107,8 +106,7 @@ def test_greedy_completions_and_chat_equal_greedy_generate(server):
     chat_prompt = server.chat.render(messages)
     prompts = [ids(LENGTH, seed) for seed in range(3)] + [chat_prompt]
     assert len(chat_prompt) == LENGTH
-    with kernels.use("jnp", moe="dense"):
-        expected = greedy_generate(server.model, np.array(prompts), NEW).tolist()
+    expected = greedy_generate(server.model, np.array(prompts), NEW).tolist()
     out = complete(server.client, prompts[:3], max_tokens=NEW, temperature=0, logprobs=2)
     for choice, tokens in zip(out.choices, expected):
         assert choice.text == server.tokenizer.decode(tokens) and choice.finish_reason == "length"

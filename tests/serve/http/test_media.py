@@ -13,8 +13,7 @@ import openai
 import pytest
 from PIL import Image
 
-from inkling_jax import preset
-from inkling_jax.nn import kernels
+from inkling_jax import Backend, preset
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.http.chat import ChatError, ChatFormat
@@ -24,6 +23,7 @@ from serve.http.server import ServerThread, serving_app
 from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
 
+REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 MODEL = "tiny-media"
 RNG = np.random.default_rng(5)
@@ -50,21 +50,20 @@ def wav_base64(seconds, rate=16000):
 @pytest.fixture(scope="module")
 def server():
     tokenizer = ByteTokenizer()
-    with kernels.use("jnp", moe="dense"):
-        model = random_model(CONFIG, seed=2)
-        # Random weights give a nearly flat next-token distribution that the media barely move; a sharper head
-        # makes "the media entered" visible far above the numerical noise.
-        model.unembed.set_value(model.unembed[...] * 50)
-        engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=160, max_num_batched_tokens=96,
-                                            page_size=16, chunk_buckets=(1, 32), row_buckets=(3,), decode_steps=4),
-                        eos_token_id=CONFIG.eos_token_id)
-        chat = ChatFormat(tokenizer, MediaEncoder(model))
-        engine.start()
-        service = Service(engine, tokenizer, MODEL, "test model", CONFIG.text.unpadded_vocab_size,
-                          max_prompt_tokens=150, max_tokens=8, chat=chat)
-        with ServerThread(serving_app(service)) as thread:
-            yield thread, openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120), \
-                model, chat
+    model = random_model(CONFIG, seed=2, backend=REFERENCE)
+    # Random weights give a nearly flat next-token distribution that the media barely move; a sharper head
+    # makes "the media entered" visible far above the numerical noise.
+    model.unembed.set_value(model.unembed[...] * 50)
+    engine = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=160, max_num_batched_tokens=96,
+                                        page_size=16, chunk_buckets=(1, 32), row_buckets=(3,), decode_steps=4),
+                    eos_token_id=CONFIG.eos_token_id)
+    chat = ChatFormat(tokenizer, MediaEncoder(model))
+    engine.start()
+    service = Service(engine, tokenizer, MODEL, "test model", CONFIG.text.unpadded_vocab_size,
+                      max_prompt_tokens=150, max_tokens=8, chat=chat)
+    with ServerThread(serving_app(service)) as thread:
+        yield thread, openai.OpenAI(base_url=thread.url + "/v1", api_key="none", max_retries=0, timeout=120), \
+            model, chat
 
 
 def test_image_and_audio_chat_equals_the_model_on_the_same_inputs(server):
@@ -76,8 +75,7 @@ def test_image_and_audio_chat_equals_the_model_on_the_same_inputs(server):
     ids, items = chat.render_with_media(messages)
     assert [item.kind for _, item in items] == ["image", "audio"]
     assert [item.count for _, item in items] == [35, 6]  # 46 x 62 after the 2x upscale: 5 x (6 + 1) patches
-    with kernels.use("jnp", moe="dense"):
-        logits = model(np.array([ids]), pixel_values=items[0][1].values, audio_input_ids=items[1][1].values[None])
+    logits = model(np.array([ids]), pixel_values=items[0][1].values, audio_input_ids=items[1][1].values[None])
     expected = np.sort(np.asarray(jax.nn.log_softmax(logits[0, -1])))[::-1][:5]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, logprobs=True,
                                          top_logprobs=5, extra_body={"skip_special_tokens": False})

@@ -1,0 +1,128 @@
+"""Which implementation runs each kernel of the model: one frozen `Backend`.
+
+It is given at construction (`InklingModel(config, backend=...)`, `load_pretrained(..., backend=...)`) and held
+by every module that calls a kernel (attention, ShortConv, MoE, NVFP4 matrices) as a static attribute, so it is
+part of what jit compiles for; `with_backend(model, backend)` gives a model that runs another one, sharing the
+arrays. `python -m serve.app`, `python -m train.run` and `python -m benchmarks.model` take it as `--backend SPEC`
+(`Backend.parse`).
+
+Fields, each "auto" by default:
+- attention: self-attention over whole sequences (training, forward) and prefill chunks over the cache;
+- decode_attention: a decode step's attention over the cache, with its prologue (ShortConvs, norms and cache
+  write) fused into one kernel under "pallas";
+- shortconv: the ShortConv of prefill chunks and whole sequences;
+  each "reference" (the pure-jnp code in `pallas_kernels/*/reference.py`, the numerical ground truth) or "pallas";
+- moe: the routed experts: "dense" (every expert on every token, masked: tiny models only), "ragged"
+  (`jax.lax.ragged_dot` on the tokens sorted by expert) or "pallas" (the grouped-matmul kernels). NVFP4 dense
+  weights (`quant/dense_nvfp4.py`) follow it rather than having a field of their own: they run as one expert of
+  the same W4A16 kernel, so "pallas" means that kernel and anything else its jnp formula.
+"auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are
+far slower than XLA's ops).
+
+interpret: how a "pallas" kernel runs. True: in Pallas' interpreter, on any platform (slow: CPU tests). False:
+compiled for the GPU (on a machine without one such a program can only be lowered, as tests/test_gpu_lowering.py
+does). None (default): compiled on GPU, interpreted elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TypeVar
+
+import jax
+from flax import nnx
+
+KERNEL_CHOICES = ("auto", "reference", "pallas")
+MOE_CHOICES = ("auto", "dense", "ragged", "pallas")
+CHOICES = {"attention": KERNEL_CHOICES, "decode_attention": KERNEL_CHOICES, "shortconv": KERNEL_CHOICES,
+           "moe": MOE_CHOICES}
+# What a SPEC's leading word sets every field to. "reference" puts the MoE on "ragged": "dense" is for tiny
+# models only, so it must be named.
+WORDS = {"auto": {name: "auto" for name in CHOICES},
+         "pallas": {name: "pallas" for name in CHOICES},
+         "reference": {**{name: "reference" for name in CHOICES}, "moe": "ragged"}}
+
+Module = TypeVar("Module", bound=nnx.Module)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """The implementation of each kernel (module doc). Hashable: jit treats it as static."""
+
+    attention: str = "auto"
+    decode_attention: str = "auto"
+    shortconv: str = "auto"
+    moe: str = "auto"
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"backend {name} must be one of {allowed}, not {getattr(self, name)!r}")
+        if self.interpret not in (None, True, False):
+            raise ValueError(f"backend interpret must be True, False or None, not {self.interpret!r}")
+
+    def resolve(self) -> Backend:
+        """The same choices with "auto" and interpret None replaced by what they mean on this platform."""
+        gpu = jax.default_backend() == "gpu"
+        auto = {name: "pallas" if gpu else ("ragged" if name == "moe" else "reference") for name in CHOICES}
+        chosen = {name: auto[name] if getattr(self, name) == "auto" else getattr(self, name) for name in CHOICES}
+        return Backend(**chosen, interpret=(not gpu) if self.interpret is None else self.interpret)
+
+    @classmethod
+    def parse(cls, spec: str) -> Backend:
+        """From a command line's SPEC: comma-separated items, an optional leading word that sets every field
+        ("auto", "reference" or "pallas", see WORDS), then field=value items. E.g. "auto", "reference",
+        "moe=ragged,attention=pallas", "pallas,moe=ragged"."""
+        items = [item.strip() for item in spec.split(",")]
+        chosen = dict(WORDS["auto"])
+        if items and items[0] in WORDS:
+            chosen.update(WORDS[items.pop(0)])
+        given = set()
+        for item in items:
+            name, sep, value = item.partition("=")
+            if not sep or name not in CHOICES:
+                raise ValueError(f"backend spec {spec!r}: {item!r} is not FIELD=VALUE with FIELD one of "
+                                 f"{tuple(CHOICES)} (a leading {' | '.join(WORDS)} sets every field)")
+            if name in given:
+                raise ValueError(f"backend spec {spec!r}: {name} is given twice")
+            given.add(name)
+            chosen[name] = value
+        try:
+            return cls(**chosen)
+        except ValueError as exc:
+            raise ValueError(f"backend spec {spec!r}: {exc}") from None
+
+
+def add_backend_flag(parser: argparse.ArgumentParser) -> None:
+    """`--backend SPEC` (`Backend.parse`, default "auto"), the same in every command; the value is a Backend."""
+
+    def spec(text: str) -> Backend:
+        try:
+            return Backend.parse(text)
+        except ValueError as exc:  # argparse prints an ArgumentTypeError's message, not a ValueError's
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parser.add_argument("--backend", type=spec, default=Backend(), metavar="SPEC",
+                        help="kernel implementations: auto | reference | pallas, then FIELD=VALUE items, e.g. "
+                        "'moe=ragged,attention=pallas' (fields attention, decode_attention, shortconv: reference | "
+                        "pallas; moe: dense | ragged | pallas; 'auto': Pallas on GPU; see inkling_jax/backend.py)")
+
+
+def with_backend(module: Module, backend: Backend) -> Module:
+    """A copy of `module` (a model, or one of its modules) whose kernel-calling modules run `backend`. The copy
+    shares the arrays; `module` is left as it is."""
+    copy = nnx.merge(*nnx.split(module))
+    assign_backend(copy, backend)
+    return copy
+
+
+def assign_backend(module: nnx.Module, backend: Backend) -> None:
+    """In place: every module under `module` that calls kernels (has a `backend` attribute) holds `backend`.
+    For modules built after the model (quantised weights) and for `with_backend`'s copy."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"a backend is a Backend, not {type(backend).__name__} (Backend.parse reads a spec)")
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module) and hasattr(node, "backend"):
+            node.backend = backend
