@@ -1,8 +1,8 @@
 """The engine: a background thread that admits requests, runs scheduled steps, turns sampled tokens into text
 and hands each request's outputs to its listener.
 
-Other threads only `submit`, `abort` and `shutdown`; everything else (scheduler, pages, device state) belongs to
-the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
+Other threads only `submit`, `abort`, `drain` and `shutdown`; everything else (scheduler, pages, device state)
+belongs to the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
 
 Host work overlaps device work: a step's samples are first applied to their sequences (tokens appended, EOS,
 stop ids and length limits end them, freeing their slots), which the next step's schedule needs; the text work
@@ -119,15 +119,21 @@ class Engine:
         with self._lock:
             return len(self._requests) + len(self._inbox)
 
-    def shutdown(self, drain_seconds: float = 10.0) -> None:
-        """Stop taking requests, let in-flight ones finish for up to `drain_seconds`, abort the rest."""
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `seconds`, then end the rest ("abort"
+        outputs); the engine thread keeps running until `shutdown`."""
         with self._lock:
             self._accepting = False
-        deadline = time.monotonic() + drain_seconds
+        deadline = time.monotonic() + seconds
         while self.num_requests and time.monotonic() < deadline:
             time.sleep(0.02)
         with self._lock:
             self._cancel_all = True
+        self._wake.set()
+
+    def shutdown(self, drain_seconds: float = 10.0) -> None:
+        """`drain`, then stop the engine thread."""
+        self.drain(drain_seconds)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -187,8 +193,7 @@ class Engine:
                     self.scheduler.add(seq)
         for request_id in list(self._requests) if cancel_all else aborts:
             self._end_request(request_id, "abort")
-        with self._lock:
-            self._queued = len(self.scheduler.waiting)
+        self._update_gauges()  # aborts free their slots and pages now, not at the next step
 
     def step(self) -> None:
         if self._inflight is not None:  # a continuation queued by the last step: read it now

@@ -3,7 +3,9 @@ or one body once every choice has finished, for `/v1/completions` and `/v1/chat/
 
 A `Choice` accumulates one choice's text and samples; a responder turns an engine `Output` into stream chunks, and
 the finished choices into a whole response. A client that goes away aborts its request (the engine frees its
-pages): streaming or not, `respond` watches the connection while it waits.
+pages): streaming or not, `respond` watches the connection while it waits. A request the server ends (a failed
+step, the end of a shutdown's drain) gets an error: the status of a whole response, or a last `{"error": ...}`
+event before `[DONE]` in a stream.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from typing import Callable
 
@@ -24,6 +27,9 @@ from serve.engine.request import EngineStopped, OutputParser, QueueFull
 from serve.engine.sampling_params import SamplingParams
 from serve.http.protocol import APIError, SamplingFields
 from serve.http.tokenizer import Tokenizer
+
+log = logging.getLogger("serve.http")
+RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait
 
 
 @dataclasses.dataclass
@@ -146,24 +152,30 @@ class ChatResponder(Responder):
         return [{**one(s.token_id, s.logprob), "top_logprobs": [one(i, lp) for i, lp in s.top]} for s in samples]
 
 
-class _ClientGone(Exception):
-    pass
+CLIENT_GONE = None  # put into a request's queue of outputs when its client disconnects
+ENDED_BY_SERVER = {  # finish reasons that are no answer (the request failed): its error's status, message, code
+    "abort": (503, "the server shut down before this request finished", "server_shutdown"),
+    "error": (500, "the engine failed while running this request", None)}
 
 
-async def _next_output(queue: asyncio.Queue, request: Request):
-    """The engine's next output for this request; raises _ClientGone once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise _ClientGone from None
+def _ended_by_server(reason: str) -> APIError:
+    status, message, code = ENDED_BY_SERVER[reason]
+    return APIError(status, message, kind="server_error", code=code)
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Wait for the client to go away (the messages after the body are only that, or the response's end), then
+    tell the request's queue."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(CLIENT_GONE)
 
 
 async def respond(engine: Engine, request: Request, body: SamplingFields, prompts: list[list[int]],
                   params: SamplingParams, responder: Responder, make_parser: Callable[[], OutputParser],
                   media=None) -> Response:
-    """Run the request's choices on the engine; its response, streamed if the body asks for it."""
+    """Run the request's choices on the engine; its response, streamed if the body asks for it. A client that
+    goes away aborts the request at once, streaming or not."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     request_id = responder.request_id
@@ -172,7 +184,7 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
                       lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media)
     except QueueFull as exc:
         raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
-                       code="rate_limit_exceeded") from None
+                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineStopped as exc:
         raise APIError(503, str(exc), kind="server_error") from None
     choices = [Choice() for _ in range(len(prompts) * body.n)]
@@ -183,40 +195,55 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
         choices[output.index].add(output)
         pending[0] -= output.finish_reason is not None
 
-    def abort_unfinished() -> None:  # the client left, or anything else ended the handler early
-        if pending[0]:
-            engine.abort(request_id)
+    @contextlib.contextmanager
+    def watched():
+        """While the client is watched; afterwards the request is aborted unless it has finished (the client
+        left, the server failed it, or the handler ended early)."""
+        watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            if pending[0]:
+                engine.abort(request_id)
 
     def total() -> dict:
         return usage(sum(map(len, prompts)), sum(c.num_output for c in choices))
 
     if body.stream:
         async def events():
-            try:
-                with contextlib.suppress(_ClientGone):
+            with watched():
+                try:
                     for chunk in responder.first_chunks(len(choices)):
                         yield _sse(chunk)
                     while pending[0]:
-                        output = await _next_output(queue, request)
+                        output = await queue.get()
+                        if output is CLIENT_GONE:
+                            return
+                        if output.finish_reason in ENDED_BY_SERVER:
+                            yield _sse(_ended_by_server(output.finish_reason).body())
+                            break
                         for chunk in responder.chunks(output, logprobs, choices[output.index]):
                             yield _sse(chunk)
                         record(output)
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse(responder.usage_chunk(total()))
-                    yield "data: [DONE]\n\n"
-            finally:
-                abort_unfinished()
+                    else:
+                        if body.stream_options and body.stream_options.include_usage:
+                            yield _sse(responder.usage_chunk(total()))
+                except Exception:  # the status line is out: the stream itself has to say it failed
+                    log.exception("stream %s failed", request_id)
+                    yield _sse(APIError(500, "the server failed on this stream (its log says why)",
+                                        kind="server_error").body())
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-    try:
+    with watched():
         while pending[0]:
-            record(await _next_output(queue, request))
-    except _ClientGone:
-        return Response(status_code=499)  # nobody is listening; the request was aborted
-    finally:
-        abort_unfinished()
-    if any(c.finish_reason == "error" for c in choices):
-        raise APIError(500, "the engine failed while running this request", kind="server_error")
+            output = await queue.get()
+            if output is CLIENT_GONE:
+                return Response(status_code=499)  # nobody is listening; the request is aborted
+            if output.finish_reason in ENDED_BY_SERVER:
+                raise _ended_by_server(output.finish_reason)
+            record(output)
     return JSONResponse(responder.response(choices, logprobs, total()))
 
 

@@ -20,14 +20,27 @@ SPECIAL_TOKENS = (
 )
 
 
+class TooLong(ValueError):
+    """A prompt longer than the server takes (the API answers 400, context_length_exceeded)."""
+
+
 class Tokenizer:
     """The interface the server uses."""
 
     name: str
     special_ids: frozenset[int]
+    max_token_chars: int  # the most characters of text that one token covers
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
+
+    def encode_at_most(self, text: str, limit: int) -> list[int]:
+        """`encode`, raising TooLong for a text over `limit` tokens; one longer than `limit` tokens of the longest
+        kind is refused before any encoding, so the work is bounded by the limit, not by the text."""
+        ids = None if len(text) > limit * self.max_token_chars else self.encode(text)
+        if ids is None or len(ids) > limit:
+            raise TooLong(f"the text takes more than {limit} tokens")
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
@@ -53,6 +66,7 @@ class ByteTokenizer(Tokenizer):
     nothing and show as `<|reserved_N|>` in logprobs."""
 
     name = "byte-level (no trained vocabulary)"
+    max_token_chars = 1
 
     def __init__(self):
         self.specials = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
@@ -93,6 +107,8 @@ class HFTokenizer(Tokenizer):
         added = self.backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
         self.byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        # A piece's characters bound the text characters it stands for (byte-level pieces have one per byte).
+        self.max_token_chars = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
