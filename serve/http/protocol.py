@@ -53,6 +53,8 @@ ERROR_RESPONSES = {status: {"model": ErrorBody, "description": description} for 
     (413, "a request body over --max-body-mb"),
     (429, "too many requests waiting; see Retry-After"),
     ("default", "any other error (500: a server fault, 503: shutting down)"))}
+GENERATION_RESPONSES = {200: {"description": "the completion; with `stream: true`, server-sent events of its chunks "
+                              "ending with `data: [DONE]`", "content": {"text/event-stream": {}}}, **ERROR_RESPONSES}
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -137,7 +139,7 @@ class ContentPart(BaseModel):
     """A text, image_url (base64 data URL) or input_audio (base64 wav) part."""
 
     model_config = STRICT
-    type: Text
+    type: Text = Field(examples=["text", "image_url", "input_audio"])
     text: Text | None = None
     image_url: ImageURL | None = None
     input_audio: InputAudio | None = None

@@ -27,8 +27,8 @@ from serve.engine.engine import Engine
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.http.chat import ChatError, ChatFormat, ChatOutput
 from serve.http.guards import BodyLimit, BodyTooLarge, CatchAll, HostCheck, error_response
-from serve.http.protocol import (ERROR_RESPONSES, APIError, ChatRequest, CompletionRequest, SamplingFields,
-                                 validation_message)
+from serve.http.protocol import (ERROR_RESPONSES, GENERATION_RESPONSES, APIError, ChatRequest, CompletionRequest,
+                                 SamplingFields, validation_message)
 from serve.http.responses import ChatResponder, CompletionResponder, respond
 from serve.http.text_stream import TextOutput
 from serve.http.tokenizer import Tokenizer, TooLong
@@ -111,7 +111,7 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
             "id": service.model_name, "object": "model", "created": service.started, "owned_by": "inkling-jax",
             "description": service.description, "max_model_len": service.engine.config.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         _check_model(service, body)
         if body.suffix:
@@ -128,7 +128,7 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         return await respond(service.engine, request, body, prompts, params, responder,
                              lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(service, body)
         _check_no_tools(body)
