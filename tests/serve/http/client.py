@@ -79,3 +79,22 @@ def probing_health(url, period=0.05):
 
 def assert_health_answered(probes, within=1.0):
     assert probes and all(status == 200 and seconds < within for status, seconds in probes), probes
+
+
+def health_during(url, requests):
+    """The /health probes taken while the `requests` (callables) run, each on its own thread."""
+    with probing_health(url) as probes:
+        threads = [threading.Thread(target=request) for request in requests]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    return probes
+
+
+def slowed(fn, seconds=1.5):
+    """fn, holding the thread that calls it `seconds` first (as a tokenizer or decoder would on a large input)."""
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return fn(*args, **kwargs)
+    return slow

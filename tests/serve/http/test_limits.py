@@ -6,13 +6,11 @@ import http.client
 import json
 import select
 import socket
-import threading
-import time
 
 import pytest
 
-from tests.serve.http.client import (HEADERS, KEY, MODEL, assert_health_answered, connect, ids, post,
-                                     probing_health)
+from tests.serve.http.client import (HEADERS, KEY, MODEL, assert_health_answered, connect, health_during, ids,
+                                     post, slowed)
 from tests.serve.http.conftest import MAX_BODY_BYTES
 
 CHUNK = 64 << 10
@@ -89,26 +87,15 @@ def test_health_answers_while_hostile_requests_are_handled(server):
         lambda: post(server.url, "/v1/chat/completions", {"model": MODEL, "messages": [
             {"role": "user", "content": [{"type": "text", "text": "a"}] * (MAX_BODY_BYTES // 40)}]}),
     ]
-    with probing_health(server.url) as probes:
-        threads = [threading.Thread(target=send) for send in hostile for _ in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    assert_health_answered(probes)
+    assert_health_answered(health_during(server.url, hostile * 2))
 
 
 def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
-    encode = server.tokenizer.encode
-
-    def slow_encode(text):  # a tokenizer that holds the thread calling it, as a long prompt would
-        time.sleep(1.5)
-        return encode(text)
-
-    monkeypatch.setattr(server.tokenizer, "encode", slow_encode)
-    with probing_health(server.url) as probes:
-        status, reply = post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1})
-    assert status == 200, reply
+    monkeypatch.setattr(server.tokenizer, "encode", slowed(server.tokenizer.encode))
+    answers = []
+    probes = health_during(server.url, [lambda: answers.append(
+        post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}))])
+    assert answers[0][0] == 200, answers
     assert_health_answered(probes)
     assert len(probes) > 5  # probes ran during the whole 1.5 s
 

@@ -8,8 +8,6 @@ import base64
 import dataclasses
 import io
 import struct
-import threading
-import time
 import wave
 import zlib
 
@@ -30,7 +28,7 @@ from serve.http.routes import Service
 from serve.http.server import ServerThread, serving_app
 from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
-from tests.serve.http.client import assert_health_answered, post, probing_health
+from tests.serve.http.client import assert_health_answered, health_during, post, slowed
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 MODEL = "tiny-media"
@@ -197,25 +195,14 @@ def test_media_over_the_prompt_limit_are_refused_before_decoding(server, monkeyp
 
 def test_health_answers_while_hostile_images_are_handled(server):
     url = server[0].url
-    with probing_health(url) as probes:
-        threads = [threading.Thread(target=ask, args=(url, image_part(image))) for image, _ in HOSTILE_IMAGES * 2]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-    assert_health_answered(probes)
+    requests = [lambda image=image: ask(url, image_part(image)) for image, _ in HOSTILE_IMAGES * 2]
+    assert_health_answered(health_during(url, requests))
 
 
 def test_decoding_runs_off_the_event_loop(server, monkeypatch):
-    to_patches = media.image_to_patches
-
-    def slow(*args, **kwargs):  # a decode that holds its thread, as a large image would
-        time.sleep(1.5)
-        return to_patches(*args, **kwargs)
-
-    monkeypatch.setattr(media, "image_to_patches", slow)
-    with probing_health(server[0].url) as probes:
-        status, reply = ask(server[0].url, image_part(png_url(23, 31)))
-    assert status == 200, reply
+    monkeypatch.setattr(media, "image_to_patches", slowed(media.image_to_patches))
+    answers = []
+    probes = health_during(server[0].url, [lambda: answers.append(ask(server[0].url, image_part(png_url(23, 31))))])
+    assert answers[0][0] == 200, answers
     assert_health_answered(probes)
     assert len(probes) > 5
