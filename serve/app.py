@@ -1,10 +1,12 @@
 """`python -m serve.app`: serve Inkling over an OpenAI-compatible HTTP API.
 
-With --model DIR it serves a hub-layout checkpoint with the directory's tokenizer.json. Without it, it serves
-the embedded `tiny` preset with seeded random weights and a byte-level tokenizer, so it runs anywhere; that
-model's output is noise, and /v1/models and the start-up log say so.
+With --model DIR it serves a hub-layout checkpoint with the directory's tokenizer.json and the sampling defaults
+of its generation_config.json. Without it, it serves the embedded default, `inkling-tiny`: a 5M-parameter
+Inkling trained by train/ on the King James Bible, a continuation model that writes KJV-like English
+(docs/default-model.md). --random-weights serves the `tiny` preset with seeded random weights and a byte-level
+tokenizer instead (its output is noise, and /v1/models says so).
 
-    python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny-random"
+    python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny"
     python -m serve.app --model /path/to/Inkling --dtype bfloat16 --api-key SECRET
     python -m serve.app --model /path/to/Inkling --mesh tensor=2,expert=4    # sharded over 8 devices
 
@@ -21,8 +23,10 @@ import os
 
 import jax
 
+from inkling_jax.config.generation import SAMPLING_FIELDS
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatError, ChatFormat
 from serve.http.guards import is_loopback, local_host_names
 from serve.http.media import MAX_IMAGE_PIXELS, MediaEncoder
@@ -50,12 +54,15 @@ def number(kind, low, high=None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from inkling_jax.nn.model import DENSE_PRECISIONS, EXPERT_PRECISIONS, check_precisions
+    from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
-    a("--model", help="checkpoint directory in the hub layout (default: tiny preset, random weights)")
-    a("--served-model-name", help="the model id clients send (default: the directory name, or inkling-tiny-random)")
+    a("--model", help="checkpoint directory in the hub layout (default: the embedded inkling-tiny)")
+    a("--random-weights", action="store_true", help="serve the `tiny` preset with seeded random weights and a "
+      "byte-level tokenizer (tests, demos of the server; its output is noise)")
+    a("--served-model-name", help="the model id clients send (default: the directory name, inkling-tiny, or "
+      "inkling-tiny-random)")
     a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     a("--port", type=number(int, 1, 65535), default=8000, help="TCP port (default 8000)")
     key = p.add_mutually_exclusive_group()
@@ -65,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     key.add_argument("--api-key-file", type=argparse.FileType("r"),
                      help="read the API key from this file (its first line), so that it is not on the command line")
     a("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
-    a("--seed", type=int, default=0, help="seed of the random weights of the embedded default")
+    a("--seed", type=int, default=0, help="seed of --random-weights")
     a("--max-num-seqs", type=number(int, 1), default=8, help="sequences decoded together (cache slots)")
     a("--max-model-len", type=number(int, 2), default=1024, help="prompt + output tokens per sequence")
     a("--max-num-batched-tokens", type=number(int, 1), default=256, help="token budget of one engine step")
@@ -122,8 +129,10 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
     args = p.parse_args(argv)
+    if args.model and args.random_weights:
+        p.error("--model and --random-weights exclude each other")
     try:  # before any weights load
-        check_precisions(args.expert_precision, args.dense_precision, args.fp8_twins)
+        QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
         p.error(str(exc))
     for flag in ("max_prompt_tokens", "max_tokens"):
@@ -153,27 +162,32 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def build_service(args: argparse.Namespace) -> Service:
     """Load (or build) the model and tokenizer, start the engine (warm-up included) and describe it."""
     from inkling_jax import load_config, load_pretrained, preset
+    from inkling_jax.assets import DEFAULT_MODEL_NAME, default_model_description, default_model_dir
+    from inkling_jax.config import GenerationConfig, load_generation_config
     from inkling_jax.nn import kernels
+    from inkling_jax.quant import QuantConfig, serving_view
     from serve.random_weights import random_model
 
     kernels.set_backend(moe=args.moe_backend)
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     placement = Placement.from_spec(args.mesh)
-    model_config = load_config(args.model) if args.model else preset("tiny")
+    directory = None if args.random_weights else args.model or default_model_dir()
+    model_config = preset("tiny") if directory is None else load_config(directory)
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
     placement.check(model_config.text, dense_precision=args.dense_precision)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(directory)
     config = engine_config(args)
-    if args.model:
-        model = load_pretrained(args.model, dtype=dtype, config=model_config, mesh=placement.mesh,
-                                expert_precision=args.expert_precision, dense_precision=args.dense_precision)
-        if args.fp8_twins:
-            model.add_fp8_twins()
-        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-        description = f"checkpoint {args.model}"
+    generation = GenerationConfig() if directory is None else load_generation_config(directory)
+    quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
+    if directory is not None:
+        model = load_pretrained(directory, dtype=dtype, config=model_config, mesh=placement.mesh, quant=quant)
+        if args.model:
+            name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+            description = f"checkpoint {args.model}"
+        else:
+            name, description = args.served_model_name or DEFAULT_MODEL_NAME, default_model_description()
     else:
-        model = random_model(model_config, dtype, args.seed)
-        model.quantize(args.expert_precision, args.dense_precision, args.fp8_twins)
+        model = serving_view(random_model(model_config, dtype, args.seed), quant, fuse=False)
         name = args.served_model_name or "inkling-tiny-random"
         description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
@@ -185,7 +199,10 @@ def build_service(args: argparse.Namespace) -> Service:
         quantised.append("fp8 twins of the NVFP4 weights for wide steps")
     log.info("model %r: %s; tokenizer %s; %s%s on %s", name, description, tokenizer.name, dtype,
              "".join(f", {q}" for q in quantised), placement.devices)
-    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)  # fuses, shards it
+    # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
+    # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
+    model = placement.model_view(model, config.fuse_projections)
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)
     media = (MediaEncoder(model, args.max_image_pixels) if model.vision is not None or model.audio is not None
              else None)
     try:
@@ -198,8 +215,15 @@ def build_service(args: argparse.Namespace) -> Service:
     max_len = config.max_model_len
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
                    max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
-                   max_n=args.max_n, api_key=args.api_key, chat=chat, max_body_bytes=int(args.max_body_mb * 2**20),
+                   max_n=args.max_n, api_key=args.api_key, chat=chat,
+                   sampling_defaults=sampling_defaults(generation), max_body_bytes=int(args.max_body_mb * 2**20),
                    allowed_hosts=None if args.api_key or not is_loopback(args.host) else local_host_names(args.host))
+
+
+def sampling_defaults(generation) -> SamplingParams:
+    """The request defaults: the checkpoint's generation_config.json where it states them, else the server's."""
+    stated = {k: getattr(generation, k) for k in SAMPLING_FIELDS if getattr(generation, k) is not None}
+    return SamplingParams(**stated)
 
 
 def main(argv=None) -> None:

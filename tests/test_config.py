@@ -99,3 +99,71 @@ def test_missing_or_invalid_file(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_config(tmp_path)
+
+
+def _text(**changes):
+    return published(**changes)
+
+
+def _top(**changes):
+    return dict(published(), **changes)
+
+
+def _vision(**changes):
+    config = published()
+    config["vision_config"].update(changes)
+    return config
+
+
+def _mtp(**changes):
+    config = published()
+    config["mtp_config"].update(changes)
+    return config
+
+
+# Wrong JSON types, each named with its field, the type wanted and the value found (not "64 != 64" or a TypeError
+# further on).
+@pytest.mark.parametrize("config, message", [
+    (_text(hidden_size="6144"), "text_config.hidden_size must be a positive integer, got '6144'"),
+    (_text(num_hidden_layers=12.0), "text_config.num_hidden_layers must be a positive integer, got 12.0"),
+    (_text(num_attention_heads=True), "text_config.num_attention_heads must be a positive integer, got True"),
+    (_text(num_key_value_heads=0), "text_config.num_key_value_heads must be a positive integer, got 0"),
+    (_text(vocab_size=None), "text_config.vocab_size must be a positive integer, got None"),
+    (_text(dense_mlp_idx=-1), "text_config.dense_mlp_idx must be a non-negative integer, got -1"),
+    (_text(route_scale="8"), "text_config.route_scale must be a finite number, got '8'"),
+    (_text(rms_norm_eps=float("nan")), "text_config.rms_norm_eps must be a finite number, got nan"),
+    (_text(log_scaling_n_floor="128000"), "text_config.log_scaling_n_floor must be a positive integer"),
+    (_text(local_layer_ids="0,1"), "text_config.local_layer_ids must be a list of non-negative integers, got '0,1'"),
+    (_text(local_layer_ids=[0, -1]), "text_config.local_layer_ids must be a list of non-negative integers"),
+    (_text(layer_types=[{}, 1]), "text_config.layer_types must be a list of strings"),
+    (_text(use_sconv=1), "use_sconv=1 is not supported \\(Inkling uses True\\)"),
+    (_text(shared_experts_size=1.0), "shared_experts_size=1.0 is not supported"),
+    (_vision(decoder_dmodel="6144"), "vision_config.decoder_dmodel must be a positive integer, got '6144'"),
+    (_vision(patch_size=[40]), "vision_config.patch_size must be a positive integer"),
+    (_mtp(num_nextn_predict_layers="8"), "mtp_config.num_nextn_predict_layers must be a non-negative integer"),
+    (_mtp(local_layer_ids=[0.5]), "mtp_config.local_layer_ids must be a list of non-negative integers"),
+    (_mtp(chain_hidden_post_norm=0), "mtp_config.chain_hidden_post_norm must be true or false, got 0"),
+    (_top(eos_token_id=[]), "config.json.eos_token_id must be a token id or a non-empty list of them, got \\[\\]"),
+    (_top(eos_token_id="200006"), "config.json.eos_token_id must be a token id"),
+    (_top(image_token_id=-5), "config.json.image_token_id must be a non-negative integer, got -5"),
+    (_top(text_config=[]), "config.json.text_config must be a JSON object, got \\[\\]"),
+    (_top(audio_config="dmel"), "config.json.audio_config must be a JSON object"),
+    (["a", "list"], "config.json must be a JSON object, got \\['a', 'list'\\]"),
+])
+def test_fields_of_the_wrong_type_are_named(config, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(config)
+
+
+def test_a_transformers_config_with_a_quoted_width(checkpoints, tmp_path):
+    """The issue's example: hidden_size "64" in a transformers-written config gave "output width 64 != 64"."""
+    path, _ = checkpoints("base")
+    config = json.loads(open(f"{path}/config.json").read())
+    config["text_config"]["hidden_size"] = "64"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'config.json'}: text_config.hidden_size must be a positive "
+                                          f"integer, got '64'"):
+        load_config(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\x00\xff\x12 binary")
+    with pytest.raises(ConfigError, match="binary data, not a JSON config"):
+        load_config(tmp_path)

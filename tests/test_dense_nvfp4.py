@@ -1,7 +1,7 @@
-"""NVFP4 dense weights (inkling_jax/quant/dense_nvfp4.py, `InklingModel.quantize_dense("nvfp4")`): the W4A16 kernel's
-decode and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
-NVFP4's error bound and concatenates without requantising, and the quantised model is fused, close to the float
-one, and refused with a tensor mesh (tests/test_fp8_dense.py runs it on a mesh)."""
+"""NVFP4 dense weights (inkling_jax/quant/dense_nvfp4.py, `QuantConfig(dense_precision="nvfp4")`): the W4A16
+kernel's decode and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
+NVFP4's error bound and concatenates without requantising, and the quantised view is fused, close to the float
+model, and refused with a tensor mesh (tests/test_fp8_dense.py runs it on a mesh)."""
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +14,13 @@ from inkling_jax.checkpoint import nvfp4
 from inkling_jax.nn import kernels
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
-from inkling_jax.nn.moe import MoE
+from inkling_jax.quant import QuantConfig, serving_view
+from inkling_jax.quant.attention import FusedAttention
+from inkling_jax.quant.dense_fp8 import Fp8Linear
 from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear, kernel_product, reference_product
+from inkling_jax.quant.head import Fp8HeadModel
+from inkling_jax.quant.mlp import FusedMLP, SplitMLP
+from inkling_jax.quant.moe import ServingMoE, WidenedSharedExperts
 from pallas_kernels.moe.kernel_w4 import W4Config
 from serve.random_weights import random_model
 
@@ -75,39 +80,36 @@ def test_format_keeps_the_nvfp4_error_bound_and_concatenates_without_requantisin
         Nvfp4Linear.concatenate([Nvfp4Linear.quantize(_matrix((96, 40))), parts[0]])
 
 
-def test_a_quantised_dense_mlp_fuses_gate_and_up_without_requantising():
+def test_an_nvfp4_dense_mlp_fuses_gate_and_up_without_requantising():
     mlp = DenseMLP(64, 128, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    split = SplitMLP(*(Nvfp4Linear.quantize(w[...]) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)), mlp.global_scale)
     x = jax.random.normal(jax.random.key(5), (3, 64), jnp.float32)
-    assert mlp.quantize("nvfp4") == 3 and mlp.nvfp4 and not mlp.fused and not hasattr(mlp, "w_gate")
-    assert mlp.quantize("fp8") == 0  # already quantised
+    fused = split.fused()
     with kernels.use(moe="ragged"):
-        want = mlp(x)[0]
-        mlp.fuse_gate_up()
-        got = mlp(x)[0]
-    assert mlp.fused and mlp.matrix_names == ("w_gate_up", "w_down") and not hasattr(mlp, "w_gate_nvfp4")
+        want, got = split(x)[0], fused(x)[0]
+    assert isinstance(fused, FusedMLP) and isinstance(fused.w_gate_up, Nvfp4Linear)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_quantised_model_is_fused_and_stays_close():
     config = preset("tiny")
     model = random_model(config, jnp.float32)
+    view = serving_view(model, QuantConfig(dense_precision="nvfp4"), fuse=False)  # NVFP4 fuses all the same
     forward = nnx.jit(lambda model, tokens: model(tokens))  # compiled: op by op is slow on CPU
     with kernels.use("jnp", moe="ragged"):
-        want = forward(model, TOKENS)
-        changed = model.quantize_dense("nvfp4")
-        got = forward(model, TOKENS)
-    attentions, moes = model._modules(Attention), model._modules(MoE)
-    dense = len(config.text.dense_layer_ids)
-    # fp8: gate, up, down per dense layer and the LM head; NVFP4: q|k|v|r and wo per attention, gate|up and down
-    # per MoE's shared experts
-    assert changed == 3 * dense + 1 + 2 * len(attentions) + 2 * len(moes)
-    assert model.quantize_dense("nvfp4") == 0  # already done
-    for attention in attentions:
-        assert isinstance(attention.wo, Nvfp4Linear) and attention.fused and not hasattr(attention, "wqkvr")
-    for moe in moes:
-        assert moe.widened and moe.shared_mlp.nvfp4 and moe.shared_mlp.fused
-    assert all(layer.mlp.fp8 for layer in model.layers if isinstance(layer.mlp, DenseMLP))
-    assert hasattr(model, "unembed_fp8")
+        want, got = forward(model, TOKENS), forward(view, TOKENS)
+    attentions = [node for _, node in nnx.iter_graph(view) if isinstance(node, Attention)]
+    assert len(attentions) == config.text.num_layers + config.mtp.num_layers
+    for attention in attentions:  # trunk and MTP
+        assert isinstance(attention, FusedAttention)
+        assert isinstance(attention.wqkvr, Nvfp4Linear) and isinstance(attention.wo, Nvfp4Linear)
+    moes = [layer.mlp for layer in view.layers if isinstance(layer.mlp, ServingMoE)]
+    assert moes and all(isinstance(moe.shared, WidenedSharedExperts) for moe in moes)
+    assert all(isinstance(moe.shared.w_gate_up, Nvfp4Linear) and isinstance(moe.shared.w_down, Nvfp4Linear)
+               for moe in moes)
+    dense = [layer.mlp for layer in view.layers if isinstance(layer.mlp, DenseMLP)]  # fp8, fused
+    assert dense and all(isinstance(m, FusedMLP) and isinstance(m.w_gate_up, Fp8Linear) for m in dense)
+    assert isinstance(view, Fp8HeadModel)
     assert 1e-3 < _rel(got, want) < 0.15
 
 

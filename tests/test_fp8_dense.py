@@ -1,6 +1,7 @@
-"""fp8 dense MLPs and LM head (`InklingModel.quantize_dense`, inkling_jax/quant/dense_fp8.py): the W8A8 product is its
-formula, the bf16 weights are replaced and freed, the logits stay within fp8's error, and the sharded, loaded
-and served forms equal the one-device model (the sharded and served ones also with NVFP4 dense weights)."""
+"""fp8 dense MLPs and LM head (`QuantConfig(dense_precision="fp8")`, inkling_jax/quant/dense_fp8.py): the W8A8
+product is its formula, the view holds fp8 matrices in place of the bf16 ones, the logits stay within fp8's error,
+and the sharded, loaded and served forms equal the one-device model (the sharded and served ones also with NVFP4
+dense weights)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,14 @@ from flax import nnx
 
 from inkling_jax import preset
 from inkling_jax.nn import kernels
+from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
-from inkling_jax.quant import dense_fp8
+from inkling_jax.quant import QuantConfig, dense_fp8, serving_view
+from inkling_jax.quant.attention import FusedAttention
+from inkling_jax.quant.dense_fp8 import Fp8Linear
+from inkling_jax.quant.experts import Fp8RoutedExperts
+from inkling_jax.quant.head import Fp8HeadModel
+from inkling_jax.quant.mlp import SplitMLP
 from pallas_kernels.moe.fp8 import quantize_rows
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -44,20 +51,22 @@ def test_the_product_is_its_formula_and_stays_close_to_bf16():
     assert 1e-3 < _rel(got, want) < 0.06  # e4m3's 3 mantissa bits on both operands
 
 
-def test_quantised_model_drops_its_dense_weights_and_its_logits_stay_close():
+def test_quantised_view_holds_fp8_dense_weights_and_its_logits_stay_close():
     config = preset("tiny")
     model = random_model(config, jnp.bfloat16)
+    fp8 = QuantConfig(dense_precision="fp8")
+    view = serving_view(model, fp8, fuse=False)
     forward = nnx.jit(lambda model, tokens: model(tokens))  # compiled: op by op is slow on CPU
     with kernels.use(moe="ragged"):
-        want = forward(model, TOKENS)
-        changed = model.quantize_dense()
-        got = forward(model, TOKENS)
-    assert changed == 3 * len(config.text.dense_layer_ids) + 1  # gate, up, down per dense layer; the LM head
-    assert model.quantize_dense() == 0  # already done
-    dense = [layer.mlp for layer in model.layers if isinstance(layer.mlp, DenseMLP)]
-    assert dense and all(m.fp8 and not hasattr(m, "w_gate") for m in dense)
-    assert not hasattr(model, "unembed") and model.unembed_fp8.get_value().shape == (config.text.vocab_size, 64)
-    assert model.layers[0].attn.wq.kernel.get_value().dtype == jnp.bfloat16  # projections stay
+        want, got = forward(model, TOKENS), forward(view, TOKENS)
+    dense = [layer.mlp for layer in view.layers if isinstance(layer.mlp, DenseMLP)]
+    assert len(dense) == len(config.text.dense_layer_ids)
+    assert all(isinstance(m, SplitMLP) and isinstance(m.w_gate, Fp8Linear) for m in dense)
+    assert isinstance(view, Fp8HeadModel) and not hasattr(view, "unembed")
+    assert view.head.values.get_value().shape == (config.text.vocab_size, 64)
+    assert type(view.layers[0].attn) is Attention and view.layers[0].attn.wq.kernel.get_value().dtype == jnp.bfloat16
+    again = serving_view(view, fp8, fuse=False)  # already in that form: the same weights
+    assert jax.tree.all(jax.tree.map(lambda a, b: a is b, nnx.state(again), nnx.state(view)))
     assert got.shape == want.shape
     assert 1e-4 < _rel(got, want) < 0.1
 
@@ -68,9 +77,10 @@ def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_
     full-sequence forward picks greedily. (fp8 experts with bf16 dense weights are served in
     tests/test_fp8_experts.py's mesh test.)"""
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
-    model = random_model(config, jnp.float32, seed=1)
-    model.quantize("fp8", dense_precision)
-    assert model.layers[1].mlp.fp8 and model.layers[0].mlp.fp8 == (dense_precision != "bf16")
+    model = serving_view(random_model(config, jnp.float32, seed=1), QuantConfig("fp8", dense_precision), fuse=False)
+    assert isinstance(model.layers[1].mlp.experts, Fp8RoutedExperts)
+    assert isinstance(model.layers[0].mlp.w_gate_up if dense_precision == "nvfp4" else model.layers[0].mlp.w_gate,
+                      Fp8Linear)
     prompt = [3, 14, 15, 92, 65, 35]
     with kernels.use("jnp", moe="ragged"):
         want = greedy_tokens(model, prompt, 6)
@@ -93,29 +103,26 @@ def test_quantised_model_on_a_mesh_equals_one_device(precision, spec, monkeypatc
     and the per-row activation scales span the whole row, so the sharded logits equal one device's. NVFP4's
     fused matrices (inkling_jax/quant/dense_nvfp4.py) stay whole on every device; its case runs with fp8 twins,
     which every product here takes (the thresholds lowered), the experts' split over `expert`."""
-    from inkling_jax.nn import moe
     from inkling_jax.parallel.mesh import make_mesh
     from inkling_jax.parallel.placement import shard_model
-    from inkling_jax.quant import dense_nvfp4
+    from inkling_jax.quant import dense_nvfp4, experts
 
-    monkeypatch.setattr(moe, "TWIN_TOKENS", 1)
+    monkeypatch.setattr(experts, "TWIN_TOKENS", 1)
     monkeypatch.setattr(dense_nvfp4, "TWIN_ROWS", 1)
-
-    def quantised():
-        model = random_model(preset("tiny"), jnp.float32, seed=2)
-        model.quantize(precision, precision, fp8_twins=precision == "nvfp4")
-        return model
-
+    quantised = serving_view(random_model(preset("tiny"), jnp.float32, seed=2),
+                             QuantConfig(precision, precision, fp8_twins=precision == "nvfp4"), fuse=False)
     with kernels.use("jnp", moe="ragged"):
-        want = nnx.jit(lambda m, t: m(t))(quantised(), TOKENS)
-        model = shard_model(quantised(), make_mesh(spec))
+        want = nnx.jit(lambda m, t: m(t))(quantised, TOKENS)
+        model = shard_model(quantised, make_mesh(spec))
         if precision == "fp8":
-            assert model.layers[0].mlp.w_gate_fp8.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
-            assert model.unembed_fp8.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
+            assert model.layers[0].mlp.w_gate.values.get_value().sharding.spec[0] == "tensor"  # [width, hidden]
+            assert model.head.values.get_value().sharding.spec[0] == "tensor"  # [vocab, hidden]
         else:
-            assert model.layers[0].attn.wqkvr_nvfp4.nvfp4_codes.get_value().sharding.is_fully_replicated
-            assert model.layers[0].attn.wqkvr_nvfp4.twin_fp8.get_value().sharding.is_fully_replicated
-            assert model.layers[1].mlp.w_gate_fp8.get_value().sharding.spec[0] == "expert"  # the experts' twin
+            assert isinstance(model.layers[0].attn, FusedAttention)
+            assert model.layers[0].attn.wqkvr.nvfp4_codes.get_value().sharding.is_fully_replicated
+            assert model.layers[0].attn.wqkvr.twin.values.get_value().sharding.is_fully_replicated
+            twin = model.layers[1].mlp.experts.twin.w_gate_fp8  # the experts' twin
+            assert twin.get_value().sharding.spec[0] == "expert"
         got = nnx.jit(lambda m, t: m(t))(model, TOKENS)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -125,11 +132,12 @@ def test_loading_with_quantised_dense_weights_equals_quantising_after(checkpoint
     from inkling_jax import load_pretrained
 
     path, _ = checkpoints("base")
-    direct = load_pretrained(path, progress=False, dense_precision=precision)
-    after = load_pretrained(path, progress=False)
-    after.quantize_dense(precision)
-    assert direct.unembed_fp8.get_value().dtype == jnp.float8_e4m3fn
+    quant = QuantConfig(dense_precision=precision)
+    direct = load_pretrained(path, progress=False, quant=quant)
+    after = serving_view(load_pretrained(path, progress=False), quant, fuse=False)
+    assert direct.head.values.get_value().dtype == jnp.float8_e4m3fn
+    assert nnx.graphdef(direct) == nnx.graphdef(after)
     for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     with pytest.raises(ValueError, match="dense_precision must be one of"):
-        load_pretrained(path, progress=False, dense_precision="int4")
+        QuantConfig(dense_precision="int4")

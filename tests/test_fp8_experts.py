@@ -1,7 +1,7 @@
-"""fp8 routed experts in the model (`InklingModel.quantize_routed_experts`): the bf16 weights are replaced and
-freed, routing is unchanged, the outputs stay within fp8's error of the original model, and the Pallas kernels
-(portable, interpret mode on CPU) agree with the jnp formula. The layer and logits tests cover NVFP4 experts too
-(tests/test_nvfp4_experts.py has the rest)."""
+"""fp8 routed experts (`QuantConfig(expert_precision="fp8")`: a `ServingMoE` holding `Fp8RoutedExperts`): the view
+holds them in place of the bf16 ones, routing is unchanged, the outputs stay within fp8's error of the original
+model, and the Pallas kernels (portable, interpret mode on CPU) agree with the jnp formula. The layer and logits
+tests cover NVFP4 experts too (tests/test_nvfp4_experts.py has the rest)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,10 @@ from flax import nnx
 from inkling_jax import preset
 from inkling_jax.nn import kernels
 from inkling_jax.nn.moe import MoE
+from inkling_jax.quant import QuantConfig, serving_view
+from inkling_jax.quant.experts import Fp8RoutedExperts
+from inkling_jax.quant.moe import ServingMoE
+from inkling_jax.quant.view import moe_view
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
@@ -24,24 +28,22 @@ def _rel(a, b):
 
 
 def moe_pair(precision="fp8"):
-    """The tiny preset's MoE layer as built, and the same layer with its routed experts quantised."""
+    """The tiny preset's MoE layer as built, and its view with the routed experts quantised."""
     bf16 = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    quantised = MoE(preset("tiny").text, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    quantised.quantize_routed_experts(precision)
-    return bf16, quantised
+    return bf16, moe_view(bf16, QuantConfig(expert_precision=precision))
 
 
 # the relative error that each format's weights give the routed part on random weights (NVFP4: ~0.17)
 WITHIN = {"fp8": 0.1, "nvfp4": 0.25}
 
 
-def test_quantised_layer_drops_its_bf16_experts():
+def test_quantised_layer_holds_fp8_experts_in_place_of_its_bf16_ones():
     _, fp8 = moe_pair()
-    assert fp8.fp8 and not hasattr(fp8, "w_gate")
+    assert isinstance(fp8, ServingMoE) and isinstance(fp8.experts, Fp8RoutedExperts) and not hasattr(fp8, "w_gate")
     experts = fp8.routed_experts()
     assert experts.gate.dtype == jnp.float8_e4m3fn and experts.gate_scale.dtype == jnp.float32
     assert experts.gate.shape == (8, 128, 64)  # [experts, width padded to 128, hidden]: K-minor
-    assert fp8.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
+    assert fp8.shared.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
 
 
 @pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
@@ -65,14 +67,13 @@ def test_quantised_layer_stays_close_and_routes_the_same(tokens, precision):
 def test_quantised_model_logits_stay_close(precision):
     config = preset("tiny")
     model = random_model(config, jnp.bfloat16)
+    view = serving_view(model, QuantConfig(expert_precision=precision), fuse=False)
     tokens = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
     forward = nnx.jit(lambda model, tokens: model(tokens))
     with kernels.use(moe="ragged"):
-        want = forward(model, tokens)
-        changed = model.quantize_routed_experts(precision)
-        got = forward(model, tokens)
-    assert changed == sum(not config.text.is_dense(i) for i in range(config.text.num_layers)) > 0
-    assert model.quantize_routed_experts(precision) == 0  # already done
+        want, got = forward(model, tokens), forward(view, tokens)
+    served = [layer.mlp for layer in view.layers if isinstance(layer.mlp, ServingMoE)]
+    assert len(served) == sum(not config.text.is_dense(i) for i in range(config.text.num_layers)) > 0
     assert 1e-4 < _rel(got, want) < WITHIN[precision]
 
 
@@ -94,16 +95,13 @@ def test_quantised_layer_on_a_mesh_equals_one_device(spec, tokens, backend, prec
     from inkling_jax.parallel.mesh import make_mesh
     from inkling_jax.parallel.placement import shard_model
 
-    def quantised():
-        moe = MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(3))
-        moe.quantize_routed_experts(precision)
-        return moe
-
+    quantised = moe_view(MoE(preset("tiny").text, dtype=jnp.float32, rngs=nnx.Rngs(3)),
+                         QuantConfig(expert_precision=precision))
     x = jax.random.normal(jax.random.key(tokens), (tokens, 64), jnp.float32)
     with kernels.use("jnp", moe=backend):
-        want, want_ids = nnx.jit(lambda m, x: m(x))(quantised(), x)
-        moe = shard_model(quantised(), make_mesh(spec))
-        first = moe.w_gate_fp8 if precision == "fp8" else moe.w13_nvfp4
+        want, want_ids = nnx.jit(lambda m, x: m(x))(quantised, x)
+        moe = shard_model(quantised, make_mesh(spec))
+        first = moe.experts.w_gate_fp8 if precision == "fp8" else moe.experts.w13_nvfp4
         placed = first.get_value().sharding.spec  # [experts, width, hidden]
         assert tuple(placed[:2]) == ("expert" if "expert" in spec else None, "tensor" if "tensor" in spec else None)
         got, ids = nnx.jit(lambda m, x: m(x))(moe, x)
@@ -113,16 +111,17 @@ def test_quantised_layer_on_a_mesh_equals_one_device(spec, tokens, backend, prec
 
 
 def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints):
-    """load_pretrained(expert_precision="fp8") from a hub directory gives the same fp8 experts and logits as
-    loading in full precision and quantising after."""
+    """load_pretrained(quant=QuantConfig(expert_precision="fp8")) from a hub directory gives the same fp8 experts
+    and logits as loading in full precision and quantising after."""
     from inkling_jax import load_pretrained
 
     path, _ = checkpoints("base")
-    direct = load_pretrained(path, progress=False, expert_precision="fp8")
-    after = load_pretrained(path, progress=False)
-    after.quantize_routed_experts()
+    fp8 = QuantConfig(expert_precision="fp8")
+    direct = load_pretrained(path, progress=False, quant=fp8)
+    after = serving_view(load_pretrained(path, progress=False), fp8, fuse=False)
     moes = [layer.mlp for layer in direct.layers if isinstance(layer.mlp, MoE)]
-    assert moes and all(m.fp8 and not hasattr(m, "w_gate") for m in moes)
+    assert moes and all(isinstance(m.experts, Fp8RoutedExperts) for m in moes)
+    assert nnx.graphdef(direct) == nnx.graphdef(after)
     for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     tokens = jnp.asarray([[1, 5, 9, 2, 7]])
@@ -130,7 +129,7 @@ def test_loading_with_fp8_experts_quantises_each_layer_as_it_arrives(checkpoints
     with kernels.use(moe="ragged"):
         np.testing.assert_array_equal(forward(direct, tokens), forward(after, tokens))
     with pytest.raises(ValueError, match="expert_precision"):
-        load_pretrained(path, progress=False, expert_precision="int4")
+        QuantConfig(expert_precision="int4")
 
 
 def test_an_nvfp4_checkpoint_loads_into_fp8_experts(checkpoints, tmp_path):
@@ -140,9 +139,9 @@ def test_an_nvfp4_checkpoint_loads_into_fp8_experts(checkpoints, tmp_path):
 
     source = tmp_path / "nvfp4"
     assert nvfp4.quantize_checkpoint(checkpoints("base")[0], str(source))
-    direct = load_pretrained(source, progress=False, expert_precision="fp8")
-    after = load_pretrained(source, progress=False)
-    after.quantize_routed_experts()
+    fp8 = QuantConfig(expert_precision="fp8")
+    direct = load_pretrained(source, progress=False, quant=fp8)
+    after = serving_view(load_pretrained(source, progress=False), fp8, fuse=False)
     for a, b in zip(jax.tree.leaves(nnx.state(direct, nnx.Param)), jax.tree.leaves(nnx.state(after, nnx.Param))):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
@@ -173,29 +172,26 @@ def test_server_loads_a_checkpoint_onto_its_mesh_with_fp8_experts(checkpoints, t
             "2", "--max-model-len", "32", "--max-num-batched-tokens", "48", "--moe-backend", "ragged"]))
     try:
         moe = next(layer.mlp for layer in service.engine.runner.model.layers if isinstance(layer.mlp, MoE))
-        assert moe.fp8 and moe.w_gate_fp8.get_value().sharding.spec[:2] == ("expert", "tensor")
+        assert moe.experts.w_gate_fp8.get_value().sharding.spec[:2] == ("expert", "tensor")
         prompt = service.tokenizer.encode("b c d e")
         assert prompt == [1, 2, 3, 4]
         got = generate(service.engine, [prompt], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4))[0]
     finally:
         service.engine.shutdown(drain_seconds=0)
-    model = load_pretrained(directory, progress=False, expert_precision="fp8")
+    model = load_pretrained(directory, progress=False, quant=QuantConfig(expert_precision="fp8"))
     with kernels.use(moe="ragged"):
         want = greedy_tokens(model, prompt, 4)
     assert got.token_ids == want
 
 
-@pytest.mark.parametrize("precision,name", [("fp8", r"w_\w+_fp8"), ("nvfp4", r"w13_nvfp4")])
-def test_training_refuses_a_model_with_quantised_experts(precision, name):
-    from inkling_jax.parallel.mesh import make_mesh
+@pytest.mark.parametrize("precision", ["fp8", "nvfp4"])
+def test_training_refuses_a_model_with_quantised_experts(precision):
     from train.state import model_params
-    from train.step import Trainer
 
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
-    model = random_model(config, jnp.float32)
-    model.quantize_routed_experts(precision)
-    with pytest.raises(ValueError, match=rf"layers\.1\.mlp\.{name}: .* serves but does not train"):
-        Trainer(config, make_mesh(None, jax.devices()[:1])).init(model_params(model))
+    model = serving_view(random_model(config, jnp.float32), QuantConfig(expert_precision=precision), fuse=False)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp: a ServingMoE, a serving form .* does not train"):
+        model_params(model)
 
 
 def test_a_converted_checkpoint_restores_into_fp8_experts_layer_by_layer(checkpoints, tmp_path):
@@ -216,11 +212,11 @@ def test_a_converted_checkpoint_restores_into_fp8_experts_layer_by_layer(checkpo
 
     orbax_io.restore_params = counting
     try:
-        restored = load_pretrained(tmp_path / "orbax", progress=False, expert_precision="fp8")
+        restored = load_pretrained(tmp_path / "orbax", progress=False, quant=QuantConfig(expert_precision="fp8"))
     finally:
         orbax_io.restore_params = original
     moe_layers = sum(isinstance(layer.mlp, MoE) for layer in restored.layers)
     assert restores == ["rest"] + [["w_down", "w_gate", "w_up"]] * moe_layers
-    hub = load_pretrained(source, progress=False, expert_precision="fp8")
+    hub = load_pretrained(source, progress=False, quant=QuantConfig(expert_precision="fp8"))
     for a, b in zip(jax.tree.leaves(nnx.state(restored, nnx.Param)), jax.tree.leaves(nnx.state(hub, nnx.Param))):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

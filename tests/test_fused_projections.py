@@ -1,8 +1,9 @@
-"""The serving model's fused projections (`InklingModel.fuse_projections`): one q|k|v|r kernel per attention, one
-gate|up matrix per dense MLP (bf16 or fp8), the shared experts of each MoE as one widened MLP. The fused model holds
+"""The serving model's fused projections (`serving_view(..., fuse=True)`): one q|k|v|r kernel per attention, one
+gate|up matrix per dense MLP (bf16 or fp8), the shared experts of each MoE as one widened MLP. The fused view holds
 the fused matrices and none of the originals, and gives the unfused model's logits (prefill, decode steps, decode
 steps through the Pallas prologue; the MoE by each backend; on expert-parallel meshes); the server fuses by
-default, unless told not to or on a tensor-parallel mesh (the serving tests then run the fused model)."""
+default, unless told not to or on a tensor-parallel mesh (the serving tests then run the fused model), and leaves
+the model it is given as it was."""
 
 import jax
 import numpy as np
@@ -17,6 +18,11 @@ from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.nn.moe import MoE
 from inkling_jax.parallel.rules import logical_axes
+from inkling_jax.quant import serving_view
+from inkling_jax.quant.attention import PROJECTIONS, FusedAttention
+from inkling_jax.quant.mlp import FusedMLP
+from inkling_jax.quant.moe import ServingMoE, WidenedSharedExperts
+from inkling_jax.quant.view import dense_mlp_view, moe_view
 from serve.engine.config import EngineConfig
 from serve.random_weights import random_model
 from serve.runner.model_runner import ModelRunner
@@ -27,13 +33,12 @@ CONFIG = preset("tiny")  # sliding and full layers (2 and 1 KV heads), MTP block
 # One sliding and one full layer; a window of 16, the smallest the GPU kernels take (this file also runs there).
 SMALL = CONFIG.replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), sliding_window=16, rel_extent=24)
 PROMPT = 18  # past the window: the decode steps read a wrapped ring
-PROJECTIONS = ("wq", "wk", "wv", "wr")
 TOL = 1e-5  # fp32 at full matmul precision: a wrong column order would be off by O(1)
 
 
 def nodes_of(model, kind) -> list:
-    """The model's modules of `kind`, leaving out the MLP that widened shared experts become."""
-    return [node for path, node in nnx.iter_graph(model) if isinstance(node, kind) and "shared_mlp" not in path]
+    """The model's modules of `kind`."""
+    return [node for _, node in nnx.iter_graph(model) if isinstance(node, kind)]
 
 
 def attentions(model) -> list[Attention]:
@@ -41,9 +46,7 @@ def attentions(model) -> list[Attention]:
 
 
 def fused_model(config, seed):
-    model = random_model(config, seed=seed)
-    model.fuse_projections()
-    return model
+    return serving_view(random_model(config, seed=seed), fuse=True)
 
 
 def test_fused_kernel_is_the_four_concatenated_and_replaces_them():
@@ -51,10 +54,11 @@ def test_fused_kernel_is_the_four_concatenated_and_replaces_them():
     assert len(attentions(fused)) == CONFIG.text.num_layers + CONFIG.mtp.num_layers
     for a, b in zip(attentions(plain), attentions(fused)):
         expected = np.concatenate([np.asarray(getattr(a, name).kernel[...]) for name in PROJECTIONS], axis=1)
-        np.testing.assert_array_equal(np.asarray(b.wqkvr[...]), expected)
+        assert isinstance(b, FusedAttention)
+        np.testing.assert_array_equal(np.asarray(b.wqkvr.kernel[...]), expected)
     paths = [path for path, node in nnx.iter_graph(fused) if isinstance(node, nnx.Param)]
     assert not [p for p in paths if set(PROJECTIONS) & set(map(str, p))]
-    fused_paths = [p for p in paths if p[-1] == "wqkvr"]
+    fused_paths = [p for p in paths if p[-2:] == ("wqkvr", "kernel")]
     assert len(fused_paths) == len(attentions(fused))
     assert all(logical_axes(p, 2) == ("embed", None) for p in fused_paths)
 
@@ -65,21 +69,22 @@ def test_fused_mlps_hold_gate_then_up_and_widened_shared_experts_replace_the_sta
     assert len(dense_pairs) == len(CONFIG.text.dense_layer_ids) + CONFIG.mtp.num_layers
     for a, b in dense_pairs:
         expected = np.concatenate([np.asarray(a.w_gate[...]), np.asarray(a.w_up[...])], axis=1)
-        np.testing.assert_array_equal(np.asarray(b.w_gate_up[...]), expected)
-        assert b.fused and not hasattr(b, "w_gate") and not hasattr(b, "w_up")
+        assert isinstance(b, FusedMLP)
+        np.testing.assert_array_equal(np.asarray(b.w_gate_up.kernel[...]), expected)
     moes = list(zip(nodes_of(plain, MoE), nodes_of(fused, MoE)))
     assert moes
     for a, b in moes:
-        assert b.widened and not any(hasattr(b, name) for name in MoE.SHARED)
+        assert isinstance(b, ServingMoE) and isinstance(b.shared, WidenedSharedExperts)
         s, h, i = a.shared_gate.shape
-        gate_up = np.asarray(b.shared_mlp.w_gate_up[...])
+        gate_up = np.asarray(b.shared.w_gate_up.kernel[...])
         for k in range(s):  # unit k of the width is shared expert k
             np.testing.assert_array_equal(gate_up[:, k * i:(k + 1) * i], np.asarray(a.shared_gate[...][k]))
             np.testing.assert_array_equal(gate_up[:, (s + k) * i:(s + k + 1) * i], np.asarray(a.shared_up[...][k]))
-        np.testing.assert_array_equal(np.asarray(b.shared_mlp.w_down[...]),
+        np.testing.assert_array_equal(np.asarray(b.shared.w_down.kernel[...]),
                                       np.asarray(a.shared_down[...]).reshape(s * i, h))
-    paths = [path for path, node in nnx.iter_graph(fused) if isinstance(node, nnx.Param) and path[-1] == "w_gate_up"]
-    assert paths and all(logical_axes(p, 2) == ("embed", None) for p in paths)
+    paths = [path for path, node in nnx.iter_graph(fused)
+             if isinstance(node, nnx.Param) and path[-2:] == ("w_gate_up", "kernel")]
+    assert len(paths) == len(dense_pairs) + len(moes) and all(logical_axes(p, 2) == ("embed", None) for p in paths)
 
 
 @pytest.mark.parametrize("moe", ["dense", "ragged", "pallas"])
@@ -89,21 +94,19 @@ def test_widened_shared_experts_give_the_stacked_ones_output(moe):
     x = jax.random.normal(jax.random.key(3), (2, 5, CONFIG.text.hidden_size))
     with kernels.use("jnp", moe=moe):
         want, want_ids = plain(x)
-        plain.widen_shared_experts()
-        got, got_ids = plain(x)
+        got, got_ids = moe_view(plain, fuse=True)(x)
     np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(want_ids))
     assert relative_error(got, want) < TOL
 
 
 def test_fused_fp8_dense_mlp_gives_the_unfused_one_output():
-    mlp = nodes_of(random_model(CONFIG, seed=4), DenseMLP)[0]
-    mlp.quantize()
+    split = dense_mlp_view(nodes_of(random_model(CONFIG, seed=4), DenseMLP)[0], fp8=True)
     x = jax.random.normal(jax.random.key(5), (3, CONFIG.text.hidden_size))
-    want, _ = mlp(x)
-    mlp.fuse_gate_up()
-    assert mlp.fp8 and mlp.fused and mlp.matrix_names == ("w_gate_up", "w_down")
-    assert mlp.w_gate_up_fp8[...].shape == (2 * CONFIG.text.dense_intermediate_size, CONFIG.text.hidden_size)
-    got, _ = mlp(x)
+    want, _ = split(x)
+    fused = dense_mlp_view(split, fp8=True, fuse=True)
+    assert isinstance(fused, FusedMLP)
+    assert fused.w_gate_up.values[...].shape == (2 * CONFIG.text.dense_intermediate_size, CONFIG.text.hidden_size)
+    got, _ = fused(x)
     assert relative_error(got, want) < TOL  # the same fp8 values and scales, one product instead of two
 
 
@@ -150,14 +153,15 @@ def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused):
     if mesh and jax.device_count() < 4:
         pytest.skip("needs 4 (simulated) devices")
     config = EngineConfig(max_num_seqs=2, max_model_len=32, page_size=8, fuse_projections=flag)
-    runner = ModelRunner(random_model(SMALL, seed=0), config, Placement.from_spec(mesh))
-    for attention in attentions(runner.model):
-        assert hasattr(attention, "wqkvr") == fused
-        assert all(hasattr(attention, name) != fused for name in PROJECTIONS)
-    dense = [mlp.fused for mlp in nodes_of(runner.model, DenseMLP)]
+    model = random_model(SMALL, seed=0)
+    graph = nnx.graphdef(model)
+    runner = ModelRunner(model, config, Placement.from_spec(mesh))
+    assert nnx.graphdef(model) == graph  # the model given is left as it was (tests/test_serving_view.py)
+    assert all(isinstance(attention, FusedAttention) == fused for attention in attentions(runner.model))
+    dense = [isinstance(mlp, FusedMLP) for mlp in nodes_of(runner.model, DenseMLP)]
     assert dense and all(f == fused for f in dense)
-    assert [moe.widened for moe in nodes_of(runner.model, MoE)] == [fused]
+    assert [isinstance(moe, ServingMoE) for moe in nodes_of(runner.model, MoE)] == [fused]
     if fused and mesh:  # rows over fsdp, columns whole on every device
-        spec = runner.model.layers[0].attn.wqkvr[...].sharding.spec
+        spec = runner.model.layers[0].attn.wqkvr.kernel[...].sharding.spec
         assert tuple(spec) == tuple(PartitionSpec("fsdp", None))
 

@@ -5,7 +5,8 @@ lowering sees: Mosaic GPU's register layouts (a loop carry whose layout differs 
 shapes that wgmma and TMA accept, Triton's block shapes. Here the engine's decode and prefill steps (per expert and
 dense precision) and a training gradient are traced with the Pallas kernels in their compiled form
 (`pallas_kernels._common.lowering_for_gpu`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic
-GPU or Triton. Not checked: PTX assembly and what happens at run time, which need the GPU (README, "Tests").
+GPU or Triton. Not checked: PTX assembly and what happens at run time, which need the GPU (docs/kernels.md,
+"Testing").
 
 The model is the `bench` preset's per-layer structure cut to two layers, a sliding one with the dense MLP and a
 full one with the MoE, at widths the kernels tile; its parameters are abstract (nothing is allocated).
@@ -21,6 +22,7 @@ from flax import nnx
 from inkling_jax import InklingModel, preset
 from inkling_jax.generate import flat_params
 from inkling_jax.nn import kernels
+from inkling_jax.quant import QuantConfig, serving_view
 from pallas_kernels._common import interpret_default, lowering_for_gpu
 
 
@@ -37,8 +39,7 @@ def _config():
 def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False):
     def build():
         model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-        model.quantize(expert_precision, dense_precision, fp8_twins)
-        return model
+        return serving_view(model, QuantConfig(expert_precision, dense_precision, fp8_twins), fuse=False)
     return nnx.eval_shape(build)
 
 
@@ -74,7 +75,7 @@ def test_serving_steps_lower_for_cuda(precision, rows, tokens):
 
 
 def test_a_prefill_with_fp8_twins_runs_the_fp8_experts_and_xla_dense_products():
-    """NVFP4 weights with fp8 twins (`InklingModel.add_fp8_twins`): a 4096-token chunk multiplies the twins, the
+    """NVFP4 weights with fp8 twins (`QuantConfig(fp8_twins=True)`): a 4096-token chunk multiplies the twins, the
     routed experts in the fp8 kernels and the dense matrices as XLA dots, so no W4A16 product is left."""
     assert _step_kernels(_abstract_model("nvfp4", "nvfp4", fp8_twins=True), 32, 128) == STEP_KERNELS["fp8"]
 

@@ -7,7 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-from inkling_jax import CheckpointError, load_pretrained
+from inkling_jax import CheckpointError, ConfigError, load_pretrained
+from inkling_jax.checkpoint import nvfp4
+from inkling_jax.checkpoint.convert import main
 from inkling_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 
 TARGET = "model.llm.layers.1.attn.wq_du.weight"
@@ -99,3 +101,119 @@ def test_missing_shard_file(copy):
     os.remove(copy / _shard_of(copy, TARGET))
     with pytest.raises(CheckpointError, match="file not found"):
         load_pretrained(copy, progress=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Unclear errors made clear: one line naming the file and the tensor, whoever reads the checkpoint.
+
+EMBED = "model.llm.embed.weight"
+
+
+def _one_line(error, *parts):
+    text = str(error.value)
+    assert "\n" not in text, text
+    for part in parts:
+        assert str(part) in text, (part, text)
+
+
+@pytest.mark.parametrize("tensor", [TARGET, EMBED])
+def test_a_tensor_missing_from_shard_and_index(tensor, copy, capsys):
+    """The converter read the embedding's dtype before checking names: a KeyError."""
+    _rewrite(copy, _shard_of(copy, tensor), lambda t: t.pop(tensor))
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(copy, progress=False)
+    _one_line(error, copy, f"missing tensor {tensor}")
+    capsys.readouterr()
+    assert main(["--src", str(copy), "--dst", str(copy.parent / "out"), "--quiet"]) == 1
+    assert f"{copy}: missing tensor {tensor}" in capsys.readouterr().err
+    assert not (copy.parent / "out").exists()
+
+
+def _index_not_json(path, index):
+    return "{not json", ["not a safetensors index"]
+
+
+def _index_a_list(path, index):
+    return "[]", ["not a safetensors index (no weight_map object)"]
+
+
+def _weight_map_a_list(path, index):
+    return json.dumps({"weight_map": list(index["weight_map"])}), ["no weight_map object"]
+
+
+def _file_outside_the_directory(path, index):
+    index["weight_map"][TARGET] = "../" + index["weight_map"][TARGET]
+    return json.dumps(index), [f"puts tensor {TARGET} in '../", "not a file name"]
+
+
+def _absolute_file(path, index):
+    index["weight_map"][TARGET] = "/etc/passwd"
+    return json.dumps(index), [f"puts tensor {TARGET} in '/etc/passwd'"]
+
+
+def _file_not_a_string(path, index):
+    index["weight_map"][TARGET] = 5
+    return json.dumps(index), [f"puts tensor {TARGET} in 5"]
+
+
+def _tensor_left_out(path, index):
+    file = index["weight_map"].pop(TARGET)
+    return json.dumps(index), [f"{path / file}: holds tensor {TARGET}, which the index does not list there"]
+
+
+def _file_a_directory(path, index):
+    (path / "shards").mkdir()
+    index["weight_map"][TARGET] = "shards"
+    return json.dumps(index), [f"{path / 'shards'}: a directory, where a safetensors file was expected"]
+
+
+@pytest.mark.parametrize("damage", [_index_not_json, _index_a_list, _weight_map_a_list, _file_outside_the_directory,
+                                    _absolute_file, _file_not_a_string, _tensor_left_out, _file_a_directory])
+def test_a_bad_index(damage, copy):
+    text, parts = damage(copy, _index(copy))
+    (copy / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(copy, progress=False)
+    _one_line(error, *parts)
+
+
+def test_paths_of_the_wrong_kind(copy, tmp_path):
+    shard = copy / _shard_of(copy, TARGET)
+    with pytest.raises(ConfigError) as error:  # was a UnicodeDecodeError
+        load_pretrained(shard, progress=False)
+    _one_line(error, shard, "binary data, not a JSON config (pass the model directory")
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(copy / "config.json", progress=False)
+    _one_line(error, copy / "config.json", "not a directory (a model directory is expected")
+    with pytest.raises(ConfigError) as error:
+        load_pretrained(tmp_path / "absent", progress=False)
+    _one_line(error, tmp_path / "absent", "not found")
+    os.remove(copy / "config.json")
+    (copy / "config.json").mkdir()
+    with pytest.raises(ConfigError) as error:
+        load_pretrained(copy, progress=False)
+    _one_line(error, copy / "config.json", "cannot read (Is a directory)")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_])  # uint8 reads as packed NVFP4
+def test_a_tensor_of_a_non_float_dtype(dtype, copy, capsys):
+    """Values that cast silently to floats, but are no weights."""
+    file = _shard_of(copy, TARGET)
+    _rewrite(copy, file, lambda t: t.update({TARGET: np.ones(t[TARGET].shape, dtype)}))
+    expected = f"{copy / file}: tensor {TARGET} is {np.dtype(dtype)}, not a float type"
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(copy, progress=False)
+    _one_line(error, expected)
+    capsys.readouterr()
+    assert main(["--src", str(copy), "--dst", str(copy.parent / "out"), "--quiet"]) == 1
+    assert expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"quantization": [1]}'])
+def test_a_bad_quantisation_config(text, checkpoints, tmp_path):
+    src = tmp_path / "nvfp4"
+    nvfp4.quantize_checkpoint(checkpoints("base")[0], str(src))
+    (src / "hf_quant_config.json").write_text(text)
+    with pytest.raises(CheckpointError) as error:
+        load_pretrained(src, progress=False)
+    _one_line(error, src / "hf_quant_config.json")

@@ -1,5 +1,5 @@
-"""NVFP4 routed experts in the model (`InklingModel.quantize_routed_experts("nvfp4")`): the bf16 weights are
-replaced and freed, an NVFP4 checkpoint's packed experts load as stored (onto a mesh too), bad precision names
+"""NVFP4 routed experts (`QuantConfig(expert_precision="nvfp4")`: `Nvfp4RoutedExperts`): the view holds them in
+place of the bf16 ones, an NVFP4 checkpoint's packed experts load as stored (onto a mesh too), bad precision names
 are refused.
 Routing, closeness, the kernels against the formula and meshes: tests/test_fp8_experts.py, for both formats."""
 
@@ -9,20 +9,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inkling_jax import preset
 from inkling_jax.nn.moe import MoE
+from inkling_jax.quant import QuantConfig, serving_view
+from inkling_jax.quant.experts import Nvfp4RoutedExperts
 from pallas_kernels.moe.nvfp4 import dequantize
-from serve.random_weights import random_model
 from tests.test_fp8_experts import moe_pair
 
+NVFP4 = QuantConfig(expert_precision="nvfp4")
 
-def test_quantised_layer_drops_its_bf16_experts():
+
+def test_quantised_layer_holds_nvfp4_experts_in_place_of_its_bf16_ones():
     _, nvfp4 = moe_pair("nvfp4")
-    assert nvfp4.precision == "nvfp4" and not nvfp4.fp8 and not hasattr(nvfp4, "w_gate")
+    assert isinstance(nvfp4.experts, Nvfp4RoutedExperts) and not hasattr(nvfp4, "w_gate")
     experts = nvfp4.routed_experts()
     assert experts.w13.dtype == jnp.uint8 and experts.w13.shape == (8, 4, 2, 8, 128)  # gate and up, width padded to 128
     assert experts.w2.shape == (8, 1, 4, 8, 128) and experts.w2_scale2.dtype == jnp.float32
-    assert nvfp4.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
+    assert nvfp4.shared.shared_gate.dtype == jnp.bfloat16  # the shared experts are not quantised
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +45,12 @@ def test_an_nvfp4_checkpoint_loads_into_nvfp4_experts_as_stored(nvfp4_source, mo
     from inkling_jax.checkpoint.safetensors_io import HubCheckpoint
 
     source = nvfp4_source
-    after = load_pretrained(source, progress=False)  # packed experts dequantised as read
+    loaded = load_pretrained(source, progress=False)  # packed experts dequantised as read
     read = {i: (layer.mlp.w_gate[...], layer.mlp.w_up[...], layer.mlp.w_down[...])
-            for i, layer in enumerate(after.layers) if isinstance(layer.mlp, MoE)}
-    after.quantize_routed_experts("nvfp4")
+            for i, layer in enumerate(loaded.layers) if isinstance(layer.mlp, MoE)}
+    after = serving_view(loaded, NVFP4, fuse=False)
     monkeypatch.setattr(hub_source.nvfp4, "dequantize", lambda *a: pytest.fail("a packed tensor was dequantised"))
-    direct = load_pretrained(source, progress=False, expert_precision="nvfp4")
+    direct = load_pretrained(source, progress=False, quant=NVFP4)
 
     stored = HubCheckpoint(str(source))
     packed_layers = [i for i in read if i >= nvfp4.FIRST_QUANTISED_LAYER]
@@ -82,18 +84,16 @@ def test_packed_experts_load_straight_into_their_shards(nvfp4_source):
     from inkling_jax.checkpoint import nvfp4
     from inkling_jax.parallel.mesh import make_mesh
 
-    one = load_pretrained(nvfp4_source, progress=False, expert_precision="nvfp4")
-    sharded = load_pretrained(nvfp4_source, progress=False, expert_precision="nvfp4",
-                              mesh=make_mesh("tensor=2,expert=4"))
+    one = load_pretrained(nvfp4_source, progress=False, quant=NVFP4)
+    sharded = load_pretrained(nvfp4_source, progress=False, quant=NVFP4, mesh=make_mesh("tensor=2,expert=4"))
     moe = sharded.layers[nvfp4.FIRST_QUANTISED_LAYER].mlp
-    assert moe.w13_nvfp4.get_value().sharding.spec[:2] == ("expert", "tensor")
+    assert moe.experts.w13_nvfp4.get_value().sharding.spec[:2] == ("expert", "tensor")
     for a, b in zip(jax.tree.leaves(nnx.state(one, nnx.Param)), jax.tree.leaves(nnx.state(sharded, nnx.Param))):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_precision_names_are_checked():
-    model = random_model(preset("tiny"), jnp.bfloat16)
     with pytest.raises(ValueError, match="expert_precision"):
-        model.quantize("fp4")
+        QuantConfig("fp4")
     with pytest.raises(ValueError, match="dense_precision"):
-        model.quantize(dense_precision="int4")
+        QuantConfig(dense_precision="int4")

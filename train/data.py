@@ -14,6 +14,7 @@ restarting at 0 in every segment, and `loss_mask`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable, Iterable
@@ -26,15 +27,17 @@ def byte_tokenizer(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
-def file_tokenizer(model_dir: str) -> Callable[[str], list[int]]:
-    """The tokenizer.json of a model directory (needs the `tokenizers` package)."""
-    path = os.path.join(model_dir, "tokenizer.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no tokenizer; give the data as tokenised JSONL instead")
-    from tokenizers import Tokenizer
+def file_tokenizer(path: str) -> Callable[[str], list[int]]:
+    """A tokenizer.json file (needs the `tokenizers` package), read when first used: tokenised JSONL needs none."""
+    @functools.cache
+    def backend():
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no tokenizer; give the data as tokenised JSONL instead")
+        from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(path)
-    return lambda text: tok.encode(text, add_special_tokens=False).ids
+        return Tokenizer.from_file(path)
+
+    return lambda text: backend().encode(text, add_special_tokens=False).ids
 
 
 def read_documents(path: str, tokenize: Callable[[str], list[int]], eos_id: int, vocab_size: int):

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 
 
-def next_token_targets(input_ids, segment_ids, loss_mask):
-    """(targets [B, T], weights [B, T] in fp32): the next token and whether it counts."""
-    targets = jnp.roll(input_ids, -1, axis=1)
-    same = (segment_ids == jnp.roll(segment_ids, -1, axis=1)) & (segment_ids > 0)
-    counted = same & (jnp.roll(loss_mask, -1, axis=1) > 0)
-    counted = counted.at[:, -1].set(False)  # the last token's successor is in another row
+def next_token_targets(input_ids, segment_ids, loss_mask, offset: int = 1):
+    """(targets [B, T], weights [B, T] in fp32): the token `offset` ahead (1: the next one; the MTP head's
+    depth k predicts k + 2 ahead) and whether it counts."""
+    targets = jnp.roll(input_ids, -offset, axis=1)
+    same = (segment_ids == jnp.roll(segment_ids, -offset, axis=1)) & (segment_ids > 0)
+    counted = same & (jnp.roll(loss_mask, -offset, axis=1) > 0)
+    counted = counted.at[:, -offset:].set(False)  # the last tokens' targets are in another row
     return targets, counted.astype(jnp.float32)
 
 

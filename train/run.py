@@ -4,6 +4,10 @@
     python -m train.run --model path/to/Inkling --data sft.jsonl --steps 1000 --out runs/sft \\
         --mesh fsdp=4,tensor=2 --lora-rank 16 --batch 32 --accum 4 --seq-len 4096 --remat full
 
+With `--eval-data` it reports the held-out loss and perplexity every `--eval-every` steps and after the last
+(`--steps 0` only evaluates), with unigram and bigram baselines of the training rows on the same tokens.
+`--export DIR` writes the model with its tokenizer.json and generation_config.json, ready to serve.
+
 Running the same command again with the same `--out` resumes from the newest checkpoint (parameters, optimizer,
 step, RNG, data position) and continues to `--steps`. Under `--out`: `checkpoints/` (orbax), `metrics.jsonl`
 (one line per step), `tensorboard/`, and with LoRA `adapters.safetensors`.
@@ -25,13 +29,15 @@ import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from inkling_jax.config import InklingConfig, load_config, preset
+from inkling_jax.config import InklingConfig, load_config, load_generation_config, preset
 from inkling_jax.nn import kernels
 from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import make_mesh
 from train import lora
 from train.checkpoint import Checkpoints
 from train.data import Batches, byte_tokenizer, file_tokenizer, pack, read_documents
+from train.evaluate import Evaluator
+from train.export import export
 from train.metrics import MetricsWriter, peak_flops, train_flops_per_token
 from train.optim import OptimConfig
 from train.state import ModelParts, model_params, name_of, seeded_params
@@ -46,7 +52,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--model", help="a model directory in the hub layout")
     src.add_argument("--preset", help="a named configuration with seeded random weights (tiny, bench, ...)")
     p.add_argument("--data", required=True, help="tokenised .jsonl, or plain text (documents split by blank lines)")
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps to reach")
+    p.add_argument("--tokenizer", help="tokenizer.json for plain-text data, exported with the model (default: the "
+                   "--model directory's; presets: UTF-8 bytes)")
+    p.add_argument("--eval-data", help="held-out data (same formats as --data): loss, perplexity and count "
+                   "baselines in metrics.jsonl")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: after the last only)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps to reach (0: evaluate only)")
     p.add_argument("--out", required=True)
     p.add_argument("--mesh", default=None, help='e.g. "fsdp=4,tensor=2"; devices left over go to data')
     p.add_argument("--devices", type=int, help="use only the first N devices (one host; default: all)")
@@ -57,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="rows per optimizer step (all microbatches)")
     p.add_argument("--accum", type=int, default=1, help="microbatches per step (gradient accumulation)")
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--warmup", type=int, help="linear warm-up steps (default: 5%% of --steps)")
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="global gradient norm clip (0: off)")
@@ -67,10 +78,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bias-update-rate", type=float, default=0.0,
                    help="aux-loss-free MoE balancing: per-step change of the selection biases (0: off)")
     p.add_argument("--freeze", action="append", default=[], help="regex of weights not to train (repeatable)")
+    p.add_argument("--mtp-weight", type=float, default=0.0,
+                   help="train the MTP head too, on this weight times its mean loss over depths (0: frozen)")
     p.add_argument("--moe", choices=["auto", "dense", "ragged", "pallas"], help="MoE backend (default: auto)")
+    p.add_argument("--kernels", choices=["auto", "jnp", "pallas"],
+                   help="attention and ShortConv: Pallas kernels or the jnp references (default: auto, Pallas on GPU)")
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--stop-at", type=int, help="leave after this step (checkpointed), e.g. to fit a job's time "
                    "limit; the schedule still runs to --steps and the next run resumes")
+    p.add_argument("--time-limit", type=float, help="leave (checkpointed, evaluated, exported) after the step that "
+                   "passes this many seconds of training, like --stop-at")
     p.add_argument("--save-every", type=int, default=100)
     p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     p.add_argument("--seed", type=int, default=0)
@@ -87,6 +104,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--batch {args.batch} is not a multiple of --accum {args.accum}")
     if args.layers and not args.preset:
         p.error("--layers works with --preset only (a checkpoint has all its layers)")
+    if args.warmup is None:
+        args.warmup = args.steps // 20
     return args
 
 
@@ -113,8 +132,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.distributed or args.coordinator:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    if args.moe:
-        kernels.set_backend(moe=args.moe)
+    kernels.set_backend(args.kernels, moe=args.moe)
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
@@ -123,15 +141,19 @@ def main(argv=None) -> None:
         config, mesh,
         StepConfig(compute_dtype=args.dtype, remat=args.remat, loss_chunk=args.loss_chunk,
                    bias_update_rate=args.bias_update_rate, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                   freeze=tuple(args.freeze)),
+                   freeze=tuple(args.freeze), mtp_weight=args.mtp_weight),
         OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip),
         compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None)
     log.info("mesh %s on %d devices", dict(mesh.shape), mesh.size)
 
-    tokenize = byte_tokenizer if args.preset else file_tokenizer(args.model)
-    docs = read_documents(args.data, tokenize, config.eos_token_id, config.text.unpadded_vocab_size)
-    batches = Batches(pack(docs, args.seq_len), args.batch // args.accum, args.accum, seed=args.seed)
+    tokenizer_file = args.tokenizer or (os.path.join(args.model, "tokenizer.json") if args.model else None)
+    tokenize = file_tokenizer(tokenizer_file) if tokenizer_file else byte_tokenizer
+    read = lambda path: pack(read_documents(path, tokenize, config.eos_token_id,  # noqa: E731
+                                            config.text.unpadded_vocab_size), args.seq_len)
+    rows = read(args.data)
+    batches = Batches(rows, args.batch // args.accum, args.accum, seed=args.seed)
+    evaluator = Evaluator(read(args.eval_data), args.batch // args.accum) if args.eval_data else None
     record = {"data": os.path.abspath(args.data), "seq_len": args.seq_len, "batch": args.batch,
               "accum": args.accum, "seed": args.seed}
 
@@ -148,11 +170,15 @@ def main(argv=None) -> None:
         log.info("resumed from step %d", start)
 
     writer = MetricsWriter(args.out, tensorboard=not args.no_tensorboard)
+    baselines = evaluator.baselines(rows, config.text.unpadded_vocab_size) if evaluator else {}
+    if baselines:
+        log.info("held-out baselines: %s", ", ".join(f"{k} {v:.4f}" for k, v in baselines.items()))
     flops_per_token = train_flops_per_token(config.text, args.seq_len)
     peak = args.peak_tflops * 1e12 if args.peak_tflops else peak_flops()
     stop = min(args.steps, args.stop_at or args.steps)
     bar = tqdm(range(start, stop), initial=start, total=args.steps, desc="training",
                disable=jax.process_index() != 0)
+    loop_began = time.perf_counter()
     for step in bar:
         batch = trainer.place_batch(batches.batch(step))
         began = time.perf_counter()
@@ -162,19 +188,30 @@ def main(argv=None) -> None:
         tokens_per_s = float(metrics["real_tokens"]) / seconds
         metrics.update(tokens_per_s=tokens_per_s, step_seconds=seconds,
                        mfu=tokens_per_s * flops_per_token / (peak * mesh.size) if peak else None)
+        last = step + 1 == stop or bool(args.time_limit and time.perf_counter() - loop_began > args.time_limit)
+        if evaluator and (last or args.eval_every and (step + 1) % args.eval_every == 0):
+            metrics.update(evaluator.evaluate(trainer, state, frozen), **baselines)
         writer.write(step + 1, metrics)
-        bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", tok_s=f"{tokens_per_s:,.0f}")
-        checkpoints.save(step + 1, state, {**record, "data_position": step + 1}, force=step + 1 == stop)
+        bar.set_postfix(loss=f"{float(metrics['loss']):.4f}", tok_s=f"{tokens_per_s:,.0f}",
+                        **({"eval": f"{metrics['eval_loss']:.4f}"} if "eval_loss" in metrics else {}))
+        checkpoints.save(step + 1, state, {**record, "data_position": step + 1}, force=last)
+        if last and step + 1 < stop:
+            log.warning("--time-limit %.0f s reached: leaving after step %d of %d", args.time_limit, step + 1,
+                        args.steps)
+            break
+    if evaluator and start >= stop:  # nothing trained in this call: evaluate what was loaded or restored
+        scores = {**evaluator.evaluate(trainer, state, frozen), **baselines}
+        writer.write(start, scores)
+        log.info("held-out: %s", ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
     checkpoints.close()
     writer.close()
 
     if trainer.lora:
         lora.save_adapters(os.path.join(args.out, "adapters.safetensors"), state.params, args.lora_alpha)
     if args.export:
-        from inkling_jax.checkpoint.loading import save_pretrained
-
         model = ModelParts(config, jnp.float32).merge(jax.device_get(trainer.model_params(state, frozen)))
-        save_pretrained(model, args.export, dtype=args.dtype)
+        export(model, args.export, dtype=args.dtype, tokenizer_file=tokenizer_file,
+               generation=load_generation_config(args.model) if args.model else None)
 
 
 if __name__ == "__main__":

@@ -22,10 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.parallel.rules import logical_axes, spec_for
+from inkling_jax.quant.form import ServingForm
 
 Flat = dict[str, Any]
 BIAS_NAME = "router_bias"
-# The text model; the media towers and the MTP head are not trained by the next-token loss.
+# The text model; the media towers are not trained by the next-token loss, nor the MTP head unless its loss is on.
 TEXT_ROOTS = ("embed", "embed_norm", "layers", "norm", "unembed")
 
 
@@ -78,7 +79,14 @@ class ModelParts:
 
 
 def model_params(model: nnx.Module) -> Flat:
-    """The parameters of a concrete model as a flat dict."""
+    """The parameters of a concrete model as a flat dict; a model holding serving forms (fused, fp8 or NVFP4
+    weights: `inkling_jax.quant`) is refused, naming the outermost such module."""
+    serving = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, ServingForm)]
+    if serving:
+        path, node = min(serving, key=lambda item: len(item[0]))
+        raise ValueError(f"{name_of(path) or 'the model'}: a {type(node).__name__}, a serving form "
+                         "(`inkling_jax.quant.serving_view`), which serves but does not train; train the model "
+                         "it was made from")
     _, state = nnx.split(model)
     return {name_of(p): v.get_value() for p, v in nnx.to_flat_state(state)}
 
@@ -98,10 +106,12 @@ def seeded_params(config: InklingConfig, seed: int, shardings: Flat | None = Non
     return _SEEDED[key]()
 
 
-def trainable_names(parts: ModelParts, freeze: Iterable[str] = ()) -> list[str]:
-    """Text weights the optimizer updates: all but the selection biases and names matching a `freeze` regex."""
+def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False) -> list[str]:
+    """Text weights the optimizer updates (and the MTP head's with `mtp`): all but the selection biases and
+    names matching a `freeze` regex."""
     patterns = [re.compile(f) for f in freeze]
-    return [n for n in parts.paths if n.split(".")[0] in TEXT_ROOTS and not n.endswith(BIAS_NAME)
+    roots = TEXT_ROOTS + (("mtp",) if mtp else ())
+    return [n for n in parts.paths if n.split(".")[0] in roots and not n.endswith(BIAS_NAME)
             and jnp.issubdtype(parts.dtypes[n], jnp.floating) and not any(p.search(n) for p in patterns)]
 
 

@@ -42,6 +42,8 @@ class StepConfig:
     lora_rank: int = 0  # 0: full fine-tuning
     lora_alpha: float = 32.0
     freeze: tuple[str, ...] = ()  # regexes of weights kept frozen in full fine-tuning
+    # > 0: the MTP head trains too, on this weight times its depths' mean cross-entropy (predicting k + 2 ahead)
+    mtp_weight: float = 0.0
 
 
 class Trainer:
@@ -51,6 +53,8 @@ class Trainer:
     def __init__(self, config: InklingConfig, mesh: Mesh, step_config: StepConfig = StepConfig(),
                  optim_config: OptimConfig = OptimConfig(), compiler_options: dict | None = None):
         check_mesh(mesh, config.text)
+        if step_config.mtp_weight > 0 and (config.mtp is None or step_config.lora_rank > 0):
+            raise ValueError("an MTP loss needs a model with an MTP head, trained in full (not with LoRA)")
         self.config, self.mesh, self.cfg, self.optim_config = config, mesh, step_config, optim_config
         self.tx, self.schedule = make_optimizer(optim_config), schedule(optim_config)
         self.compiler_options = dict(compiler_options or {})
@@ -73,17 +77,18 @@ class Trainer:
         """(state, frozen) from a complete flat dict of model parameters (any float dtype, any placement).
 
         With LoRA, `adapters` continues given ones (e.g. `lora.load_adapters`); by default they start fresh."""
-        quantised = sorted(n for n in params if n.endswith(("_fp8", "_nvfp4")))
-        if quantised:
-            raise ValueError(f"{quantised[0]}: this model holds fp8 or NVFP4 weights (`InklingModel.quantize`), "
-                             "which serves but does not train; train from the bf16 weights")
+        missing = sorted(set(self.parts.paths) - set(params))
+        if missing:
+            raise ValueError(f"{missing[0]}: missing from the parameters (`train.state.model_params` of a model of "
+                             "this config)")
         key = jax.random.PRNGKey(seed)
         if self.lora:
             _, bias, frozen = partition(self.parts, params, ())
             trained = adapters or lora.init_adapters(self.parts.shapes, self.cfg.lora_rank, jax.random.fold_in(key, 1))
             trained = {n: jnp.asarray(x, jnp.float32) for n, x in trained.items()}
         else:
-            trained, bias, frozen = partition(self.parts, params, trainable_names(self.parts, self.cfg.freeze))
+            trained, bias, frozen = partition(self.parts, params, trainable_names(self.parts, self.cfg.freeze,
+                                                                                  mtp=self.cfg.mtp_weight > 0))
         trained = put(trained, self.shardings.flat(trained))
         opt_shardings = self.shardings.opt_state(self.tx, jax.eval_shape(self.tx.init, trained), trained)
         opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(trained)
@@ -120,19 +125,33 @@ class Trainer:
             return {**frozen, **bias, **lora.merge(frozen, params, self.cfg.lora_alpha)}
         return {**frozen, **bias, **params}
 
-    def _loss_sum(self, params: Flat, bias: Flat, frozen: Flat, mb: dict):
-        """(sum of token losses, expert loads [moe layers, experts]) of one microbatch."""
+    def _loss_sum(self, params: Flat, bias: Flat, frozen: Flat, mb: dict, with_mtp: bool = False):
+        """(the objective's sum over tokens, (expert loads [moe layers, experts], {"loss": next-token sum,
+        "mtp_loss": MTP sum})) of one microbatch. The MTP sum (its depths' mean per token, over the next-token
+        count's tokens) is there when the head trains or `with_mtp`; the objective adds it times mtp_weight."""
         model = use_mesh(self.parts.merge(self._forward_params(params, bias, frozen)), self.mesh)
         mb = {k: constrain(v, self.mesh, "tokens") for k, v in mb.items()}
         hidden, chosen = model.hidden_states(mb["input_ids"], segment_ids=mb["segment_ids"],
                                              positions=mb["positions"], remat=self.cfg.remat)
         hidden = constrain(hidden, self.mesh, "hidden")
         targets, weights = next_token_targets(mb["input_ids"], mb["segment_ids"], mb["loss_mask"])
-        loss = cross_entropy_sum(model.logits, hidden, targets, weights, self.cfg.loss_chunk)
-        return loss, expert_loads(chosen, mb["segment_ids"], self.config.text.num_experts)
+        sums = {"loss": cross_entropy_sum(model.logits, hidden, targets, weights, self.cfg.loss_chunk)}
+        objective = sums["loss"]
+        if self.cfg.mtp_weight > 0 or (with_mtp and model.mtp is not None):
+            depths = model.mtp.hidden_states(hidden, mb["input_ids"], model.embed_tokens,
+                                             segment_ids=mb["segment_ids"], positions=mb["positions"])
+            mtp = 0.0
+            for k, h in enumerate(depths):
+                targets, weights = next_token_targets(mb["input_ids"], mb["segment_ids"], mb["loss_mask"], k + 2)
+                mtp = mtp + cross_entropy_sum(model.logits, constrain(h, self.mesh, "hidden"), targets, weights,
+                                              self.cfg.loss_chunk)
+            sums["mtp_loss"] = mtp / len(depths)
+            objective = objective + self.cfg.mtp_weight * sums["mtp_loss"]
+        return objective, (expert_loads(chosen, mb["segment_ids"], self.config.text.num_experts), sums)
 
     def _grads(self, state: TrainState, frozen: Flat, batch: dict):
-        """(mean loss, mean gradients in fp32, expert loads, counted tokens) over all microbatches of a batch.
+        """(mean losses {"loss", and "mtp_loss" when the head trains}, mean gradients in fp32, expert loads,
+        counted tokens) over all microbatches of a batch.
 
         Sums run over microbatches and are divided by the batch's total counted tokens, so accumulation over
         k microbatches equals one step on the whole batch. Gradients are taken with respect to the weights in
@@ -143,32 +162,48 @@ class Trainer:
         params = state.params if self.lora else {n: p.astype(self.parts.dtypes[n]) for n, p in state.params.items()}
         grad_fn = jax.value_and_grad(self._loss_sum, has_aux=True)
         if batch["input_ids"].shape[0] == 1:  # no accumulation: no fp32 accumulator either
-            (loss, loads), grads = grad_fn(params, state.bias, frozen, jax.tree.map(lambda x: x[0], batch))
+            (_, (loads, sums)), grads = grad_fn(params, state.bias, frozen, jax.tree.map(lambda x: x[0], batch))
         else:
             def micro(carry, mb):
-                loss_acc, grad_acc, load_acc = carry
-                (loss, loads), grads = grad_fn(params, state.bias, frozen, mb)
+                sum_acc, grad_acc, load_acc = carry
+                (_, (loads, sums)), grads = grad_fn(params, state.bias, frozen, mb)
                 grads = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_acc, grads)
-                return (loss_acc + loss, grads, load_acc + loads), None
+                return (jax.tree.map(jnp.add, sum_acc, sums), grads, load_acc + loads), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             loads = jnp.zeros((len(self.parts.bias_names), self.config.text.num_experts), jnp.float32)
-            (loss, grads, loads), _ = jax.lax.scan(micro, (jnp.zeros((), jnp.float32), zeros, loads), batch)
+            sums = dict.fromkeys(("loss", "mtp_loss") if self.cfg.mtp_weight > 0 else ("loss",),
+                                 jnp.zeros((), jnp.float32))
+            (sums, grads, loads), _ = jax.lax.scan(micro, (sums, zeros, loads), batch)
         denom = jnp.maximum(counted, 1.0)
-        return loss / denom, jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads), loads, counted
+        losses = {k: v / denom for k, v in sums.items()}
+        return losses, jax.tree.map(lambda g: g.astype(jnp.float32) / denom, grads), loads, counted
+
+    def _eval_sums(self, state: TrainState, frozen: Flat, batch: dict) -> dict:
+        """Sums over a batch [accum, B, T] of the next-token loss, the MTP loss (with an MTP head) and the
+        counted tokens, without gradients (held-out evaluation)."""
+        params = state.params if self.lora else {n: p.astype(self.parts.dtypes[n]) for n, p in state.params.items()}
+
+        def micro(acc, mb):
+            sums = self._loss_sum(params, state.bias, frozen, mb, with_mtp=True)[1][1]
+            sums["tokens"] = jnp.sum(next_token_targets(mb["input_ids"], mb["segment_ids"], mb["loss_mask"])[1])
+            return jax.tree.map(jnp.add, acc, sums), None
+
+        names = ("loss", "tokens") + (("mtp_loss",) if self.config.mtp is not None else ())
+        return jax.lax.scan(micro, dict.fromkeys(names, jnp.zeros((), jnp.float32)), batch)[0]
 
     # ------------------------------------------------------------------------------------------------------
     # The step
 
     def _step(self, state: TrainState, frozen: Flat, batch: dict):
-        loss, grads, loads, counted = self._grads(state, frozen, batch)
+        losses, grads, loads, counted = self._grads(state, frozen, batch)
         updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         bias = state.bias
         if self.cfg.bias_update_rate and bias:
             bias = balance_biases(bias, self.parts.bias_names, loads, self.cfg.bias_update_rate)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "tokens": counted,
+        metrics = {**losses, "grad_norm": grad_norm, "tokens": counted,
                    "real_tokens": jnp.sum(batch["segment_ids"] > 0), **load_balance(loads)}
         metrics["lr"] = self.schedule(state.step)
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state, bias=bias,
@@ -188,6 +223,9 @@ class Trainer:
             if kind == "step":
                 _COMPILED[key] = jax.jit(self._step, in_shardings=ins, out_shardings=(state_sh, rep),
                                          donate_argnums=(0,), compiler_options=opts)
+            elif kind == "eval":
+                _COMPILED[key] = jax.jit(self._eval_sums, in_shardings=ins, out_shardings=rep,
+                                         compiler_options=opts)
             else:
                 _COMPILED[key] = jax.jit(lambda s, f, b: self._grads(s, f, b)[:2], in_shardings=ins,
                                          out_shardings=(rep, state_sh.params), compiler_options=opts)
@@ -199,7 +237,12 @@ class Trainer:
 
     def loss_and_grads(self, state: TrainState, frozen: Flat, batch: dict) -> tuple[jax.Array, Flat]:
         """The mean loss and the gradients the step would apply (before clipping); the state is kept."""
-        return self._compiled("grads", state, frozen, batch)(state, frozen, batch)
+        losses, grads = self._compiled("grads", state, frozen, batch)(state, frozen, batch)
+        return losses["loss"], grads
+
+    def eval_sums(self, state: TrainState, frozen: Flat, batch: dict) -> dict:
+        """Summed losses and counted tokens of a batch [accum, B, T], no update (`train.evaluate`)."""
+        return self._compiled("eval", state, frozen, batch)(state, frozen, batch)
 
 
 def balance_biases(bias: Flat, names: list[str], loads, rate: float) -> Flat:

@@ -11,19 +11,20 @@ shards of --mesh), config.json, the tokenizer and other side files, and a manife
 source file sha256s, dtype, tree with checksums, mesh). Tensors stream through in slabs with several reads in
 flight; host memory stays near twice the slab budget (2 slabs per worker; freed slabs are reused) whatever the
 checkpoint's size or its largest tensor. The output is built in a hidden sibling directory, synced, and
-renamed into place at the end, so a failed or interrupted run leaves nothing that looks like a checkpoint.
-Errors are one line naming the file and the tensor; exit code 1.
+renamed into place at the end only if --dst still does not exist (`destination.taken`): a failed or interrupted
+run leaves nothing that looks like a checkpoint, and deletes nothing it did not write. --overwrite replaces only
+an earlier output of this tool. Errors are one line naming the file and the tensor; exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 
 from inkling_jax.checkpoint import orbax_io, to_hub, to_orbax
+from inkling_jax.checkpoint.destination import taken
 from inkling_jax.checkpoint.safetensors_io import CheckpointError
 from inkling_jax.checkpoint.to_orbax import ConversionError, Tuning, one_line
 from inkling_jax.checkpoint.verify import verify_hub, verify_orbax
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--src", required=True,
                         help="source directory: a hub checkpoint (*.safetensors, index, config.json) for --to orbax, "
                              "a directory this tool wrote for --to hf")
-    parser.add_argument("--dst", required=True, help="output directory; must not exist unless --overwrite")
+    parser.add_argument("--dst", required=True,
+                        help="output directory: must not exist, unless --overwrite; neither inside --src nor "
+                             "containing it")
     parser.add_argument("--to", choices=["orbax", "hf"], default="orbax",
                         help="orbax (default): hub -> orbax checkpoint; hf: converted directory -> hub layout "
                              "(interleaved gate/up, original names, index)")
@@ -48,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the mesh the checkpoint will be restored on, e.g. fsdp=8,tensor=8,expert=8 (axes: "
                              "data, fsdp, tensor, expert): chunks follow its shards so each process reads only what "
                              "its devices hold. Default: no sharding (chunks of at most 32 MB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --dst (only once done)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --dst that is an earlier output of this tool holding nothing "
+                             "else (only once done)")
     parser.add_argument("--verify", action="store_true",
                         help="before the output is moved into place, read it back: tensor counts, shapes and "
                              "checksums always; logits of source and output on a few tokens when two copies of "
@@ -74,10 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> list[str]:
     """Convert as `args` says; returns the report lines. Raises on any error, leaving no output behind."""
     src, dst = os.path.abspath(args.src), os.path.abspath(args.dst)
-    if os.path.exists(dst) and not args.overwrite:
-        raise FileExistsError(f"{dst}: already exists (pass --overwrite to replace it)")
-    if dst == src:
-        raise ValueError(f"{dst}: --dst must differ from --src")
     if args.to == "hf" and not orbax_io.is_converted(src):
         raise CheckpointError(f"{src}: not a directory this tool wrote (no {orbax_io.MANIFEST}); --to hf reads those")
     if args.to == "orbax" and orbax_io.is_converted(src):
@@ -85,20 +86,9 @@ def run(args: argparse.Namespace) -> list[str]:
     direct_reads = {"auto": Tuning.direct_reads, "direct": True, "buffered": False}[args.reads]
     tuning = Tuning.sized(workers=args.workers, readers=args.readers, slab_bytes=int(args.slab_mb * 2**20),
                           chunk_bytes=int(args.chunk_mb * 2**20), direct_reads=direct_reads)
-    parent = os.path.dirname(dst)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(dst)}.inkling-convert-{os.getpid()}")
-    _remove_abandoned(parent, os.path.basename(dst))
     start = time.perf_counter()
-    try:
-        if args.to == "orbax":
-            lines = _to_orbax(src, tmp, args, tuning)
-        else:
-            lines = _to_hf(src, tmp, args, tuning)
-        _move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with taken(dst, src=src, overwrite=args.overwrite, marker={"direction": args.to}) as work:
+        lines = (_to_orbax if args.to == "orbax" else _to_hf)(src, work, args, tuning)
     return lines + [f"wrote {dst} in {time.perf_counter() - start:.1f} s"]
 
 
@@ -119,37 +109,6 @@ def _to_hf(src: str, tmp: str, args, tuning: Tuning) -> list[str]:
     lines = [f"{len(summary['crc32'])} tensors in {len(summary['files'])} files"
              + (" (the source's own layout)" if summary["exact"] else "")]
     return lines + (verify_hub(tmp, src, summary) if args.verify else [])
-
-
-def _remove_abandoned(parent: str, name: str) -> None:
-    """Delete the hidden work folders of earlier runs for the same --dst whose process is gone (a run killed
-    with SIGKILL cannot clean up after itself); folders of runs still alive are left alone."""
-    prefix = f".{name}.inkling-convert-"
-    for entry in os.listdir(parent):
-        pid = entry[len(prefix):].split(".")[0] if entry.startswith(prefix) else ""
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def _move_into_place(tmp: str, dst: str) -> None:
-    """Rename the finished output onto dst; an existing dst (--overwrite) is moved aside first, then removed."""
-    if not os.path.exists(dst):
-        os.rename(tmp, dst)
-        return
-    old = f"{tmp}.replaced"
-    os.rename(dst, old)
-    os.rename(tmp, dst)
-    shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
 
 
 def main(argv: list[str] | None = None) -> int:

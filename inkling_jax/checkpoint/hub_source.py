@@ -1,16 +1,14 @@
 """A hub checkpoint directory as the converter reads it: dense logical tensors, read in row slabs.
 
-`HubSource` opens every shard header strictly (through `HubCheckpoint`), names the tensors of a missing shard,
-and folds each NVFP4 group (packed weight plus `.scale`, `.scale2`, `.input_amax`, `.original_shape`) into
-one logical tensor of the original shape, so the hub layout table and its checks apply unchanged. Reads go
-through `os.preadv` into fresh buffers rather than memory maps, so pages read once do not stay in the
-process's resident set.
+`HubSource` opens the index and every shard header strictly (through `HubCheckpoint`), and folds each NVFP4
+group (packed weight plus `.scale`, `.scale2`, `.input_amax`, `.original_shape`) into one logical tensor of the
+original shape, so the hub layout table and its checks apply unchanged. Reads go through `os.preadv` into fresh
+buffers rather than memory maps, so pages read once do not stay in the process's resident set.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import mmap
 import os
 
@@ -18,7 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from inkling_jax.checkpoint import nvfp4
-from inkling_jax.checkpoint.safetensors_io import INDEX, CheckpointError, HubCheckpoint
+from inkling_jax.checkpoint.safetensors_io import CheckpointError, HubCheckpoint
 
 READ_PIECE = 8 << 20  # bytes per read call: a piece is hashed while it is still in cache
 ALIGN = 4096  # O_DIRECT reads whole pages into page-aligned memory
@@ -43,9 +41,6 @@ class Nvfp4Group:
 class HubSource:
     def __init__(self, directory: str):
         self.directory = os.fspath(directory)
-        if not os.path.isdir(self.directory):
-            raise CheckpointError(f"{self.directory}: not a directory")
-        _check_shards_exist(self.directory)
         self.checkpoint = HubCheckpoint(self.directory)
         self.groups = self._nvfp4_groups()
         hidden = {f"{n}.{c}" for n in self.groups for c in nvfp4.COMPANIONS}
@@ -70,26 +65,20 @@ class HubSource:
 
     def dtype(self, name: str) -> np.dtype:
         """The dtype of the dense values (NVFP4 dequantises to float32)."""
-        return np.dtype(np.float32) if name in self.groups else self.checkpoint.file_of(name).dtype(name)
+        return np.dtype(np.float32) if name in self.groups else self.checkpoint.dtype(name)
 
     def stored_nbytes(self, name: str) -> int:
         """Bytes the tensor (its packed form, for NVFP4) takes in its file."""
         return self.checkpoint.file_of(name).nbytes(name)
 
     def segments(self, file: str) -> list[Segment]:
-        """Every byte of a file, in order: the header, each tensor, and any gaps or trailing bytes."""
+        """Every byte of a file, in order: the header, then each tensor (the header check leaves no gaps)."""
         st = self.checkpoint.files[file]
-        out, pos = [Segment(0, st.data_start)], st.data_start
+        out = [Segment(0, st.data_start)]
         for name in sorted(st.names, key=st.data_range):
             begin, end = st.data_range(name)
-            if begin > pos:
-                out.append(Segment(pos, begin))
             if end > begin:
                 out.append(Segment(begin, end, name))
-            pos = max(pos, end)
-        size = os.path.getsize(st.path)
-        if size > pos:
-            out.append(Segment(pos, size))
         return out
 
     def row_bytes(self, name: str) -> int:
@@ -204,26 +193,6 @@ def read_bytes(fd: int, offset: int, size: int, path: str, tensor: str | None, *
             digest.update(view[max(done, skip):min(done + got, skip + size)])
         done += got
     return out[skip:skip + size]
-
-
-def _check_shards_exist(directory: str) -> None:
-    """A missing shard named with a tensor the index puts in it (HubCheckpoint only names the file)."""
-    index = os.path.join(directory, INDEX)
-    if not os.path.exists(index):
-        return
-    try:
-        with open(index) as fh:
-            weight_map = json.load(fh)["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
-    by_file: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in sorted(by_file.items()):
-        if not os.path.exists(os.path.join(directory, file)):
-            more = f" and {len(names) - 1} more" if len(names) > 1 else ""
-            raise CheckpointError(f"{os.path.join(directory, file)}: file not found; the index puts tensor "
-                                  f"{sorted(names)[0]}{more} there")
 
 
 __all__ = ["HubSource", "Segment", "direct_span", "open_for_reading", "read_bytes"]

@@ -2,7 +2,7 @@
 
 `hub_layout(config)` is the single table of how every hub tensor maps onto model parameters (renaming,
 transposing `[out, in]` to `[in, out]`, de-interleaving the gate/up rows). Loading is strict: a missing,
-unexpected or mis-shaped tensor, or a truncated shard, is an error naming the tensor and the file.
+unexpected, mis-shaped or non-float tensor, or a truncated shard, is an error naming the tensor and the file.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ except ImportError:  # a declared dependency, but loading works without its prog
     def tqdm(items, **_):
         return items
 
+from inkling_jax.checkpoint.destination import taken
 from inkling_jax.checkpoint.hub_source import HubSource
 from inkling_jax.checkpoint.safetensors_io import (
     INDEX,
@@ -33,19 +34,23 @@ from inkling_jax.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from inkling_jax.config import InklingConfig, load_config, to_published
-from inkling_jax.nn.model import InklingModel, check_precisions
+from inkling_jax.checkpoint.serving_load import hold_in_nvfp4, packed_moe_layers, quantize_when_complete
+from inkling_jax.nn.model import InklingModel
 from inkling_jax.nn.moe import MoE
+from inkling_jax.nn.moe_dispatch import ROUTED_BF16, ROUTED_NVFP4
 from inkling_jax.nn.towers import plan_scales
 from inkling_jax.parallel.rules import param_shardings
+from inkling_jax.quant.config import QuantConfig
+from inkling_jax.quant.view import serving_view
 
 log = logging.getLogger(__name__)
-ROUTED_EXPERTS = MoE.ROUTED_BF16  # a MoE layer's parameters that expert_precision quantises
 
 PACKED_KINDS = ("packed_gate_up", "packed_down")
 Path = tuple  # a parameter's path in the module tree, e.g. ("layers", 3, "attn", "wq", "kernel")
 
 # Tensors some checkpoints carry that this model has no use for (SGLang skips the same ones).
 IGNORED_PREFIXES = ("model.audio.decoder.", "model.audio.logits_processor.")
+FLOATS = ("bfloat16", "float16", "float32", "float64")  # the dtypes a hub tensor may hold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,33 +169,20 @@ def abstract_model(config: InklingConfig, dtype) -> InklingModel:
     return nnx.eval_shape(lambda: InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def hold_in_nvfp4(model: InklingModel, layers: list[int]) -> None:
-    """Gives those MoE layers of an abstract model NVFP4 routed experts, in place (shapes only: a fraction of a
-    second, where building the abstract model again took ~20 s for the real config on a 2-core CPU)."""
-    def quantised(moe):
-        moe.quantize_routed_experts("nvfp4")
-        return moe
-    for i in layers:
-        model.layers[i].mlp = nnx.eval_shape(quantised, model.layers[i].mlp)
-
-
-def packed_moe_layers(checkpoint: HubSource, model: InklingModel) -> list[int]:
-    """The MoE layers whose two routed-expert matrices the checkpoint stores packed in NVFP4."""
-    def packed(i):
-        prefix = f"model.llm.layers.{i}.mlp.experts"
-        return {f"{prefix}.w13_weight", f"{prefix}.w2_weight"} <= checkpoint.groups.keys()
-    return [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE) and packed(i)]
-
-
-def packed_expert_rules(layers: list[int]) -> dict[str, Rule]:
+def packed_expert_rules(layers: list[int], rules: dict[str, Rule]) -> dict[str, Rule]:
     """Rules that take those layers' packed experts into NVFP4 experts as they are stored (codes and scales
-    unchanged: no dequantise and quantise again)."""
-    rules, names = {}, MoE.ROUTED_NVFP4
+    unchanged: no dequantise and quantise again), and their shared experts (`rules`' own) into the stacks of
+    the ServingMoE `hold_in_nvfp4` made."""
+    out = {}
     for i in layers:
-        prefix, mlp = f"model.llm.layers.{i}.mlp.experts", ("layers", i, "mlp")
-        rules[f"{prefix}.w13_weight"] = Rule("packed_gate_up", tuple(mlp + (n,) for n in names[:3]))
-        rules[f"{prefix}.w2_weight"] = Rule("packed_down", tuple(mlp + (n,) for n in names[3:]))
-    return rules
+        prefix, mlp = f"model.llm.layers.{i}.mlp", ("layers", i, "mlp")
+        experts = [mlp + ("experts", name) for name in ROUTED_NVFP4]
+        out[f"{prefix}.experts.w13_weight"] = Rule("packed_gate_up", tuple(experts[:3]))
+        out[f"{prefix}.experts.w2_weight"] = Rule("packed_down", tuple(experts[3:]))
+        for name in (f"{prefix}.shared_experts.shared_w13_weight", f"{prefix}.shared_experts.shared_w2_weight"):
+            shared = tuple(mlp + ("shared", target[-1]) for target in rules[name].targets)
+            out[name] = dataclasses.replace(rules[name], targets=shared)
+    return out
 
 
 def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
@@ -199,8 +191,8 @@ def model_variables(model: nnx.Module) -> dict[Path, nnx.Variable]:
 
 def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: InklingConfig | None = None,
                     progress: bool = True, place: Callable[[Path, np.ndarray], jax.Array] | None = None,
-                    mesh: jax.sharding.Mesh | None = None, expert_precision: str = "bf16",
-                    dense_precision: str = "bf16"):
+                    mesh: jax.sharding.Mesh | None = None, quant: QuantConfig = QuantConfig(),
+                    verify_checksums: bool = True):
     """Build an `InklingModel` from a model directory: the hub layout, or one `python -m inkling_jax.checkpoint.convert`
     wrote (an orbax checkpoint, restored straight into the shardings; each process reads what it holds).
 
@@ -208,15 +200,16 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
     mesh: shard every parameter by the `sharding` table on this mesh (default: one device).
     place: hub directories only: how a host array becomes a device array (default: by `mesh`, else
     `jnp.asarray`).
-    expert_precision: "fp8" or "nvfp4" holds the routed experts in that format (`InklingModel.quantize_routed_experts`,
-    for serving). With "nvfp4", the experts an NVFP4 checkpoint stores packed are taken as they are stored
-    (`packed_expert_rules`); otherwise they are dequantised as they are read.
-    Each MoE layer is quantised as soon as its experts are in (a converted checkpoint is restored in parts for
-    that), so the devices never hold more than one layer's experts in `dtype`.
-    dense_precision: "fp8" holds the dense MLPs and the LM head in fp8 (`InklingModel.quantize_dense`, for
-    serving), quantised once all weights are in.
+    quant: for serving, the weights held as it says (`inkling_jax.quant.serving_view`, unfused: the server fuses
+    where its mesh allows). With NVFP4 experts, the experts an NVFP4 checkpoint stores packed are taken as they
+    are stored (`packed_expert_rules`); otherwise they are dequantised as they are read. Each MoE layer's
+    routed experts are quantised as soon as they are in (a converted checkpoint is restored in parts for that),
+    so the devices never hold more than one layer's experts in `dtype`; the rest once all weights are in.
+    verify_checksums: converted directories only: before restoring, check the chunk files this process will read
+    against the checksums the converter recorded (one more read and crc32 of those bytes).
     """
-    check_precisions(expert_precision=expert_precision, dense_precision=dense_precision)
+    if not isinstance(quant, QuantConfig):
+        raise TypeError(f"quant must be an inkling_jax.quant.QuantConfig, not {type(quant).__name__}")
     path = os.fspath(path)
     config = config or load_config(path)
     model = abstract_model(config, jnp.dtype(dtype))
@@ -228,44 +221,27 @@ def load_pretrained(path: str | os.PathLike, dtype="float32", *, config: Inkling
         rules = hub_layout(config)
         check_tensor_names(checkpoint, rules, config)
         check_shapes(checkpoint, rules, variables)
-        packed = packed_moe_layers(checkpoint, model) if expert_precision == "nvfp4" else []
+        packed = packed_moe_layers(checkpoint, model) if quant.expert_precision == "nvfp4" else []
         if packed:
             hold_in_nvfp4(model, packed)
             variables = model_variables(model)
-            rules.update(packed_expert_rules(packed))
+            rules.update(packed_expert_rules(packed, rules))
     shardings = None if mesh is None else param_shardings(model, mesh)
-    filled = _quantize_when_complete(model, expert_precision) if expert_precision != "bf16" else None
+    filled = quantize_when_complete(model, variables, quant) if quant.expert_precision != "bf16" else None
     if checkpoint is None:
         batches = None
         if filled is not None:  # everything but the routed experts, then one MoE layer's experts at a time
-            experts = [[("layers", i, "mlp", name) for name in ROUTED_EXPERTS]
+            experts = [[("layers", i, "mlp", name) for name in ROUTED_BF16]
                        for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
             routed = {p for batch in experts for p in batch}
             batches = [[p for p in variables if p not in routed]] + experts
-        orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled)
+        orbax_io.load_converted(path, variables, shardings, batches=batches, restored=filled, verify=verify_checksums)
     else:
         if place is None:
             place = ((lambda _, x: jnp.asarray(x)) if mesh is None
                      else (lambda p, x: jax.device_put(x, shardings[p])))
         fill_variables(checkpoint, rules, variables, place, progress, filled=filled)
-    model.quantize(expert_precision, dense_precision)  # the experts were quantised layer by layer above
-    return model
-
-
-def _quantize_when_complete(model: InklingModel, precision: str) -> Callable[[Path], None]:
-    """A callback for each parameter set while loading, that quantises a MoE layer's routed experts to
-    `precision` once all three are set."""
-    pending: dict[int, set] = {}
-
-    def filled(path: Path) -> None:
-        if path[0] != "layers" or path[-1] not in ROUTED_EXPERTS:
-            return
-        moe = model.layers[path[1]].mlp
-        if isinstance(moe, MoE):
-            pending.setdefault(path[1], set()).add(path[-1])
-            if len(pending[path[1]]) == 3:
-                moe.quantize_routed_experts(precision)
-    return filled
+    return model if quant == QuantConfig() else serving_view(model, quant, fuse=False)
 
 
 def fill_variables(checkpoint, rules: dict[str, Rule], variables: dict[Path, nnx.Variable],
@@ -312,24 +288,22 @@ def check_shapes(checkpoint: HubSource, rules: dict[str, Rule], variables: dict[
         if tuple(found) != tuple(expected):
             raise CheckpointError(f"{checkpoint.path_of(name)}: tensor {name} has shape {list(found)}, the config "
                                   f"needs {list(expected)}")
+        if checkpoint.dtype(name).name not in FLOATS:
+            raise CheckpointError(f"{checkpoint.path_of(name)}: tensor {name} is {checkpoint.dtype(name)}, not a "
+                                  f"float type")
 
 
 def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=None,
                     max_shard_bytes: int = 4 << 30) -> None:
     """Write `model` in the hub layout: config.json, *.safetensors shards and their index.
 
-    The directory is built under a temporary name and renamed into place at the end, so a failed write never
-    leaves a directory that looks like a checkpoint. dtype: cast the weights (default: as they are).
+    The directory is built under a temporary name and renamed into place at the end, only if nothing appeared
+    there meanwhile (`destination.taken`), so a failed write never leaves a directory that looks like a
+    checkpoint. dtype: cast the weights (default: as they are).
     """
     import json
-    import shutil
 
-    directory = os.fspath(directory)
-    if os.path.exists(directory):
-        raise FileExistsError(f"{directory} already exists")
-    tmp = f"{directory}.partial-{os.getpid()}"
-    os.makedirs(tmp)
-    try:
+    with taken(directory) as tmp:
         variables = model_variables(model)
         tensors = {}
         for name, rule in hub_layout(model.config).items():
@@ -345,10 +319,6 @@ def save_pretrained(model: InklingModel, directory: str | os.PathLike, *, dtype=
             fh.write(index_text(weight_map, sum(t.nbytes for t in tensors.values())))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(to_published(model.config), fh, indent=1)
-        os.rename(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def keeps_fp32(name: str) -> bool:

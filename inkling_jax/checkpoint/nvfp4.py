@@ -34,7 +34,8 @@ COMPANIONS = ("scale", "scale2", "input_amax", "original_shape")  # suffixes ".s
 FIRST_QUANTISED_LAYER = 3
 QUANTISED_NAME = re.compile(r"model\.llm\.layers\.(\d+)\.mlp\.experts\.w(13|2)_weight$")
 
-from inkling_jax.checkpoint.safetensors_io import HubCheckpoint, write_safetensors
+from inkling_jax.checkpoint.destination import taken
+from inkling_jax.checkpoint.safetensors_io import CheckpointError, HubCheckpoint, write_safetensors
 from inkling_jax.config import load_config
 
 
@@ -96,21 +97,31 @@ def is_quantised_in_release(name: str, dense_layers) -> bool:
 
 def quant_config_of(directory: str) -> dict | None:
     """The `quantization` block of hf_quant_config.json (or config.json's quantization_config), or None."""
-    path = os.path.join(directory, "hf_quant_config.json")
-    if os.path.exists(path):
+    quant = os.path.join(directory, "hf_quant_config.json")
+    path, field = (quant, "quantization") if os.path.exists(quant) else (os.path.join(directory, "config.json"),
+                                                                         "quantization_config")
+    try:
         with open(path) as fh:
-            return json.load(fh).get("quantization", {})
-    with open(os.path.join(directory, "config.json")) as fh:
-        return json.load(fh).get("quantization_config")
+            block = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
+        raise CheckpointError(f"{path}: cannot read the quantisation settings ({' '.join(str(e).split())})") from None
+    block = block.get(field) if isinstance(block, dict) else block
+    if block is not None and not isinstance(block, dict):
+        raise CheckpointError(f"{path}: {field} is {block!r:.60}, not an object")
+    return block
 
 
 def quantize_checkpoint(src: str, dst: str, input_amax: float = 1.0) -> list[str]:
-    """Write an NVFP4 copy of the hub checkpoint `src` to `dst` (which must not exist); returns the names
-    quantised. Other tensors and files are copied as they are. `input_amax` is a stand-in activation amax
+    """Write an NVFP4 copy of the hub checkpoint `src` to `dst` (which must not exist, atomically); returns the
+    names quantised. Other tensors and files are copied as they are. `input_amax` is a stand-in activation amax
     (there is no calibration data here); conversion does not use it."""
+    with taken(dst, src=src) as out:
+        return _write_quantised(src, out, input_amax)
+
+
+def _write_quantised(src: str, dst: str, input_amax: float) -> list[str]:
     dense = load_config(src).text.dense_layer_ids
     checkpoint = HubCheckpoint(src)
-    os.makedirs(dst)
     quantised, weight_map = [], {}
     for file, st in checkpoint.files.items():
         tensors = {}

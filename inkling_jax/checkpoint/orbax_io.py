@@ -6,33 +6,29 @@
       inkling-convert.json               the manifest, written last (source hashes, dtype, tree, mesh)
 
 Orbax itself writes the tree metadata (`params/_METADATA`) from a skeleton of the tree, tensorstore each
-parameter's zarr metadata; the converter then writes the chunk files region by region (`write_region`), so no
-whole tree is ever in memory.
+parameter's zarr metadata; the converter then writes the chunk files region by region (`chunks.write_region`),
+so no whole tree is ever in memory, and records each chunk file's checksum in the manifest.
 The result restores with plain orbax (`StandardCheckpointer().restore`) as well as with `restore_params`,
-which reads straight into the requested shardings (each process reads only the chunks its devices hold).
+which reads straight into the requested shardings (each process reads only the chunks its devices hold);
+`load_converted` checks those chunks' checksums first. The manifest is checked field by field when read.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import itertools
 import json
 import math
-import mmap
 import os
-import threading
 
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from inkling_jax.checkpoint.chunks import ParamArray, check_chunks, held_chunks
 from inkling_jax.checkpoint.safetensors_io import CheckpointError
 
 MANIFEST = "inkling-convert.json"
 PARAMS_DIR = "params"
-FORMAT = "inkling-jax/orbax-params/1"
-ALIGN = 4096  # O_DIRECT writes whole pages from page-aligned memory
+FORMAT = "inkling-jax/orbax-params/2"  # 2: a checksum per chunk file
 
 
 def is_converted(path: str) -> bool:
@@ -40,11 +36,59 @@ def is_converted(path: str) -> bool:
 
 
 def read_manifest(path: str) -> dict:
-    with open(os.path.join(os.fspath(path), MANIFEST)) as fh:
-        manifest = json.load(fh)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{os.path.join(path, MANIFEST)}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    """The manifest of a converted directory, with every field its readers use checked."""
+    file = os.path.join(os.fspath(path), MANIFEST)
+    try:
+        with open(file) as fh:
+            manifest = json.load(fh)
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
+        raise CheckpointError(f"{file}: cannot read the manifest ({' '.join(str(e).split())})") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else f"a JSON {type(manifest).__name__}"
+    if found != FORMAT:
+        raise CheckpointError(f"{file}: format {found!r:.60}, expected {FORMAT!r} (convert the source again)")
+    _check_manifest(file, manifest)
     return manifest
+
+
+def _is_ints(value, least: int) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= least
+                                           for v in value)
+
+
+def _require(file: str, field: str, value, ok: bool, expected: str) -> None:
+    if not ok:
+        raise CheckpointError(f"{file}: field {field} is {value!r:.60}, expected {expected}")
+
+
+def _check_manifest(file: str, m: dict) -> None:
+    for field, kind, expected in (("dtype", str, "text"), ("params", dict, "an object"), ("source", dict, "an object")):
+        _require(file, field, m.get(field), isinstance(m.get(field), kind), expected)
+    for key, e in m["params"].items():
+        at = f"params.{key}"
+        _require(file, at, e, isinstance(e, dict), "an object")
+        _require(file, f"{at}.shape", e.get("shape"), _is_ints(e.get("shape"), 0), "a list of sizes")
+        _require(file, f"{at}.chunks", e.get("chunks"),
+                 _is_ints(e.get("chunks"), 1) and len(e["chunks"]) == len(e["shape"]), "a chunk size per axis")
+        _require(file, f"{at}.dtype", e.get("dtype"), e.get("dtype") in ("bfloat16", "float32"),
+                 "bfloat16 or float32")
+        count = math.prod(-(-s // c) for s, c in zip(e["shape"], e["chunks"]))
+        crcs = e.get("chunk_crc32")
+        _require(file, f"{at}.chunk_crc32", crcs, isinstance(crcs, list) and len(crcs) == count
+                 and all(isinstance(c, str) for c in crcs), f"a list of {count} checksums")
+    source = m["source"]
+    _require(file, "source.quantization", source.get("quantization"), source.get("quantization") in (None, "NVFP4"),
+             "null or NVFP4")
+    files = source.get("files")
+    _require(file, "source.files", files, isinstance(files, dict) and all(
+        isinstance(f, dict) and isinstance(f.get("sha256"), str) for f in files.values()), "{file: {sha256}}")
+    layout = source.get("layout")
+    _require(file, "source.layout", layout, isinstance(layout, dict) and isinstance(layout.get("exact"), bool),
+             "an object with exact: true or false")
+    if layout["exact"]:
+        headers, index = layout.get("headers"), layout.get("index")
+        _require(file, "source.layout.headers", headers, isinstance(headers, dict) and all(
+            isinstance(h, str) for h in headers.values()), "{file: header text}")
+        _require(file, "source.layout.index", index, index is None or isinstance(index, str), "null or text")
 
 
 def param_key(path: tuple) -> str:
@@ -96,16 +140,6 @@ def sync_tree(directory: str) -> None:
                 raise OSError(e.errno, f"{path}: cannot sync to disk: {e.strerror}") from None
 
 
-@dataclasses.dataclass(frozen=True)
-class ParamArray:
-    """A parameter's zarr array as the converter fills it (`write_region`)."""
-
-    path: str
-    shape: tuple[int, ...]
-    chunks: tuple[int, ...]
-    dtype: np.dtype
-
-
 def create_array(params_dir: str, key: str, shape, dtype, chunks, ctx: ts.Context) -> ParamArray:
     """A new, uncompressed zarr array for one parameter (replacing the skeleton's): tensorstore writes its
     metadata; `write_region` writes its chunks."""
@@ -116,74 +150,9 @@ def create_array(params_dir: str, key: str, shape, dtype, chunks, ctx: ts.Contex
     return ParamArray(os.path.join(params_dir, key), tuple(shape), tuple(chunks), np.dtype(dtype))
 
 
-def write_region(array: ParamArray, index: tuple, data: np.ndarray) -> None:
-    """Write `data` to `index` (slices that start on chunk boundaries and stop on one or at the array's end) as
-    whole chunk files: an uncompressed zarr chunk is the chunk's bytes in C order, edge chunks padded. Files are
-    written with O_DIRECT where the file system takes it: buffered writes of the converter's output cost about
-    2 CPU s/GB on a VM whose page cache was full (copies plus reclaim), direct ones almost nothing. This is the
-    one place parameter data is written (tests replace it to simulate a full disk)."""
-    bounds = [(s.start or 0, array.shape[a] if s.stop is None else min(s.stop, array.shape[a]))
-              for a, s in enumerate(index)]
-    grid = [range(lo // c, -(-hi // c)) for (lo, hi), c in zip(bounds, array.chunks)]
-    for where in itertools.product(*grid):
-        part = np.asarray(data[tuple(slice(i * c - lo, min((i + 1) * c, hi) - lo)
-                                     for i, c, (lo, hi) in zip(where, array.chunks, bounds))])
-        key = ".".join(map(str, where)) or "0"
-        _write_chunk(os.path.join(array.path, key), part, array.chunks, array.dtype)
-
-
-def _write_chunk(path: str, part: np.ndarray, chunks: tuple[int, ...], dtype: np.dtype) -> None:
-    nbytes = math.prod(chunks) * dtype.itemsize
-    padded = -(-nbytes // ALIGN) * ALIGN
-    if part.shape == chunks and part.flags.c_contiguous and part.ctypes.data % ALIGN == 0 and padded == nbytes:
-        buffer = part.reshape(-1).view(np.uint8)  # already the chunk's bytes, aligned: no copy
-    else:
-        buffer = _scratch(padded)
-        chunk = buffer[:nbytes].view(dtype).reshape(chunks)
-        if part.shape != chunks:
-            buffer[:nbytes] = 0
-        chunk[tuple(slice(0, n) for n in part.shape)] = part
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o666)
-        try:
-            _write_all(fd, buffer)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:  # EINVAL: the file system does not take O_DIRECT
-            raise
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            _write_all(fd, buffer[:nbytes])
-        finally:
-            os.close(fd)
-    if padded != nbytes:
-        os.truncate(path, nbytes)
-
-
-def _write_all(fd: int, buffer: np.ndarray) -> None:
-    view, done = memoryview(buffer), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], done)
-
-
-_local = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """A page-aligned buffer of this thread's, reused from chunk to chunk."""
-    if getattr(_local, "buffer", None) is None or _local.buffer.nbytes < nbytes:
-        _local.buffer = np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)
-    return _local.buffer[:nbytes]
-
-
 def open_array(params_dir: str, key: str, ctx: ts.Context) -> ts.TensorStore:
     spec = {"driver": "zarr", "kvstore": {"driver": "file", "path": os.path.join(params_dir, key)}}
     return ts.open(spec, open=True, read=True, context=ctx).result()
-
-
-def read_region(array: ts.TensorStore, index: tuple) -> np.ndarray:
-    return array[index].read().result()
 
 
 def _zarr_dtype(dtype) -> str:
@@ -191,9 +160,11 @@ def _zarr_dtype(dtype) -> str:
     return "bfloat16" if dtype.name == "bfloat16" else dtype.str
 
 
-def load_converted(directory: str, variables: dict, shardings: dict | None, batches=None, restored=None) -> None:
+def load_converted(directory: str, variables: dict, shardings: dict | None, batches=None, restored=None,
+                   verify: bool = True) -> None:
     """Fill the (abstract) model variables {path: nnx.Variable} from a converted directory, checking first
-    that the stored tree is exactly the model's. shardings: {path: Sharding}; None puts all on one device.
+    that the stored tree is exactly the model's and (verify) that the chunk files this process's devices will
+    read have the checksums the converter recorded. shardings: {path: Sharding}; None puts all on one device.
     batches: lists of paths restored one list at a time (default: all at once), `restored(path)` called for each
     path of a list once it is set (loading.py quantises experts layer by layer so)."""
     import jax
@@ -214,6 +185,9 @@ def load_converted(directory: str, variables: dict, shardings: dict | None, batc
     if shardings is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = dict.fromkeys(specs, device)
+    if verify:
+        arrays = {p: ParamArray.stored(where, param_key(p), stored[param_key(p)]) for p in specs}
+        check_chunks(list(arrays.values()), {a.name: held_chunks(a, shardings[p]) for p, a in arrays.items()})
     for batch in batches or [list(specs)]:
         part = {p: specs[p] for p in batch}
         for path, value in restore_params(directory, part, shardings, partial=len(part) < len(specs)).items():

@@ -46,11 +46,6 @@ class TensorPlan:
         index[self.axis] = slice(start // self.rows_per_index, stop // self.rows_per_index)
         return tuple(index)
 
-    @property
-    def target_slab(self) -> int:
-        """Slab length along `axis`, in target indices (what the manifest's checksums are taken over)."""
-        return self.slab_rows // self.rows_per_index
-
 
 def fed_axis(rule: Rule, hub_ndim: int) -> tuple[int, int]:
     """(target axis fed by hub rows, hub rows per target index) of a rule."""
@@ -88,16 +83,6 @@ def plan_tensor(name: str, rule: Rule, hub_shape, target_shape, *, row_cost: int
     slab_rows = unit * max(1, slab_bytes // max(1, unit * row_cost))
     return TensorPlan(name, rule, hub_shape, target_shape, axis, per, chunks,
                       min(slab_rows, max(hub_shape[0], 1)) if hub_shape else 1, row_cost)
-
-
-def target_slabs(shape, axis: int, size: int) -> list[tuple[slice, ...]]:
-    """The regions of a parameter, `size` indices at a time along `axis`, in order."""
-    out = []
-    for start in range(0, max(shape[axis], 1), max(size, 1)):
-        index = [slice(None)] * len(shape)
-        index[axis] = slice(start, start + size)
-        out.append(tuple(index))
-    return out
 
 
 def contiguous(x: np.ndarray, dtype, out: np.ndarray | None = None) -> np.ndarray:

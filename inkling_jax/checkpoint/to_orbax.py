@@ -6,11 +6,8 @@ goes to a worker that decodes it (NVFP4: dequantises), applies the hub layout ru
 tiles, `slabs.transpose_into`), casts it and writes its region of the orbax arrays. The bytes held at once stay
 under a budget (`streaming.Stream`), and slabs reuse freed buffers (`streaming.BufferPool`, which keeps at most
 the budget), so peak host memory is about `2 * budget + readers * slab_bytes` above the interpreter's own,
-whatever the checkpoint's size.
-
-CPU per GB in `convert`, measured on a loaded 2-core VM (bench/convert.py's checkpoint, 2 layers): 2.0 CPU s/GB
-(reads and sha256 0.9, crc32 0.4, transposes 0.3, chunk writes 0.3), where fresh buffers, numpy's strided
-transposes and buffered writes through tensorstore took 5.1 (buffered writes alone about 2).
+whatever the checkpoint's size. Reused buffers, tiled transposes and direct chunk writes keep the CPU per GB
+low (see docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,15 +20,15 @@ import math
 import os
 import shutil
 import time
-import zlib
 
 import numpy as np
 from jax.sharding import AbstractMesh
 
-from inkling_jax.checkpoint import orbax_io
+from inkling_jax.checkpoint import chunks, orbax_io
+from inkling_jax.checkpoint.destination import MARKER
 from inkling_jax.checkpoint.hub_source import HubSource, direct_span, open_for_reading, read_bytes
 from inkling_jax.checkpoint.loading import abstract_model, check_shapes, check_tensor_names, hub_layout, model_variables
-from inkling_jax.checkpoint.safetensors_io import INDEX, CheckpointError
+from inkling_jax.checkpoint.safetensors_io import INDEX
 from inkling_jax.checkpoint.slabs import TensorPlan, contiguous, plan_tensor
 from inkling_jax.checkpoint.streaming import BufferPool, Stream
 from inkling_jax.config import load_config
@@ -46,8 +43,7 @@ class Tuning:
     slab_bytes: int = 128 << 20
     chunk_bytes: int = 32 << 20
     budget_bytes: int = 2 * workers * slab_bytes  # slabs queued or converting; readers hold one more slab each
-    # O_DIRECT reads skip the page-cache copy: they saved CPU on a 2-core host, but read 35% slower than
-    # buffered ones on a 16-core host's disk, where the CPU was idle (bench/results/convert.md)
+    # O_DIRECT reads skip the page-cache copy: less CPU on small hosts, slower reads on some large hosts' disks
     direct_reads: bool = (os.cpu_count() or 1) <= 4
 
     @classmethod
@@ -55,9 +51,6 @@ class Tuning:
               direct_reads: bool = direct_reads) -> "Tuning":
         """A budget of two slabs per worker: one converting, one queued."""
         return cls(workers, readers, slab_bytes, chunk_bytes, 2 * workers * slab_bytes, direct_reads)
-
-
-FLOATS = ("bfloat16", "float16", "float32", "float64")
 
 
 class ConversionError(OSError):
@@ -74,18 +67,15 @@ def prepare(src: str, dtype: str | None, mesh: str | None, tuning: Tuning):
     """Open and check the source; the plan of every hub tensor. Raises before anything is written."""
     source = HubSource(src)
     config = load_config(src)
-    dtype = dtype or source_dtype(source)
-    model = abstract_model(config, np.dtype(dtype))
-    variables = model_variables(model)
     rules = hub_layout(config)
     check_tensor_names(source, rules, config)
+    dtype = dtype or source_dtype(source)
+    variables = model_variables(abstract_model(config, np.dtype(dtype)))
     check_shapes(source, rules, variables)
     sizes = parse_mesh_spec(mesh)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
     plans = {}
     for name, rule in rules.items():
-        if source.dtype(name).name not in FLOATS:
-            raise CheckpointError(f"{source.path_of(name)}: tensor {name} is {source.dtype(name)}, not a float type")
         var = variables[rule.targets[0]].get_value()
         shape, out = tuple(var.shape), np.dtype(var.dtype).itemsize
         spec = spec_for(logical_axes(rule.targets[0], len(shape)), shape, abstract_mesh)
@@ -113,12 +103,11 @@ def check_free_space(directory: str, plans: dict[str, TensorPlan], variables) ->
 
 def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = None, tuning: Tuning = Tuning(),
             progress: bool = True) -> dict:
-    """Write the converted directory `out` (which must not exist) from hub directory `src`; returns the
-    manifest. The caller makes the result atomic (see `convert.py`)."""
+    """Fill the empty directory `out` with the conversion of hub directory `src`; returns the manifest. The
+    caller makes the result atomic (`destination.taken`)."""
     source, config, dtype, sizes, variables, plans = prepare(src, dtype, mesh, tuning)
     check_free_space(os.path.dirname(os.path.abspath(out)), plans, variables)
     params_dir = os.path.join(out, orbax_io.PARAMS_DIR)
-    os.makedirs(out)
     specs = {path: (tuple(var.get_value().shape), np.dtype(var.get_value().dtype)) for path, var in variables.items()}
     orbax_io.write_tree_metadata(params_dir, specs)
     ctx = orbax_io.context()
@@ -128,21 +117,20 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
             key = orbax_io.param_key(target)
             arrays[target] = orbax_io.create_array(params_dir, key, *specs[target], plan.chunks, ctx)
             param_plan[target] = plan
-    crcs: dict[tuple, dict[int, int]] = {t: {} for t in arrays}
+    crcs: dict[tuple, dict[tuple, str]] = {t: {} for t in arrays}  # {target: {chunk position: crc32}}
     hashes: dict[str, dict] = {}
 
     pool = BufferPool(keep_bytes=tuning.budget_bytes)
 
-    def convert_slab(plan: TensorPlan, index: int, start: int, stop: int, raw: np.ndarray, held: np.ndarray):
+    def convert_slab(plan: TensorPlan, start: int, stop: int, raw: np.ndarray, held: np.ndarray):
         """Convert and write one slab; `raw` (its bytes) is a view of the pool buffer `held`."""
         for target, value in zip(plan.rule.targets, plan.rule.to_model(source.decode(plan.name, start, stop, raw))):
             dtype, buffer = specs[target][1], None
             if not (value.flags.c_contiguous and value.dtype == dtype):
                 buffer = pool.take(value.size * dtype.itemsize)
                 value = contiguous(value, dtype, pool.array(buffer, value.shape, dtype))
-            crcs[target][index] = zlib.crc32(value)
             try:
-                orbax_io.write_region(arrays[target], plan.region(start, stop), value)
+                crcs[target].update(chunks.write_region(arrays[target], plan.region(start, stop), value))
             except Exception as e:  # tensorstore reports OS errors as ValueError
                 raise ConversionError(f"{os.path.join(params_dir, orbax_io.param_key(target))}: cannot write "
                                       f"parameter {orbax_io.param_key(target)} (hub tensor {plan.name}): "
@@ -160,7 +148,7 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
                     plan = plans.get(seg.tensor)
                     row = source.row_bytes(seg.tensor) if seg.tensor else 1
                     slabs = plan.slabs() if plan else _pieces(seg.end - seg.start, row, tuning.slab_bytes)
-                    for index, (start, stop) in enumerate(slabs):
+                    for start, stop in slabs:
                         stream.check()
                         offset, size = seg.start + start * row, (stop - start) * row
                         held = pool.take(direct_span(offset, size) if direct else size)
@@ -170,7 +158,7 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
                             pool.give(held)
                             continue
                         stream.submit((stop - start) * plan.row_cost,
-                                      functools.partial(convert_slab, plan, index, start, stop, raw, held))
+                                      functools.partial(convert_slab, plan, start, stop, raw, held))
             finally:
                 os.close(fd)
             hashes[file] = {"sha256": digest.hexdigest(), "bytes": os.path.getsize(path)}
@@ -183,7 +171,7 @@ def convert(src: str, out: str, *, dtype: str | None = None, mesh: str | None = 
     started = time.perf_counter()
     stream.run([read_file(f) for f in files], parallel=tuning.readers)
     seconds = time.perf_counter() - started
-    checksums = {t: combine_crcs([c[i] for i in sorted(c)]) for t, c in crcs.items()}
+    checksums = {t: [crcs[t][where] for where in array.grid()] for t, array in arrays.items()}
     manifest = _manifest(source, plans, param_plan, specs, checksums, dtype, mesh, sizes)
     manifest["source"].update(files=hashes, side_files=_copy_side_files(source, out))
     manifest.update(memory={"budget_bytes": tuning.budget_bytes, "peak_held_bytes": stream.peak,
@@ -200,18 +188,11 @@ def _manifest(source: HubSource, plans, param_plan, specs, checksums, dtype: str
     for target, plan in param_plan.items():
         shape, dt = specs[target]
         params[orbax_io.param_key(target)] = {
-            "shape": list(shape), "dtype": dt.name, "chunks": list(plan.chunks), "slab_axis": plan.axis,
-            "slab_size": plan.target_slab, "crc32": checksums[target]}
+            "shape": list(shape), "dtype": dt.name, "chunks": list(plan.chunks), "chunk_crc32": checksums[target]}
     return {"format": orbax_io.FORMAT, "dtype": dtype, "mesh": {"spec": mesh or "", "axes": sizes},
             "params": params, "num_params": len(params), "versions": _versions(),
             "source": {"directory": source.directory, "quantization": source.quantization,
                        "skipped_tensors": sorted(set(source.names) - set(plans)), **_layout(source, plans)}}
-
-
-def combine_crcs(values: list[int]) -> str:
-    """One checksum of a parameter: the crc32 of its slabs' crc32s, in slab order (see the manifest's
-    slab_axis and slab_size)."""
-    return f"{zlib.crc32(np.asarray(values, '>u4').tobytes()):08x}"
 
 
 def _pieces(size: int, row: int, limit: int) -> list[tuple[int, int]]:
@@ -226,7 +207,7 @@ def _copy_side_files(source: HubSource, out: str) -> dict[str, str]:
     copied = {}
     for file in sorted(os.listdir(source.directory)):
         path = os.path.join(source.directory, file)
-        if not os.path.isfile(path) or file.endswith(".safetensors"):
+        if not os.path.isfile(path) or file.endswith(".safetensors") or file == MARKER:
             continue
         with open(path, "rb") as fh:
             data = fh.read()

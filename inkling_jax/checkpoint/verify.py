@@ -1,7 +1,7 @@
-"""`--verify`: what was written reads back as written (tensor counts, shapes, dtypes and checksums, always),
-and for models that fit in host memory the source and the converted checkpoint give identical logits.
-Exporting back to the hub layout additionally checks each file's sha256 against the source's when the
-original layout was kept. Every check raises `VerificationError` naming the file and the tensor."""
+"""`--verify`: what was written reads back as written (tensor counts, shapes, dtypes and the checksum of every
+chunk file, always), and for models that fit in host memory the source and the converted checkpoint give
+identical logits. Exporting back to the hub layout additionally checks each file's sha256 against the source's
+when the original layout was kept. Every check raises `VerificationError` naming the file and the tensor."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax.checkpoint import orbax_io
+from inkling_jax.checkpoint.chunks import ParamArray, check_chunks
 from inkling_jax.checkpoint.hub_source import HubSource
 from inkling_jax.checkpoint.loading import (
     abstract_model,
@@ -25,8 +26,7 @@ from inkling_jax.checkpoint.loading import (
     model_variables,
 )
 from inkling_jax.checkpoint.safetensors_io import CheckpointError, HubCheckpoint
-from inkling_jax.checkpoint.slabs import target_slabs
-from inkling_jax.checkpoint.to_orbax import combine_crcs
+from inkling_jax.checkpoint.to_hub import combine_crcs
 from inkling_jax.config import load_config
 
 LOGIT_TOKENS = 8
@@ -54,12 +54,13 @@ def verify_orbax(out: str, src: str) -> list[str]:
         if found != (entry["shape"], entry["dtype"]):
             raise VerificationError(f"{where}: parameter {key} is {found[1]} {found[0]}, the manifest says "
                                     f"{entry['dtype']} {entry['shape']}")
-        crcs = [_crc(orbax_io.read_region(array, index))
-                for index in target_slabs(entry["shape"], entry["slab_axis"], entry["slab_size"])]
-        if combine_crcs(crcs) != entry["crc32"]:
-            raise VerificationError(f"{where}: parameter {key} reads back with checksum {combine_crcs(crcs)}, "
-                                    f"{entry['crc32']} was written")
-    lines = [f"verified {len(variables)} parameters: shapes, dtypes and checksums"]
+    arrays = [ParamArray.stored(params_dir, key, entry) for key, entry in manifest["params"].items()]
+    try:
+        check_chunks(arrays)
+    except CheckpointError as e:
+        raise VerificationError(str(e)) from None
+    lines = [f"verified {len(variables)} parameters: shapes, dtypes and the checksums of "
+             f"{sum(len(a.crc32) for a in arrays)} chunk files"]
     if not _fits(variables, copies=2):
         return lines + ["logits not compared: two copies of the model do not fit in host memory"]
     dtype = manifest["dtype"]

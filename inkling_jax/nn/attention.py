@@ -13,7 +13,6 @@ from inkling_jax.nn import kernels
 from inkling_jax.nn.cache import LayerCache
 from inkling_jax.nn.layers import Linear, RMSNorm, ShortConv, normal
 from inkling_jax.parallel.kernel_sharding import pin_heads
-from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear
 
 
 class Attention(nnx.Module):
@@ -36,7 +35,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
         # One bank of bias-vs-distance profiles per layer, shared by all heads: P [d_rel, E].
         self.rel_proj = nnx.Param(normal(rngs, (cfg.d_rel, s.extent), dtype))
-        self.mesh = None  # set by `sharding.shard_model`: the kernels then run per device on its own heads
+        self.mesh = None  # set by `placement.shard_model`: the kernels then run per device on its own heads
 
     def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
                  page_table=None, ring_rows=None):
@@ -78,39 +77,10 @@ class Attention(nnx.Module):
             updated = dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
         return self.wo(out.reshape(batch, seq, -1)), updated
 
-    def fuse_projections(self) -> None:
-        """For inference: replace wq, wk, wv, wr by one kernel `wqkvr [hidden, q | k | v | r widths]`, so a call
-        multiplies u once (a decode step's small projections are latency-bound as four gemms). The four are
-        deleted, so the weights are not held twice. Checkpoints, LoRA, training and the tensor-parallel rules
-        name the four; the fused columns mix heads, so the fused kernel must not be split over `tensor`."""
-        if self.fused:
-            return
-        parts = (self.wq, self.wk, self.wv, self.wr)
-        self.wqkvr = nnx.Param(jnp.concatenate([p.kernel[...] for p in parts], axis=1))
-        del self.wq, self.wk, self.wv, self.wr
-
-    @property
-    def fused(self) -> bool:
-        return hasattr(self, "wqkvr") or hasattr(self, "wqkvr_nvfp4")
-
-    def quantize_nvfp4(self) -> int:
-        """For serving (forward only): the fused q|k|v|r map (`fuse_projections`, done here first) and wo held in
-        NVFP4 (inkling_jax/quant/dense_nvfp4.py), the float matrices freed. Returns the number of matrices changed."""
-        if hasattr(self, "wqkvr_nvfp4"):
-            return 0
-        self.fuse_projections()
-        self.wqkvr_nvfp4 = Nvfp4Linear.quantize(self.wqkvr[...])
-        self.wo = Nvfp4Linear.quantize(self.wo.kernel[...])
-        del self.wqkvr
-        return 2
-
     def _project(self, u):
-        """(q, k, v, r) of u [B, T, hidden], flat per token: one matmul when fused, else the four maps."""
-        if not self.fused:
-            return self.wq(u), self.wk(u), self.wv(u), self.wr(u)
-        qkvr = self.wqkvr_nvfp4(u) if hasattr(self, "wqkvr_nvfp4") else u @ self.wqkvr[...]
-        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return jnp.split(qkvr, [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)
+        """(q, k, v, r) of u [B, T, hidden], flat per token. Serving forms replace the four maps
+        (`inkling_jax.quant.attention`)."""
+        return self.wq(u), self.wk(u), self.wv(u), self.wr(u)
 
     def _cache_index(self, cache, page_table, ring_rows, positions, n_new):
         """[B, T] row of each token in the cache flattened to [rows, Hkv, D], or -1 where nothing is written:

@@ -128,7 +128,8 @@ def self_attention(q, k, v, r, rel_proj, positions, *, window=None, tau=None, se
     else:
         def call(q, k, v, r, rel_proj, positions, tau, segment_ids):
             return attention_reference.rel_attention(q, k, v, r, rel_proj, positions, positions, window=window,
-                                                     tau=tau, q_segment=segment_ids, k_segment=segment_ids)
+                                                     tau=tau, q_segment=segment_ids, k_segment=segment_ids,
+                                                     index_distances=True)
 
     how = split(mesh, (q.shape[2], k.shape[2]), batch=q.shape[0])
     if how:

@@ -29,6 +29,13 @@ class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(normal(rngs, (in_features, out_features), dtype))
 
+    @classmethod
+    def from_kernel(cls, kernel) -> "Linear":
+        """A Linear holding `kernel [in, out]` (no random draw)."""
+        linear = nnx.eval_shape(lambda: cls(*kernel.shape, dtype=kernel.dtype, rngs=nnx.Rngs(0)))
+        linear.kernel = nnx.Param(kernel)
+        return linear
+
     def __call__(self, x):
         return x @ self.kernel[...]
 

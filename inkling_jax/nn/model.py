@@ -13,17 +13,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.config import InklingConfig
-from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.cache import Cache, init_cache
 from inkling_jax.nn.decoder import DecoderLayer
 from inkling_jax.nn.layers import RMSNorm, normal
-from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.nn.moe import MoE
 from inkling_jax.nn.mtp import MTPHead
 from inkling_jax.nn.towers import AudioTower, VisionTower
 from inkling_jax.parallel.vocab import take_rows
-from inkling_jax.quant import dense_fp8
-from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear
 
 # Rematerialisation for training, per decoder layer: the policy says which intermediates the backward pass may
 # keep; the rest is recomputed. "none": keep all (no remat); "full": keep only the layer inputs; "dots": keep
@@ -39,21 +35,6 @@ def _layer_forward(layer, x, positions, segment_ids, expert_ids):
     """One decoder layer without a cache: (x, MoE expert ids or None); the unit `nnx.remat` wraps."""
     x, _, ids = layer(x, positions, segment_ids=segment_ids, expert_ids=expert_ids)
     return x, ids
-
-
-# What a server may quantise the weights to (`InklingModel.quantize`)
-EXPERT_PRECISIONS = ("bf16", "fp8", "nvfp4")
-DENSE_PRECISIONS = ("bf16", "fp8", "nvfp4")
-
-
-def check_precisions(expert_precision: str = "bf16", dense_precision: str = "bf16", fp8_twins: bool = False) -> None:
-    for name, value, allowed in (("expert_precision", expert_precision, EXPERT_PRECISIONS),
-                                 ("dense_precision", dense_precision, DENSE_PRECISIONS)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, not {value!r}")
-    if fp8_twins and "nvfp4" not in (expert_precision, dense_precision):
-        raise ValueError("fp8 twins are copies of NVFP4 weights: choose nvfp4 experts or dense weights "
-                         "(--expert-precision / --dense-precision nvfp4)")
 
 
 class InklingModel(nnx.Module):
@@ -74,64 +55,7 @@ class InklingModel(nnx.Module):
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
                                                                     rngs=rngs)
         self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs)
-        self.mesh = None  # set by `sharding.shard_model`: the embedding lookup then runs per vocabulary slice
-
-    def quantize(self, expert_precision: str = "bf16", dense_precision: str = "bf16", fp8_twins: bool = False
-                 ) -> None:
-        """For serving: "fp8" or "nvfp4" holds the routed experts (`quantize_routed_experts`); "fp8" the dense
-        MLPs and the LM head, "nvfp4" those and the attention projections and shared experts
-        (`quantize_dense`), in that format from now on; "bf16" leaves them as they are. fp8_twins: every NVFP4
-        weight also keeps an fp8 copy for wide steps (`add_fp8_twins`)."""
-        check_precisions(expert_precision, dense_precision, fp8_twins)
-        if expert_precision != "bf16":
-            self.quantize_routed_experts(expert_precision)
-        if dense_precision != "bf16":
-            self.quantize_dense(dense_precision)
-        if fp8_twins:
-            self.add_fp8_twins()
-
-    def add_fp8_twins(self) -> int:
-        """Every NVFP4 weight (routed experts, dense matrices) keeps an fp8 copy, which the steps too wide for
-        the W4A16 kernels to be bound by bytes (prompt chunks; `moe.TWIN_TOKENS`, `dense_nvfp4.TWIN_ROWS`)
-        multiply on fp8 tensor cores, at twice the rate of those kernels' f16 ones; decode steps still read the
-        NVFP4 bytes. Costs one byte per such weight. Returns the number of NVFP4 weights (each has a twin now)."""
-        experts = [moe for moe in self._modules(MoE) if moe.precision == "nvfp4"]
-        matrices = self._modules(Nvfp4Linear)
-        for weight in experts + matrices:
-            weight.add_fp8_twin()
-        return len(experts) + len(matrices)
-
-    def quantize_routed_experts(self, precision: str = "fp8") -> int:
-        """Holds every MoE layer's routed experts in fp8 or NVFP4 from now on (`MoE.quantize_routed_experts`:
-        fewer bytes for a decode step to read, for serving; forward only). Returns the number of layers
-        changed."""
-        moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE) and layer.mlp.precision == "bf16"]
-        for moe in moes:
-            moe.quantize_routed_experts(precision)
-        return len(moes)
-
-    def quantize_dense(self, precision: str = "fp8") -> int:
-        """For serving, forward only; returns the number of matrices changed.
-
-        "fp8": the text layers' dense MLPs and the LM head in fp8 (inkling_jax/quant/dense_fp8.py: W8A8 dots, one scale
-        per output column). At a decode step's sizes XLA's fp8 dots gained nothing on the attention projections
-        and the shared experts (bench/results/dense_matmuls.md), which stay as they are, as does the embedding.
-        "nvfp4": as "fp8", and every attention's q|k|v|r and wo and every MoE's shared experts in NVFP4
-        (inkling_jax/quant/dense_nvfp4.py: W4A16 by the routed experts' kernel), after fusing them
-        (`fuse_projections`, so not for a tensor-parallel mesh). The dense MLPs stay fp8: a prefill runs their
-        large products on fp8 tensor cores at twice the rate of the W4A16 kernel's f16 ones."""
-        if precision not in ("fp8", "nvfp4"):
-            raise ValueError(f"dense weights are quantised to fp8 or nvfp4, not {precision!r}")
-        changed = sum(layer.mlp.quantize() for layer in self.layers if isinstance(layer.mlp, DenseMLP))
-        if hasattr(self, "unembed"):
-            self.unembed_fp8, self.unembed_out_scale = map(nnx.Param, dense_fp8.quantize(self.unembed[...]))
-            del self.unembed
-            changed += 1
-        if precision == "nvfp4":
-            self.fuse_projections()
-            changed += sum(attention.quantize_nvfp4() for attention in self._modules(Attention))
-            changed += sum(moe.shared_mlp.quantize("nvfp4") for moe in self._modules(MoE))
-        return changed
+        self.mesh = None  # set by `placement.shard_model`: the embedding lookup then runs per vocabulary slice
 
     # ------------------------------------------------------------------------------------------------------
     # Public API
@@ -172,12 +96,14 @@ class InklingModel(nnx.Module):
         """The untied head on final-normed hidden states, cut to the unpadded vocabulary."""
         cfg = self.config.text
         scaled = hidden / jnp.asarray(cfg.logits_mup_width_multiplier, hidden.dtype)
-        # Slice the product, not the weight: XLA copies a row slice of the weight before the matmul, 2.5 GB at
-        # Inkling's vocabulary on every decode step (1.9 ms of the H200's 5.4 ms batch-1 step).
-        if hasattr(self, "unembed_fp8"):
-            return dense_fp8.matmul(scaled, self.unembed_fp8[...], self.unembed_out_scale[...])[
-                ..., : cfg.unpadded_vocab_size]
-        return (scaled @ self.unembed[...].T)[..., : cfg.unpadded_vocab_size]
+        # Slice the product, not the weight: XLA copies a row slice of the weight before the matmul, the whole
+        # head on every decode step.
+        return self._head(scaled)[..., : cfg.unpadded_vocab_size]
+
+    def _head(self, x):
+        """x @ the head's [vocab, hidden] weight transposed. Serving forms hold it quantised
+        (`inkling_jax.quant.head`)."""
+        return x @ self.unembed[...].T
 
     def mtp_logits(self, input_ids):
         """Teacher-forced MTP drafts of a text sequence: one logits array [B, T, V] per depth."""
@@ -185,22 +111,6 @@ class InklingModel(nnx.Module):
             raise ValueError("this model has no MTP head (config.mtp is None)")
         hidden, _ = self.hidden_states(input_ids)
         return self.mtp(hidden, input_ids, self.embed_tokens, self.logits)
-
-    def fuse_projections(self) -> None:
-        """Inference only, in place (the separate matrices are gone): every MoE runs its shared experts as one
-        widened MLP (`MoE.widen_shared_experts`), every attention (trunk and MTP blocks) multiplies by one
-        q|k|v|r map (`Attention.fuse_projections`) and every dense MLP by one gate|up matrix
-        (`DenseMLP.fuse_gate_up`). The fused columns mix heads or gate and up: not for a tensor-parallel mesh."""
-        for moe in self._modules(MoE):
-            moe.widen_shared_experts()
-        for attention in self._modules(Attention):
-            attention.fuse_projections()
-        for mlp in self._modules(DenseMLP):
-            mlp.fuse_gate_up()
-
-    def _modules(self, kind) -> list:
-        """The model's modules of a kind, listed first: changing them edits the graph."""
-        return [node for _, node in nnx.iter_graph(self) if isinstance(node, kind)]
 
     def init_cache(self, batch: int, max_len: int, **kwargs) -> Cache:
         return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)

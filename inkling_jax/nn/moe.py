@@ -1,8 +1,6 @@
 """The sigmoid top-k MoE with the shared-expert sink. How the routed tokens reach the experts' kernels:
 moe_dispatch.py (one device) and inkling_jax/parallel/expert_parallel.py (a mesh)."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -10,23 +8,8 @@ from flax import nnx
 from inkling_jax.config import TextConfig
 from inkling_jax.nn import kernels
 from inkling_jax.nn.layers import normal
-from inkling_jax.nn.mlp import DenseMLP
-from inkling_jax.nn.moe_dispatch import (
-    ROUTED_BF16,
-    ROUTED_FP8,
-    ROUTED_NVFP4,
-    ROUTED_QUANTISED,
-    SHARED_NAMES,
-    expert_forms,
-    local_experts,
-    precision_of,
-)
+from inkling_jax.nn.moe_dispatch import local_experts, precision_of
 from inkling_jax.parallel import expert_parallel as parallel
-
-# Steps of at least this many tokens run NVFP4 routed experts' fp8 twin (`MoE.add_fp8_twin`). Not tuned: on the
-# H200 the NVFP4 kernels took 517 us at 128 tokens against fp8's ~750, and 5.22 ms at 4096 against 3.04
-# (bench/results/moe.md); the crossing lies between.
-TWIN_TOKENS = 512
 
 
 class MoE(nnx.Module):
@@ -42,9 +25,6 @@ class MoE(nnx.Module):
     """
 
     shared_in_launch: bool = False
-    ROUTED_BF16, ROUTED_FP8, ROUTED_NVFP4 = ROUTED_BF16, ROUTED_FP8, ROUTED_NVFP4
-    ROUTED_QUANTISED = ROUTED_QUANTISED
-    SHARED = SHARED_NAMES
 
     def __init__(self, cfg: TextConfig, *, dtype, rngs: nnx.Rngs):
         e, s, h, i = cfg.num_experts, cfg.num_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -58,87 +38,25 @@ class MoE(nnx.Module):
         self.shared_gate = nnx.Param(normal(rngs, (s, h, i), dtype))
         self.shared_up = nnx.Param(normal(rngs, (s, h, i), dtype))
         self.shared_down = nnx.Param(normal(rngs, (s, i, h), dtype))
-        self.mesh = None  # set by `sharding.shard_model`; an `expert` axis > 1 turns on expert parallelism
+        self.mesh = None  # set by `placement.shard_model`; an `expert` axis > 1 turns on expert parallelism
 
     @property
     def num_experts(self) -> int:
         return self.router_bias.shape[0]
 
-    @property
-    def precision(self) -> str:
-        """How the routed experts are held: "bf16" (as built or loaded), "fp8" or "nvfp4"
-        (`quantize_routed_experts`; "nvfp4" also when it has an fp8 twin)."""
-        return next((p for p in ("nvfp4", "fp8") if hasattr(self, self.ROUTED_QUANTISED[p][0])), "bf16")
-
-    @property
-    def has_twin(self) -> bool:
-        """NVFP4 routed experts with an fp8 copy for wide steps (`add_fp8_twin`)."""
-        return self.precision == "nvfp4" and hasattr(self, self.ROUTED_FP8[0])
-
-    @property
-    def fp8(self) -> bool:
-        """Whether the routed experts are held in fp8 (as `DenseMLP.fp8` tells of its matrices)."""
-        return self.precision == "fp8"
-
-    def quantize_routed_experts(self, precision: str = "fp8") -> None:
-        """Replaces the routed experts' weights by fp8 ones (pallas_kernels/moe/fp8.py: one scale per expert and
-        matrix, activations quantised per row on the fly) or NVFP4 ones (pallas_kernels/moe/nvfp4.py: a scale
-        per 16 values, f16 activations), freeing the originals: for serving (forward only)."""
-        if precision not in self.ROUTED_QUANTISED:
-            raise ValueError(f"routed experts are quantised to fp8 or nvfp4, not {precision!r}")
-        experts = _quantizer(precision)(self.w_gate[...], self.w_up[...], self.w_down[...])
-        del self.w_gate, self.w_up, self.w_down
-        for name, value in zip(self.ROUTED_QUANTISED[precision], experts):
-            setattr(self, name, nnx.Param(value))
-
-    def add_fp8_twin(self) -> None:
-        """Keeps an fp8 copy (pallas_kernels/moe/fp8.py's format) of the NVFP4 routed experts, which steps of
-        TWIN_TOKENS tokens or more run instead: a prefill's products are bound by the tensor cores, which multiply
-        fp8 at twice the rate of the W4A16 kernels' f16 (on the H200 a 4096-token step's FFN took 3.04 ms in fp8
-        and 5.22 in NVFP4, bench/results/moe.md), while decode steps read the NVFP4 bytes. Built from the NVFP4
-        values, so both forms carry the same quantised experts up to fp8's rounding; it costs one byte per
-        weight."""
-        if self.precision != "nvfp4":
-            raise ValueError(f"an fp8 twin is kept for NVFP4 routed experts, not {self.precision}")
-        if self.has_twin:
-            return
-        from pallas_kernels.moe.nvfp4 import dequantize_experts
-
-        twin = _quantizer("fp8")(*jax.jit(dequantize_experts)(self.routed_experts()))
-        for name, value in zip(self.ROUTED_FP8, twin):
-            setattr(self, name, nnx.Param(value))
-
     def routed_experts(self, num_tokens: int | None = None):
-        """(w_gate, w_up, w_down), or an Fp8Experts / Nvfp4Experts when quantised: the fp8 twin for a step of
-        `num_tokens` (static) >= TWIN_TOKENS where there is one."""
-        precision = self.precision
-        if self.has_twin and num_tokens is not None and num_tokens >= TWIN_TOKENS:
-            precision = "fp8"
-        if precision == "bf16":
-            return self.w_gate[...], self.w_up[...], self.w_down[...]
-        return expert_forms()[precision](*(getattr(self, name)[...] for name in self.ROUTED_QUANTISED[precision]))
+        """The routed experts as `experts` takes them, for a step of `num_tokens` (static): (w_gate, w_up,
+        w_down). Serving forms hold them quantised (`inkling_jax.quant.moe`)."""
+        return self.w_gate[...], self.w_up[...], self.w_down[...]
 
-    @property
-    def widened(self) -> bool:
-        return hasattr(self, "shared_mlp")
+    def shared_experts(self):
+        """The shared experts' stacks (w_gate, w_up, w_down) that `experts` runs beside the routed ones; None where
+        the module runs them apart (`shared_apart`)."""
+        return self.shared_gate[...], self.shared_up[...], self.shared_down[...]
 
-    def widen_shared_experts(self) -> None:
-        """Inference only: the S shared experts become one DenseMLP `shared_mlp` of width S x I whose h is
-        weighted per expert by its sink weight (DenseMLP's unit_weights), run beside the routed experts under any
-        mesh (XLA places it by the dense MLP's rules). So it takes the dense MLP's fused gate|up: on the H200 the
-        traced 33-row decode step ran the stacked shared gate and up as two split-K dots a layer, 207 us in all,
-        and the widened gate|up as one product a layer, 168 us (bench/results/serve.md). The three stacks are
-        deleted."""
-        if self.widened:
-            return
-        gate, up, down = self.shared_gate[...], self.shared_up[...], self.shared_down[...]
-        s, h, i = gate.shape
-
-        def wide(w):  # [S, H, I] -> [H, S I]: expert k's columns are unit k
-            return w.transpose(1, 0, 2).reshape(h, s * i)
-
-        self.shared_mlp = DenseMLP.from_weights(wide(gate), wide(up), down.reshape(s * i, h))
-        del self.shared_gate, self.shared_up, self.shared_down
+    def shared_apart(self, x, shared_weights):
+        """The shared experts' fp32 output [N, hidden] where `experts` does not compute it, else None."""
+        return None
 
     def route(self, x, expert_ids=None):
         """x [N, hidden] -> (routed weights [N, k], expert ids [N, k], shared weights [N, S]), all fp32.
@@ -163,14 +81,11 @@ class MoE(nnx.Module):
         if expert_ids is not None:
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
-        routed = self.routed_experts(flat.shape[0])
-        if self.widened:
-            out = experts(flat, routed, None, expert_ids, weights, shared_weights, mesh=self.mesh)
-            out = out + self.shared_mlp(flat, unit_weights=shared_weights)[0].astype(jnp.float32)
-        else:
-            shared = (self.shared_gate[...], self.shared_up[...], self.shared_down[...])
-            out = experts(flat, routed, shared, expert_ids, weights, shared_weights, mesh=self.mesh,
-                          shared_in_launch=self.shared_in_launch)
+        out = experts(flat, self.routed_experts(flat.shape[0]), self.shared_experts(), expert_ids, weights,
+                      shared_weights, mesh=self.mesh, shared_in_launch=self.shared_in_launch)
+        apart = self.shared_apart(flat, shared_weights)
+        if apart is not None:
+            out = out + apart
         return out.astype(x.dtype).reshape(shape), expert_ids
 
 
@@ -179,7 +94,7 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
     second sum left out for shared None).
 
     x [N, H]; routed / shared: (w_gate, w_up, w_down) of the E routed / S shared experts (routed may be an
-    Fp8Experts or Nvfp4Experts: `MoE.quantize_routed_experts`; the dense backend then runs its ragged formula);
+    Fp8Experts or Nvfp4Experts: `inkling_jax.quant.moe`; the dense backend then runs its ragged formula);
     weights [N, k] and shared_weights [N, S] fp32. By the selected MoE backend; with a mesh whose `expert` axis
     is larger than 1, by expert parallelism (all-to-all dispatch and combine); with a `tensor` axis that divides
     the experts' width, every tensor shard runs its slice of the width and the partial outputs are summed (both
@@ -196,15 +111,3 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, mesh=None
             return parallel.experts_tp(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend,
                                        shared_in_launch=shared_in_launch)
     return local_experts(x, routed, shared, expert_ids, weights, shared_weights, backend, shared_in_launch)
-
-
-
-@functools.cache
-def _quantizer(precision: str):
-    """The jitted quantiser of a precision, made once: compiled once per layer shape and placement, not once per
-    layer."""
-    if precision == "nvfp4":
-        from pallas_kernels.moe.nvfp4 import quantize_experts
-    else:
-        from pallas_kernels.moe.fp8 import quantize_experts
-    return jax.jit(quantize_experts)

@@ -29,9 +29,9 @@ class MTPLayer(nnx.Module):
         self.block = DecoderLayer(cfg, local=depth in config.mtp.local_layer_ids, dense=True, dtype=dtype,
                                   rngs=rngs)
 
-    def __call__(self, h_prev, token_embeds, positions):
+    def __call__(self, h_prev, token_embeds, positions, segment_ids=None):
         z = self.input_proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(token_embeds)], axis=-1))
-        return self.block(z, positions)[0]
+        return self.block(z, positions, segment_ids=segment_ids)[0]
 
 
 class MTPHead(nnx.Module):
@@ -45,11 +45,17 @@ class MTPHead(nnx.Module):
         logits. Depth k at position t sees token t + k + 1 and predicts token t + k + 2; positions past the
         end of the sequence see token 0 and are meaningless. Returns one logits array [B, T, V] per depth.
         """
-        seq = input_ids.shape[1]
-        positions = jnp.broadcast_to(jnp.arange(seq)[None], input_ids.shape)
+        return [head(h) for h in self.hidden_states(trunk_hidden, input_ids, embed)]
+
+    def hidden_states(self, trunk_hidden, input_ids, embed, *, segment_ids=None, positions=None):
+        """Each depth's output hidden state [B, T, H] (what the head turns into logits). segment_ids/positions
+        describe packed sequences, as for the trunk (training); a depth's token at t + k + 1 past its
+        segment's end is another segment's and meaningless there."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None], input_ids.shape)
         h, out = trunk_hidden, []
         for k, layer in enumerate(self.layers):
             shifted = jnp.pad(input_ids[:, k + 1:], ((0, 0), (0, k + 1)))
-            h = layer(h, embed(shifted), positions)
-            out.append(head(h))
+            h = layer(h, embed(shifted), positions, segment_ids)
+            out.append(h)
         return out

@@ -15,18 +15,21 @@ from inkling_jax.parallel.rules import param_shardings
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
-    """Place every parameter of `model` on `mesh` by the table (in place) and `use_mesh`; returns the model."""
-    shardings = param_shardings(model, mesh, rules)
-    for path, node in nnx.iter_graph(model):
+    """A copy of `model` with every parameter placed on `mesh` by the table and its modules told the mesh
+    (`use_mesh`); `model` is left as it was (parameters already so placed are shared, not copied)."""
+    placed = nnx.clone(model)
+    shardings = param_shardings(placed, mesh, rules)
+    for path, node in nnx.iter_graph(placed):
         if isinstance(node, nnx.Param):
             node.set_value(jax.device_put(node.get_value(), shardings[path]))
-    return use_mesh(model, mesh)
+    return use_mesh(placed, mesh)
 
 
 def use_mesh(model: nnx.Module, mesh: Mesh | None) -> nnx.Module:
-    """Tell the modules that split their own work the mesh (in place): MoE layers run expert parallel over
-    `expert` and split expert widths over `tensor`; attention and ShortConv kernels run per device; the model
-    looks up its embedding per vocabulary slice. Returns the model."""
+    """Tell the modules that split their own work the mesh, in place (for a model the caller has just built:
+    `shard_model` places a copy): MoE layers run expert parallel over `expert` and split expert widths over
+    `tensor`; attention and ShortConv kernels run per device; the model looks up its embedding per vocabulary
+    slice. Returns the model."""
     for _, node in nnx.iter_graph(model):
         if isinstance(node, (MoE, Attention, ShortConv, InklingModel)):
             node.mesh = mesh

@@ -44,51 +44,63 @@ ACTIVATIONS: dict[str, tuple[str | None, ...]] = {
 LOGICAL_AXES: list[tuple[tuple[str, ...], tuple[str | None, ...]]] = [
     (("embed",), ("vocab", "embed")),
     (("unembed",), ("vocab", "embed")),
-    (("unembed_fp8",), ("vocab", "embed")),  # fp8 LM head (model.quantize_dense): [vocab, hidden] as before
-    (("unembed_out_scale",), ("vocab",)),
     (("wq", "kernel"), ("embed", "q_heads")),
     (("wr", "kernel"), ("embed", "q_heads")),
     (("wk", "kernel"), ("embed", "kv_heads")),
     (("wv", "kernel"), ("embed", "kv_heads")),
     (("wo", "kernel"), ("q_heads", "embed")),
-    (("wqkvr",), ("embed", None)),  # the fused q|k|v|r kernel of inference: its columns mix heads
     (("k_sconv", "weight"), ("kv_heads", None)),
     (("v_sconv", "weight"), ("kv_heads", None)),
     (("router",), ("embed", None)),
     (("mlp", "w_gate"), ("experts", "embed", "expert_mlp")),  # MoE: 3-D; dense MLP: 2-D (below)
     (("mlp", "w_up"), ("experts", "embed", "expert_mlp")),
     (("mlp", "w_down"), ("experts", "expert_mlp", "embed")),
-    (("w_gate_fp8",), ("experts", "expert_mlp", "embed")),  # fp8 routed experts: K-minor (nn.moe.MoE)
+    (("shared_gate",), (None, "embed", "mlp")),
+    (("shared_up",), (None, "embed", "mlp")),
+    (("shared_down",), (None, "mlp", "embed")),
+    (("input_proj", "kernel"), (None, "embed")),
+    # Serving forms (inkling_jax/quant). Routed experts of a ServingMoE (`experts`): as loaded, fp8 (K-minor) or
+    # NVFP4 (pallas_kernels/moe/nvfp4.py), and an NVFP4 form's fp8 twin (`experts.twin`), by the same names.
+    (("experts", "w_gate"), ("experts", "embed", "expert_mlp")),
+    (("experts", "w_up"), ("experts", "embed", "expert_mlp")),
+    (("experts", "w_down"), ("experts", "expert_mlp", "embed")),
+    (("w_gate_fp8",), ("experts", "expert_mlp", "embed")),
     (("w_up_fp8",), ("experts", "expert_mlp", "embed")),
     (("w_down_fp8",), ("experts", "embed", "expert_mlp")),
     (("w_gate_scale",), ("experts",)),
     (("w_up_scale",), ("experts",)),
     (("w_down_scale",), ("experts",)),
-    (("w13_nvfp4",), ("experts", "expert_mlp", None, None, None)),  # NVFP4 routed experts (pallas_kernels/moe/nvfp4.py)
+    (("w13_nvfp4",), ("experts", "expert_mlp", None, None, None)),
     (("w13_scale",), ("experts", None, "expert_mlp", None, None)),
     (("w13_scale2",), ("experts",)),
     (("w2_nvfp4",), ("experts", None, "expert_mlp", None, None)),
     (("w2_scale",), ("experts", "expert_mlp", None, None, None)),
     (("w2_scale2",), ("experts",)),
-    (("shared_gate",), (None, "embed", "mlp")),
-    (("shared_up",), (None, "embed", "mlp")),
-    (("shared_down",), (None, "mlp", "embed")),
-    (("input_proj", "kernel"), (None, "embed")),
-    # NVFP4 dense matrices of inference (dense_nvfp4.Nvfp4Linear: fused q|k|v|r, wo, shared experts): whole on
-    # every device, as the fused matrices are
+    # Fused matrices (FusedAttention's q|k|v|r, FusedMLP's and the widened shared experts' gate|up): their
+    # columns mix heads or gate and up, never split. fp8 matrices (Fp8Linear) are [out, in], a scale per output.
+    (("wqkvr", "kernel"), ("embed", None)),
+    (("w_gate_up", "kernel"), ("embed", None)),
+    (("w_gate_up", "values"), (None, "embed")),
+    (("w_gate_up", "scale"), (None,)),
+    (("w_down", "kernel"), ("mlp", "embed")),
+    (("w_gate", "values"), ("mlp", "embed")),
+    (("w_up", "values"), ("mlp", "embed")),
+    (("w_down", "values"), ("embed", "mlp")),
+    (("w_gate", "scale"), ("mlp",)),
+    (("w_up", "scale"), ("mlp",)),
+    (("w_down", "scale"), ("embed",)),
+    (("head", "values"), ("vocab", "embed")),  # the fp8 LM head (Fp8HeadModel): [vocab, hidden] as `unembed`
+    (("head", "scale"), ("vocab",)),
+    # NVFP4 dense matrices (Nvfp4Linear: fused q|k|v|r, wo, the widened shared experts) and their fp8 twins
+    # (`twin`, [out, in]): whole on every device, as the fused matrices are
+    (("twin", "values"), (None, None)),
+    (("twin", "scale"), (None,)),
     (("nvfp4_codes",), (None, None, None, None, None)),
     (("nvfp4_scales",), (None, None, None, None, None)),
     (("nvfp4_scale2",), (None,)),
-    (("twin_fp8",), (None, None)),  # their fp8 twins (Nvfp4Linear.add_fp8_twin), [out, in]
-    (("twin_out_scale",), (None,)),
 ]
-# The dense MLP's matrices share their names with the MoE's (told apart by rank); their fp8 forms
-# (mlp.DenseMLP.quantize) are [out, in] with one scale per output column.
-DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed"),
-             "w_gate_fp8": ("mlp", "embed"), "w_up_fp8": ("mlp", "embed"), "w_down_fp8": ("embed", "mlp"),
-             "w_gate_out_scale": ("mlp",), "w_up_out_scale": ("mlp",), "w_down_out_scale": ("embed",),
-             # fused gate | up of inference (DenseMLP.fuse_gate_up): the columns mix the two, never split
-             "w_gate_up": ("embed", None), "w_gate_up_fp8": (None, "embed"), "w_gate_up_out_scale": (None,)}
+# The dense MLP's matrices share their names with the MoE's (told apart by rank).
+DENSE_MLP = {"w_gate": ("embed", "mlp"), "w_up": ("embed", "mlp"), "w_down": ("mlp", "embed")}
 
 
 def logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:

@@ -1,10 +1,9 @@
 """NVFP4 dense weights for serving: the attention projections and the shared experts as W4A16 products.
 
-A decode step of a few dozen rows is bound by reading weights, and in bf16 the step's attention and
-shared-expert products are ~2.5 GB of them on the `bench` preset; fp8 gained nothing there
-(bench/results/dense_matmuls.md). Held as NVFP4 they are read at 5 bits a value (the e2m1 code and its share of
-an f16 block scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py) as one expert: up to
-DECODE_TOKENS rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
+A decode step of a few dozen rows is bound by reading weights, and fp8 gained nothing on the step's attention
+and shared-expert products (see docs/performance.md). Held as NVFP4 they are read at 5 bits a value (the e2m1
+code and its share of an f16 block scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py)
+as one expert: up to DECODE_TOKENS rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
 
 Format, per matrix [in, out] (the model's `kernel` orientation): the e2m1 codes and f16 block scales of the
 kernel layout (one group, one matrix: `nvfp4.layout`) with one fp32 global scale per output column. NVFP4's
@@ -17,20 +16,13 @@ lets fused matrices (`concatenate`: gate|up) keep each part's scale. The output 
 `Nvfp4Linear.__call__` runs the kernel with the Pallas MoE backend (`kernels.moe_backend`) and the formula in
 jnp otherwise (`reference_product`; CPU tests). Forward only.
 
-An fp8 twin (`add_fp8_twin`): the same matrix, dequantised and rounded to dense_fp8's format (e4m3 values [out,
-in], a scale per output column), which products of more than TWIN_ROWS rows (prompt chunks, large batches)
-multiply instead: there the W4A16 kernel's f16 tensor-core work, not its bytes, is the bound, and fp8 tensor cores
-run at twice f16's rate (on the H200 a 4096-row sliding q|k|v|r took 1107 us in NVFP4 and 571 in fp8,
-bench/results/dense_matmuls.md). Built from the NVFP4 values, so both forms carry the same quantised matrix up to
-fp8's rounding. It costs one byte per weight.
+`Nvfp4LinearWithTwin`: the same matrix with an fp8 twin, the matrix dequantised and rounded to dense_fp8's format,
+which products of more than TWIN_ROWS rows (prompt chunks, large batches) multiply instead: there the W4A16
+kernel's f16 tensor-core work, not its bytes, is the bound, and fp8 tensor cores run at twice f16's rate. Built
+from the NVFP4 values, so both forms carry the same quantised matrix up to fp8's rounding. It costs one byte per
+weight.
 
-On the H200 (bench/results/serve.md, dense_matmuls.md, 2026-12-01) the 32-row decode program went from 3.35 to
-3.20 ms per token with the attention and shared experts in NVFP4. In that step's trace (2026-12-02) each product
-ran at a fixed ~21 GB/s per SM in use, so those of 48 output tiles (wo, the shared experts' down) used 48 of the
-132 SMs; `kernel_product` now splits K where that keeps all tiles in one wave (`kernel_w4.k_splits_to_fill`):
-wo 26 -> 16 us, the shared down 20 -> 12 us, the sum of partials within bf16 rounding of the unsplit product.
-A split into two waves of tiles (2026-12-01) had changed nothing. At 129 rows (two 128-row slabs; one slab of
-144 was slower still) the step took 5.02 ms against 4.68 with bf16 products.
+A product with fewer output tiles than the GPU has SMs splits K so that every SM works (`kernel_product`).
 """
 
 from __future__ import annotations
@@ -44,6 +36,7 @@ from flax import nnx
 
 from inkling_jax.nn import kernels
 from inkling_jax.quant import dense_fp8
+from inkling_jax.quant.form import ServingForm
 from pallas_kernels._common import interpret_default, round_up
 from pallas_kernels.moe import epilogues, kernel_w4
 from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices
@@ -55,7 +48,7 @@ DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in
 TWIN_ROWS = DECODE_TOKENS  # products of more rows take the fp8 twin where there is one
 
 
-class Nvfp4Linear(nnx.Module):
+class Nvfp4Linear(ServingForm):
     """y = x @ W for an NVFP4-held W [in_features, out_features] (module doc)."""
 
     def __init__(self, codes, block_scales, scale2, in_features: int):
@@ -68,39 +61,28 @@ class Nvfp4Linear(nnx.Module):
     def out_features(self) -> int:
         return self.nvfp4_scale2.shape[0]
 
-    @property
-    def has_twin(self) -> bool:
-        return hasattr(self, "twin_fp8")
-
-    def add_fp8_twin(self) -> None:
-        """Keeps an fp8 copy of the matrix for wide products (module doc)."""
-        if not self.has_twin:
-            values, scale = dense_fp8.quantize(self.dequantize(), transpose=True)
-            self.twin_fp8, self.twin_out_scale = nnx.Param(values), nnx.Param(scale)
-
     @classmethod
-    def quantize(cls, kernel) -> "Nvfp4Linear":
+    def quantize(cls, kernel) -> Nvfp4Linear:
         """From a float matrix [in, out]; one global scale for the whole matrix, as NVFP4 sets it."""
         return cls(*_quantize(kernel), kernel.shape[0])
 
     @classmethod
-    def concatenate(cls, parts: list["Nvfp4Linear"]) -> "Nvfp4Linear":
+    def concatenate(cls, parts: list[Nvfp4Linear]) -> Nvfp4Linear:
         """One matrix whose output columns are the parts' in order, each keeping its codes and scales (no
-        requantisation), and their fp8 twins where all have one. Every part but the last must have a multiple of
-        64 output columns (no padding inside)."""
+        requantisation). Every part but the last must have a multiple of 64 output columns (no padding inside)."""
         if len({p.in_features for p in parts}) != 1 or any(p.out_features % OUT_MULTIPLE for p in parts[:-1]):
             raise ValueError(f"NVFP4 matrices concatenate along their outputs only with one input width and "
                              f"multiples of {OUT_MULTIPLE} outputs before the last: "
                              f"{[(p.in_features, p.out_features) for p in parts]}")
-        if len({p.has_twin for p in parts}) != 1:
+        if len({type(p) for p in parts}) != 1:
             raise ValueError("NVFP4 matrices concatenate with fp8 twins on all of them or none")
-        whole = cls(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
-                    jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
-                    jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features)
-        if parts[0].has_twin:  # [out, in] values and [out] scales: the outputs are the leading axis
-            whole.twin_fp8 = nnx.Param(jnp.concatenate([p.twin_fp8[...] for p in parts]))
-            whole.twin_out_scale = nnx.Param(jnp.concatenate([p.twin_out_scale[...] for p in parts]))
-        return whole
+        return Nvfp4Linear(jnp.concatenate([p.nvfp4_codes[...] for p in parts], axis=1),
+                           jnp.concatenate([p.nvfp4_scales[...] for p in parts], axis=2),
+                           jnp.concatenate([p.nvfp4_scale2[...] for p in parts]), parts[0].in_features)
+
+    def with_twin(self) -> Nvfp4LinearWithTwin:
+        """This matrix with an fp8 twin for wide products (module doc)."""
+        return Nvfp4LinearWithTwin(self, dense_fp8.Fp8Linear.quantize(self.dequantize()))
 
     def dequantize(self):
         """The float32 matrix [in, out] this stands for."""
@@ -108,9 +90,29 @@ class Nvfp4Linear(nnx.Module):
             self.nvfp4_scale2[...]
 
     def __call__(self, x):
-        if self.has_twin and x.size // x.shape[-1] > TWIN_ROWS:
-            return dense_fp8.matmul(x, self.twin_fp8[...], self.twin_out_scale[...])
         return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...])
+
+
+class Nvfp4LinearWithTwin(Nvfp4Linear):
+    """An NVFP4 matrix and its fp8 twin `twin` (an Fp8Linear), which products of more than TWIN_ROWS rows take."""
+
+    def __init__(self, linear: Nvfp4Linear, twin: dense_fp8.Fp8Linear):
+        super().__init__(linear.nvfp4_codes[...], linear.nvfp4_scales[...], linear.nvfp4_scale2[...],
+                         linear.in_features)
+        self.twin = twin
+
+    @classmethod
+    def concatenate(cls, parts: list[Nvfp4LinearWithTwin]) -> Nvfp4LinearWithTwin:
+        """As `Nvfp4Linear.concatenate`, and the twins alike."""
+        return cls(Nvfp4Linear.concatenate(parts), dense_fp8.Fp8Linear.concatenate([p.twin for p in parts]))
+
+    def with_twin(self) -> Nvfp4LinearWithTwin:
+        return self
+
+    def __call__(self, x):
+        if x.size // x.shape[-1] > TWIN_ROWS:
+            return self.twin(x)
+        return super().__call__(x)
 
 
 def matmul(x, codes, block_scales, scale2):
@@ -164,6 +166,6 @@ def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, 
                            slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
                            epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
                            k_splits=k_splits)
-    if k_splits > 1:  # elementwise adds: in the H200's decode step they fused into the caller's scale, no kernel
+    if k_splits > 1:  # elementwise adds, which XLA fuses into the caller's scale
         out = functools.reduce(operator.add, [part.astype(jnp.float32) for part in out])
     return out.reshape(slabs * n, out_rows)[:m].astype(jnp.float32)

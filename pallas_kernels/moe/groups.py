@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 def running_sum(v):
     """The inclusive cumulative sum of a short vector [G] as one masked reduction over [G, G]: XLA lowers
-    `jnp.cumsum` on the GPU to a chain of reduce-window, pad and add kernels, ~1 us each in a decode step."""
+    `jnp.cumsum` on the GPU to a chain of reduce-window, pad and add kernels, a launch each in a decode step."""
     n = v.shape[0]
     upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
     return jnp.sum(jnp.where(upto, v[None, :], jnp.zeros((), v.dtype)), axis=1)
@@ -31,7 +31,7 @@ def group_bounds(group_sizes, num_rows):
 def group_of_rows(ends, num_rows: int):
     """The group of each of `num_rows` rows sorted by group, from the groups' cumulative ends; rows past the last
     end get the last group. One fused comparison of all pairs (small arrays), not the default search's XLA while
-    loop, whose loop-carried copies cost the H200's decode step tiny memcpys."""
+    loop, whose loop-carried copies add tiny memcpys to a decode step."""
     rows = jnp.arange(num_rows, dtype=ends.dtype)
     return jnp.minimum(jnp.searchsorted(ends, rows, side="right", method="compare_all"), ends.shape[0] - 1)
 
@@ -68,7 +68,7 @@ def row_block_passes(group_sizes, num_rows, block_rows):
     lo = jnp.arange(num_blocks, dtype=jnp.int32) * block_rows
     hi = jnp.minimum(lo + block_rows, num_rows)
     # compare_all: one fused comparison instead of the default scan, an XLA while loop whose loop-carried copies
-    # cost the H200's batch-1 decode step about 200 tiny memcpys per token (the arrays here are small).
+    # add tiny memcpys to every decode step (the arrays here are small).
     first = jnp.searchsorted(end, lo, side="right", method="compare_all").astype(jnp.int32)
     stop = jnp.searchsorted(start, hi, side="left", method="compare_all").astype(jnp.int32)
     count = jnp.maximum(stop - first, 0)

@@ -11,33 +11,24 @@ steps in PTX on 32-bit words), so the weights cross HBM and SMEM at 4 bits; each
 A tile is (slab, block of `compute_wgs` x 64 output rows); each compute warpgroup owns 64 output rows and one
 fp32 accumulator [64, N] per matrix (gate and up: two). x's tile is the wgmma's right operand read K-major (a
 transposed view of the [N, K] tile), and the output tile leaves through the transposed WGMMA register layout
-into an [N, 64] SMEM tile, so neither side needs a transpose in HBM (feature-major slabs cost the 33-row decode
-step 75 + 32 us of XLA transposes on the H200).
+into an [N, 64] SMEM tile, so neither side needs a transpose in HBM (feature-major slabs would need XLA
+transposes around every call).
 
-On the H200 (bench/results/moe.md, 2026-12-01) the 32-token decode step reads its 1.2 GB of NVFP4 experts at
-0.70-0.73 of the read bandwidth in slabs of 16 tokens (406 us). The compute warpgroups bound the kernel, not the TMA
-stream: an in-kernel profile (mgpu.py) put them inside their pipeline steps 0.81-0.89 of the time, with ~0.15 us
-waits between steps, and a step's work is instructions (gate/up, per thread: 32 words of codes to convert,
-128 f16x2 scale multiplies). What took time out, in order:
-- one wgmma call per matrix and step (`blocks_per_wgmma`), not one per NVFP4 block, each call bringing a fence
-  and a commit: 577 -> 533 us at 32 tokens, 739 -> 662 us at 128;
-- codes stored in the order the threads hold them (`to_units`): loading the row-major pieces in the WGMMA
-  layout took 2-byte loads and about as many repacking instructions again (the gate/up kernel's PTX: 64
-  `ld.shared.v2.b8`, 130 `cvt.u32.u16`, 96 `prmt` per step): 531 -> 432 us at 32 tokens, 656 -> 552 at 128;
-- the two code planes stored at e4m3's bit positions (`w4_codes.pack_codes`), 6 integer instructions per word
-  of 8 codes before its 4 `cvt` instead of 9: 425 -> 414 us at 32 tokens, 552 -> 524 at 128;
-- token-major x and output (module doc, above), the FFN with its slab copies: 418 -> 406 us at 32 tokens,
-  536 -> 517 at 128, bit-identical outputs.
-- the down projection's two adjacent 64-row blocks per warpgroup (`paired_rows`): in the decode step 119-121 ->
-  104-108 us (2026-12-02), bit-identical;
+The compute warpgroups bound the kernel, not the TMA stream: a step's work is instructions (gate/up, per thread:
+32 words of codes to convert, 128 f16x2 scale multiplies). Hence, each to cut instructions or idle SMs:
+- one wgmma call per matrix and step (`blocks_per_wgmma`), not one per NVFP4 block: the calls of a step share
+  one fence and one commit;
+- codes stored in the order the threads hold them (`to_units`): one 8-byte load per thread and piece, no
+  repacking;
+- the two code planes stored at e4m3's bit positions (`w4_codes.pack_codes`): 6 integer instructions per word
+  of 8 codes before its 4 `cvt`;
+- token-major x and output (above);
+- the down projection's two adjacent 64-row blocks per warpgroup (`paired_rows`): its tiles have few k steps,
+  and pairing halves their pipeline fills and epilogues;
 - products with fewer output tiles than SMs split along K (`k_splits`, `k_splits_to_fill`): a warpgroup converts
-  codes at a fixed rate, so a product on 48 of the 132 SMs (the attention output, the shared experts' down) ran
-  at ~1.06 TB/s; split in two, in the decode step, 26 -> 16 us and 20 -> 12 us (2026-12-02). An earlier split
-  that made two waves of tiles gained nothing (2026-12-01).
-Tried and slower: all of a step's conversions before its wgmmas (639 us against 573); the conversion by
-rotations and masks only (no `cvt`, 11 integer instructions per 8 codes against 9 and 4 `cvt`: 590 us against
-533, before the thread-order layout), which suggests that the integer pipe, not the conversion unit, is the
-scarce one (not profiled).
+  codes at a fixed rate, so a product whose tiles fill 48 of the 132 SMs (the attention output, the shared
+  experts' down) converts at 48/132 of the chip's rate.
+The kernels' figures: docs/performance.md.
 
 The packed codes' layout and their conversion to f16 registers: w4_codes.py.
 """
@@ -59,7 +50,7 @@ from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, UNIT_SHAPE, f16_plan
 
 N_ALIGN = 16  # tokens per slab are a multiple of this (the wgmma's N, and one 32-byte swizzle span of f16)
 # A slab's fp32 column vectors land in SMEM rows of at least this many values, 128 bytes: their TMA copies need
-# rows that start 128-byte aligned (16-value rows failed with a misaligned address on the H200)
+# rows that start 128-byte aligned (16-value rows fail with a misaligned address)
 COL_ROW = 32
 
 
@@ -73,10 +64,9 @@ class W4Config:
 
 def config_for(n: int) -> W4Config:
     """Tiles for slabs of n tokens: 128 packed bytes per row and step for decode-sized slabs, 64 for wider ones
-    (their x tile is n x block_k f16), and as many stages as fit beside the epilogue's buffers. On the H200 at 32
-    tokens: 610 us; 4 stages did not fit, 2 took 619 us, 3 compute warpgroups 617-621 us (2026-11-30). Wide slabs
-    split a step's products into wgmma calls of 4 blocks: a 4096-token prefill took 5.22 ms against 5.41 with one
-    call of 8 (5.43 with 2; slabs of 64 tokens 5.90-6.56 ms) (bench/results/moe.md, 2026-12-01)."""
+    (their x tile is n x block_k f16), and as many stages as fit beside the epilogue's buffers; wide slabs split a
+    step's products into wgmma calls of 4 blocks. Chosen by a sweep on one H200 (jax 0.11.2) at 32 decode tokens
+    and a 4096-token prefill."""
     cfg = W4Config(block_k=256, blocks_per_wgmma=16) if n <= 64 else W4Config(block_k=128, blocks_per_wgmma=4)
     # per step (two matrices, the larger case): packed codes, f16 block scales, the x tile
     stage = (ROWS * cfg.block_k + 16 * cfg.block_k) * cfg.compute_wgs + 2 * cfg.block_k * n
@@ -118,10 +108,9 @@ def _along_k(planes):
 
 def _multiply(acc, planes, x_smem, k0, staging):
     """acc += [planes along K] @ x_smem[:, k0 : k0 + 16 len(planes)]^T (x_smem: the [N, K] tile), as one wgmma
-    call: one fence and one commit for all its instructions (against a call per plane: 577 -> 533 us for the
-    H200's 32-token step). staging: None when compiled; under jax 0.10.2's interpreter, which takes the left
-    operand from SMEM only and has no transposed operands, [64, 16] and [16, N] buffers that each plane and its
-    x columns pass through."""
+    call: one fence and one commit for all its instructions. staging: None when compiled; under jax 0.10.2's
+    interpreter, which takes the left operand from SMEM only and has no transposed operands, [64, 16] and
+    [16, N] buffers that each plane and its x columns pass through."""
     if staging is None:
         plgpu.wgmma(acc, _along_k(planes), x_smem.at[:, pl.ds(k0, BLOCK * len(planes))].transpose((1, 0)))
         return

@@ -2,8 +2,8 @@
 
 They take the same operands, tile schedules (`groups.py`) and epilogues (`epilogues.py`) as the Mosaic-GPU
 kernels in `kernel.py` / `kernel_wgrad.py`, but each grid step contracts whole rows at once instead of
-pipelining k tiles through SMEM. The Mosaic-GPU interpreter could run the real kernels on CPU, but it takes
-~10 s per call on jax 0.10.2; those kernels are checked compiled on the H200.
+pipelining k tiles through SMEM. The Mosaic-GPU interpreter could run the real kernels on CPU, but too slowly
+for the test suite; those kernels are checked compiled on a GPU (docs/kernels.md).
 """
 
 import jax

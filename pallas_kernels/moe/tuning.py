@@ -1,9 +1,10 @@
 """Tile sizes for the MoE grouped-matmul kernels.
 
-Not yet measured: the defaults are starting points sized for the H200 (227 KiB SMEM per block, 132 SMs) at
-Inkling's expert shapes (hidden 6144, width 3072, bf16), checked only to lower for CUDA (see
-bench/results/moe.md). `bench/moe.py` sweeps a few alternatives per kernel. Every kernel has two compute
-warpgroups (one for decode) that each own `wg_rows` rows of the output tile, plus one warpgroup issuing TMA.
+`DEFAULTS` (prefill and training) are starting points sized for Hopper (227 KiB SMEM per block, 132 SMs) at
+Inkling's expert shapes (hidden 6144, width 3072, bf16), not swept. `DECODE` was chosen by a sweep on one H200
+(jax 0.11.2) at a 32-token decode step. The current kernel figures: docs/performance.md. Every kernel has two
+compute warpgroups (one for decode) that each own `wg_rows` rows of the output tile, plus one warpgroup issuing
+TMA.
 """
 
 import dataclasses
@@ -60,10 +61,7 @@ DEFAULTS = {
     "gmm_pairs": {_BF16: GmmConfig(block_k=32), _F32: GmmConfig(block_n=128, block_k=16)},
     "wgrad": {_BF16: WgradConfig(), _F32: WgradConfig(block_n=128, block_rows=32)},
 }
-# Decode: one 64-row tile per touched expert, n-blocks narrow enough that every SM streams weights. bf16 tiles
-# from `bench/moe.py --decode-sweep` on one H200 (2026-11-29 23:25, 32 tokens, 3.85 GB of expert weights):
-# 1064 us = 0.88 of the read bandwidth, against 1168 us (0.80) for swiglu block_n 64 / 8 stages with gmm
-# block_n 128 / 8 stages; swiglu block_n 256 (3 stages) fell to 0.34.
+# Decode: one 64-row tile per touched expert, n-blocks narrow enough that every SM streams weights.
 DECODE = {
     "gmm": {_BF16: GmmConfig(compute_wgs=1, block_n=256, stages=4, grid_tile_width=1),
             _F32: GmmConfig(compute_wgs=1, block_n=64, block_k=32, stages=8, grid_tile_width=1),

@@ -78,9 +78,9 @@ def from_units(units):
 def planes_in_registers(unit_ref):
     """`f16_planes` of a unit in SMEM for a compiled kernel: each thread loads its 8 bytes at once (two 32-bit
     words, eight codes each) and turns them into the f16 registers of the two [64, 16] planes in the WGMMA layout.
-    Loading the pieces row-major in the WGMMA layout instead took 2-byte loads and as many repacking instructions
-    again before the conversion. Mosaic's own lowering of the conversion (16-bit lanes, one element at a time)
-    left the H200 kernel ALU-bound at 0.31 of the read bandwidth, hence the PTX on 32-bit words."""
+    (Pieces row-major in the WGMMA layout would take 2-byte loads and as many repacking instructions again.)
+    Mosaic's own lowering of the conversion works on 16-bit lanes, one element at a time, and leaves the kernel
+    ALU-bound, hence the PTX on 32-bit words."""
     layout = plgpu.Layout.WGMMA
     out = plgpu.ShapeDtypeStruct((ROWS, BLOCK), jnp.float16, layout=layout)
 

@@ -56,8 +56,8 @@ def buffers(geo: Geometry) -> tuple[int, int] | None:
 
 
 def faster_than_triton(geo: Geometry) -> bool:
-    """Double-buffered bias tiles (full layers: 3.70 against the Triton kernel's 7.51 ms on the H200, 2026-11-29);
-    single-buffered (the sliding layer) measured slower (1.76 against 1.41 ms)."""
+    """Where the bias tiles are double-buffered (full layers); single-buffered (the sliding layer) it was slower
+    than the Triton kernel."""
     return buffers(geo) == (2, 2)
 
 
@@ -203,9 +203,7 @@ def dkdv(geo: Geometry, q, k, v, r, p, tau, qseg, kseg, dout, lse, delta):
         raise ValueError(f"the Mosaic GPU dK/dV kernel does not cover {geo} with {dtype}")
     n_slots, n_bias = buffers(geo)
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
-    # q' in one fused pass with the per-tile regrouping. Applying the factor to the tiles in the kernel instead
-    # measured no faster on the H200 (2026-11-30, full / sliding layer: 3.80-4.01 / 1.73-1.81 ms; this version
-    # 3.70 / 1.76 ms on 2026-11-29).
+    # q' in one fused pass with the per-tile regrouping.
     q_scaled = (q.astype(jnp.float32) * (tau * (geo.scale * LOG2E))[:, :, None, None]).astype(dtype)
     lse_delta = jnp.stack([parts.per_tile(x, n_tok, kv_heads) for x in (lse, delta)], axis=3)  # [B, Hkv, T/n, 2, 64]
     a = toeplitz.block_diagonal_r(r, tau * LOG2E, n_tok, kv_heads)

@@ -29,9 +29,8 @@ from pallas_kernels.rel_attention import mgpu_window, tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import LOG2E, Geometry
 
 ROWS, SMEM_LIMIT = parts.ROWS, parts.SMEM_LIMIT
-# K pipeline depth (V's is 2 where shared memory allows, else 1: see `buffers`). Deeper is slower: on the H200
-# the full layer took 2.48 ms with K / V 2 / 2 buffers, 2.59 with 3 / 2, 2.66 with 2 / 3, 2.61 with 3 / 3
-# (2026-11-30, the kernel alone, two rounds each).
+# K pipeline depth (V's is 2 where shared memory allows, else 1: see `buffers`); deeper K or V pipelines were
+# slower.
 K_SLOTS = 2
 
 
@@ -55,9 +54,8 @@ def _tz_per_slot(geo: Geometry) -> int:
 
 
 def faster_than_triton(geo: Geometry) -> bool:
-    """Double-buffered Tz and V. On the H200: full layers 2.52 against the Triton forward's 3.41 ms (2026-11-29);
-    the sliding layer 0.76-0.80 against 0.86 ms once its warpgroups shared Tz (mgpu_window.py, 2026-11-30; single-
-    buffered before that, 0.92 against 0.87 ms)."""
+    """Where Tz and V are double-buffered (full layers; sliding layers through mgpu_window.py's shared Tz);
+    single-buffered it was slower than the Triton forward."""
     return buffers(geo) == (2, 2)
 
 
@@ -172,9 +170,7 @@ def forward(geo: Geometry, q, k, v, r, p, tau, qseg, kseg):
         return out[:, :seq_q], lse[:, :seq_q]
     tz_per_slot = _tz_per_slot(geo)
     rel_proj = p[:, geo.rel_left:geo.rel_left + geo.extent]
-    # A from r / scale; the row factor c, rows head-major as in a tile: [B, T / n_tok, 64]. (Building A in the
-    # kernel instead, as each warpgroup's r rows times a 0/1 spreading matrix on the tensor cores, saves the 134 MB
-    # A of the full layer but measured the same on the H200, 2.517 ms, and no longer fits the sliding layer.)
+    # A from r / scale; the row factor c, rows head-major as in a tile: [B, T / n_tok, 64].
     a = toeplitz.block_diagonal_r(r, 1.0 / geo.scale, n_tok, kv_heads)
     c = jnp.tile((tau * (geo.scale * LOG2E)).reshape(batch, seq_q // n_tok, 1, n_tok), (1, 1, geo.groups, 1))
     c = c.reshape(batch, seq_q // n_tok, ROWS)

@@ -19,14 +19,29 @@ NEG_INF = -1e30
 def relative_bias(r, rel_proj, q_pos, k_pos):
     """b[B, H, T, S] from r [B, T, H, dr] and P [dr, E]: the dense form, for references, tiny shapes and the
     model's prefill chunks that continue a cache. P's column for each (query, key) distance is gathered first
-    ([B, T, S, dr]), so nothing of size [B, H, T, E] is built (on the H200 that took 2-3 ms per layer of a
-    33 x 128-token prefill step)."""
+    ([B, T, S, dr]), so nothing of size [B, H, T, E] is built."""
     extent = rel_proj.shape[-1]
     dist = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
     inside = (dist >= 0) & (dist < extent)
     columns = jnp.take(rel_proj.astype(r.dtype).T, jnp.clip(dist, 0, extent - 1), axis=0)  # [B, T, S, dr]
     columns = jnp.where(inside[..., None], columns, jnp.zeros((), columns.dtype))
     return jnp.einsum("bthd,btsd->bhts", r, columns)
+
+
+def self_relative_bias(r, rel_proj):
+    """`relative_bias` for T tokens attending among themselves, distances taken as index differences (t - s):
+    R = r @ P [B, H, T, E] skewed into b[B, H, T, T] by a pad and a reshape, not gathered. The same values
+    where s <= t; zeros above the diagonal (masked by causality). A gather of P's columns has a scatter onto
+    E columns as its gradient, which made training steps of the jnp path seconds long on the H200."""
+    batch, seq, heads, _ = r.shape
+    extent = rel_proj.shape[-1]
+    rel = jnp.einsum("bthd,de->bhte", r, rel_proj.astype(r.dtype))[..., :seq]
+    rel = jnp.pad(rel, ((0, 0), (0, 0), (0, 0), (0, max(seq - extent, 0))))[..., ::-1]  # [t, T - 1 - d]
+    # Row t must start at column T - 1 - t: in rows of length 2T - 1 over the flattened [T, 2T] that is a
+    # shift of one column per row.
+    flat = jnp.pad(rel, ((0, 0), (0, 0), (0, 0), (0, seq))).reshape(batch, heads, 2 * seq * seq)
+    skewed = flat[..., seq - 1: seq - 1 + seq * (2 * seq - 1)].reshape(batch, heads, seq, 2 * seq - 1)
+    return skewed[..., :seq]
 
 
 def attention_mask(q_pos, k_pos, window=None, q_segment=None, k_segment=None, k_valid=None):
@@ -43,7 +58,7 @@ def attention_mask(q_pos, k_pos, window=None, q_segment=None, k_segment=None, k_
 
 
 def rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, q_segment=None,
-                  k_segment=None, k_valid=None, scale=None):
+                  k_segment=None, k_valid=None, scale=None, index_distances=False):
     """Attention output [B, T, Hq, D] in q.dtype.
 
     Args:
@@ -54,13 +69,15 @@ def rel_attention(q, k, v, r, rel_proj, q_pos, k_pos, *, window=None, tau=None, 
       q_segment, k_segment: optional [B, T], [B, S] ids of packed sequences.
       k_valid: optional [B, S] bool, False for cache slots that hold nothing.
       scale: defaults to 1 / head_dim.
+      index_distances: self-attention whose positions step by one inside each segment (the flash kernel's
+        contract): the bias is built by `self_relative_bias`, fast to differentiate.
     """
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
     groups = heads // kv_heads
     scale = 1.0 / dim if scale is None else scale
     dtype = q.dtype
-    bias = relative_bias(r, rel_proj, q_pos, k_pos)  # [B, H, T, S]
+    bias = self_relative_bias(r, rel_proj) if index_distances else relative_bias(r, rel_proj, q_pos, k_pos)
     if tau is not None:
         t = tau[:, None, :, None]
         q = (q.astype(jnp.float32) * tau[:, :, None, None]).astype(dtype)

@@ -1,14 +1,13 @@
 """ShortConv prefill as a walk down the time axis (Triton backend); semantics of `reference.shortconv_prefill`.
 
-A kernel of [time x channels] tiles loads every input four times, once per tap, because a tile held in registers
-cannot be shifted by a row; on the H200 it reached 0.69-0.77 of `y = 2x` (removed 2026-11-30; this kernel:
-0.95-1.13, bench/results/kernels.md). Here each program owns a strip of channels and a run of `rows` time steps
+A kernel of [time x channels] tiles would load every input four times, once per tap, because a tile held in
+registers cannot be shifted by a row. Here each program owns a strip of channels and a run of `rows` time steps
 and carries the last W-1 input rows from one step to the next, so each input is loaded once, plus a W-1 row halo
 per run. Each loop step issues `unroll` row loads before using any, so that enough bytes are in flight.
 
 Bandwidth is set by the bytes in flight per SM: resident programs x `unroll` rows x the strip's bytes per row.
-Long runs leave few programs: 256-row runs at 8192 x 6144 give 384 programs (3 per SM, ~24 KB in flight per SM)
-and measured 0.84 of `y = 2x` on the H200; 64-row runs give 3072 and measured 1.03 (tuning.py).
+Long runs leave few programs (256-row runs at 8192 x 6144 give 384, 3 per SM), hence tuning.py's short runs.
+The kernel's figures against a copy of the same bytes: docs/performance.md.
 """
 
 import functools

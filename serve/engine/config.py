@@ -27,7 +27,7 @@ class EngineConfig:
     max_queued: int = 256  # waiting requests beyond this get 429
     max_logprobs: int = 20
     decode_steps: int = 8  # decode steps queued before the host reads their tokens (it applies stops afterwards)
-    fuse_projections: bool = True  # q|k|v|r, MLP gate|up, shared experts as one MLP (placement.fuse_projections)
+    fuse_projections: bool = True  # q|k|v|r, MLP gate|up, shared experts as one MLP (placement.model_view)
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from inkling_jax.config.generation import SAMPLING_FIELDS as GENERATION_DEFAULTS
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.http.chat import ChatError, ChatFormat, ChatOutput
@@ -53,6 +54,8 @@ class Service:
     chat: ChatFormat | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     allowed_hosts: frozenset[str] | None = None  # Host names answered (None: any; see guards.HostCheck)
+    # What a request leaves unset (the checkpoint's generation_config.json, where it has one).
+    sampling_defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
     workers: concurrent.futures.Executor = dataclasses.field(default_factory=lambda: concurrent.futures.
                                                              ThreadPoolExecutor(WORKER_THREADS, "inkling-http"))
@@ -221,8 +224,9 @@ def _params(service: Service, body: SamplingFields, prompts: list[list[int]]) ->
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if any(not 0 <= t < service.vocab_size for t in values.get("stop_token_ids", ())):
         raise APIError(400, f"stop_token_ids must be in [0, {service.vocab_size})", param="stop_token_ids")
-    if "top_k" in values:  # past the vocabulary: all of it
-        values["top_k"] = min(values["top_k"], service.vocab_size)
+    # what the request leaves unset comes from the checkpoint's generation_config.json, where it has one
+    values = {**{name: getattr(service.sampling_defaults, name) for name in GENERATION_DEFAULTS}, **values}
+    values["top_k"] = min(values["top_k"], service.vocab_size)  # past the vocabulary: all of it
     try:
         return SamplingParams(**{**values, "max_tokens": max_tokens})
     except InvalidParams as exc:

@@ -40,10 +40,10 @@ class ModelRunner:
         self.placement.check(model.config.text)
         self.text = model.config.text
         self.vocab = self.text.unpadded_vocab_size
-        fused = config.fuse_projections and self.placement.fuse_projections(model)
+        fused = config.fuse_projections and self.placement.fuses_projections
         log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
-        self.model = self.placement.shard_model(model)
+        self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is
         self.params, merge = flat_params(self.model)
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(

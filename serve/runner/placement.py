@@ -23,6 +23,7 @@ from inkling_jax.parallel.kernel_sharding import head_shards
 from inkling_jax.parallel.mesh import MeshError, check_mesh, make_mesh, parse_mesh_spec
 from inkling_jax.parallel.placement import shard_model
 from inkling_jax.parallel.rules import override_rules, spec_for
+from inkling_jax.quant import serving_view
 
 # The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). The KV pool is one
 # pool of pages, whole on every expert shard; with the rows split over `expert`, every step program would write it
@@ -69,18 +70,19 @@ class Placement:
     def devices(self) -> str:
         return str(jax.devices()[0]) if self.mesh is None else f"mesh {dict(self.mesh.shape)}"
 
-    def fuse_projections(self, model) -> bool:
-        """Fuse each attention's q, k, v and r maps into one matmul, each dense MLP's gate and up, and each MoE's
-        shared experts into one MLP (`InklingModel.fuse_projections`, in place) where the layout allows, before
-        `shard_model`: a decode step's small products are latency-bound. Not over a `tensor` axis, which splits
-        them by heads or width (the fused columns mix them). Returns whether it fused."""
-        if self.mesh is not None and self.mesh.shape["tensor"] > 1:
-            return False
-        model.fuse_projections()
-        return True
+    @property
+    def fuses_projections(self) -> bool:
+        """Whether the engine's view may fuse each attention's q, k, v and r maps into one matmul, each dense MLP's
+        gate and up, and each MoE's shared experts into one MLP: not over a `tensor` axis, which splits them by
+        heads or width (the fused columns mix them)."""
+        return self.mesh is None or self.mesh.shape["tensor"] == 1
 
-    def shard_model(self, model):
-        return model if self.mesh is None else shard_model(model, self.mesh)
+    def model_view(self, model, fuse_projections: bool = True):
+        """The model the engine runs, built from `model`, which is left as it was: fused where `fuse_projections`
+        and the mesh allow (a decode step's small products are latency-bound; `serving_view`), and placed on the
+        mesh (`shard_model`)."""
+        view = serving_view(model, fuse=fuse_projections and self.fuses_projections)
+        return view if self.mesh is None else shard_model(view, self.mesh)
 
     def replicated(self):
         return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())

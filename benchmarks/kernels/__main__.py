@@ -1,0 +1,3 @@
+from benchmarks.kernels.table import main
+
+main()

@@ -1,0 +1,78 @@
+"""The benchmarks start as users start them (`python -m benchmarks.<name> --help`, run here as `python -m`
+runs a module, in this process), and the timing module they share measures what it says on CPU: the calls it
+times, the ceilings, the stamp, the guard that keeps a failed measurement from stopping a run."""
+
+import math
+import runpy
+import sys
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import timing
+
+
+# runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
+@pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
+@pytest.mark.parametrize("name", ["model", "serving", "training", "kernels", "moe", "conversion", "timing"])
+def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m benchmarks.{name}")
+
+
+def test_median_seconds_times_warm_up_then_trials_of_back_to_back_calls():
+    calls = []
+
+    def fn(x):
+        calls.append(x)
+        return x + 1
+
+    seconds = timing.median_seconds(fn, jnp.ones(4), trials=3, warmup=2, calls=4)
+    assert len(calls) == 2 + 3 * 4
+    assert 0 < seconds < 1
+
+
+def test_chained_seconds_feeds_a_donated_state_back_and_warns_on_non_finite_values(capsys):
+    state = {"x": jnp.ones(8), "n": jnp.zeros((), jnp.int32)}
+    step = lambda carry, scale: {"x": carry["x"] * scale, "n": carry["n"] + 1}  # noqa: E731
+    seconds = timing.chained_seconds(step, state, (jnp.float32(1.5),), reps=3, feed_back=True, calls=2, trials=2)
+    assert 0 < seconds < 1
+    assert "non-finite" not in capsys.readouterr().out
+    # fed back through 1 + 2 x 2 calls of 3 steps each, 1.5**15 stays finite; 1e30 per step does not
+    timing.chained_seconds(step, {"x": jnp.ones(8), "n": jnp.zeros((), jnp.int32)}, (jnp.float32(1e30),),
+                           reps=3, feed_back=True, calls=2, trials=2)
+    assert "non-finite" in capsys.readouterr().out
+
+
+def test_ceilings_are_rates_measured_on_this_device():
+    for rate in (timing.copy_bandwidth(1 << 12, data="ones", trials=2),
+                 timing.read_bandwidth(1 << 12, data="normal", trials=2),
+                 timing.matmul_flops(32, data="normal", trials=2)):
+        assert math.isfinite(rate) and rate > 0
+    assert float(timing.filled((4,), data="ones").sum()) == 4
+    with pytest.raises(ValueError, match="data must be one of"):
+        timing.filled((4,), data="zeros")
+
+
+def test_the_stamp_names_date_device_and_versions():
+    found = timing.stamp(torch=None, transformers="5.23.0")
+    assert found["device"] and found["devices"] >= 1 and found["jax"] and found["flax"]
+    assert "torch" not in found and found["transformers"] == "5.23.0"
+    line = timing.stamp_line(found)
+    assert line.startswith(f"{found['date']}, {found['devices']} x {found['device']}, jax {found['jax']}")
+    assert timing.versions("jax", "no-such-package-here") == {"jax": found["jax"]}
+
+
+def test_attempt_returns_the_result_or_records_the_failure_and_goes_on(capsys):
+    errors = {}
+    assert timing.attempt("works", lambda: 3, errors) == 3
+
+    def fails():
+        raise MemoryError("out of memory while trying to allocate 37.5GiB\nmore detail")
+
+    assert timing.attempt("too big", fails, errors) is None
+    assert errors == {"too big": "MemoryError: out of memory while trying to allocate 37.5GiB"}
+    assert "too big FAILED MemoryError" in capsys.readouterr().out
