@@ -197,8 +197,8 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
 
     @contextlib.contextmanager
     def watched():
-        """While the client is watched; afterwards the request is aborted unless it has finished (the client
-        left, the server failed it, or the handler ended early)."""
+        """Watch the client meanwhile; afterwards abort the request unless it has finished (the client left, the
+        server failed it, or the handler ended early)."""
         watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
         try:
             yield
