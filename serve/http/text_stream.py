@@ -49,15 +49,16 @@ class TextStream:
             return self._release(cut, cut_tokens=True)
         return self._release(len(self.text) - self._held_back())
 
-    def finish(self) -> tuple[str, list[Sample]]:
-        """Release everything still held (the sequence ended for another reason than a stop string)."""
+    def finish(self, stop: Sample | None = None) -> tuple[str, list[Sample]]:
+        """Release everything still held (the sequence ended for another reason than a stop string), and `stop`,
+        the sample of the stop token that ended it (no text), if given."""
         if self.stopped:
             return "", []
         rest = self._decode(self.ids[self.prefix_offset:])[len(self._decode(self.ids[self.prefix_offset:
                                                                                     self.read_offset])):]
         self.text += rest
         self.read_offset = len(self.ids)
-        self.pending = [(len(self.text), s) for _, s in self.pending]
+        self.pending = [(len(self.text), s) for _, s in self.pending] + [(len(self.text), stop)]
         return self._release(len(self.text))
 
     def _decode(self, ids: list[int]) -> str:
@@ -120,8 +121,9 @@ class TextOutput:
     def feed(self, token_id: int, sample: Sample | None = None) -> list[Delta]:
         return as_deltas("text", *self.stream.feed(token_id, sample))
 
-    def finish(self) -> list[Delta]:
-        return as_deltas("text", *self.stream.finish())
+    def finish(self, stop: Sample | None = None) -> list[Delta]:
+        """A completion's logprobs list the stop token too, as OpenAI's do."""
+        return as_deltas("text", *self.stream.finish(stop))
 
 
 def as_deltas(channel: str, text: str, samples: list[Sample]) -> list[Delta]:
