@@ -101,6 +101,17 @@ class TextStream:
         return text, samples
 
 
+def prompt_text(tokenizer: Tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """A prompt's text (as its completion echoes it) and where each token's text begins in it; tokens that
+    complete a character begun before them begin where it does."""
+    stream, offsets = TextStream(tokenizer), []
+    for token_id in ids:
+        offsets.append(len(stream.text))
+        stream.feed(token_id)
+    stream.finish()
+    return stream.text, offsets
+
+
 @dataclasses.dataclass
 class Delta:
     channel: str  # "text" (completions), "content" or "reasoning" (chat)

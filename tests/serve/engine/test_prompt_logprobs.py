@@ -4,8 +4,6 @@ requests in the same steps, and with max_tokens 0 (only the prompt scored)."""
 
 import concurrent.futures
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
+from tests.serve.logprobs import model_logprobs
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 RNG = np.random.default_rng(5)
@@ -24,25 +23,19 @@ TOP = 3
 
 @pytest.fixture(scope="module")
 def engine():
-    with kernels.use("jnp", moe="dense"):  # read while tracing: the reference below uses the same choice
+    with kernels.use("jnp", moe="dense"):  # read while tracing: the reference uses the same choice
         engine = Engine(random_model(CONFIG, seed=0), EngineConfig(
             max_num_seqs=3, max_model_len=64, max_num_batched_tokens=32, page_size=8, chunk_buckets=(1, 16),
             row_buckets=(2, 4), num_pages=24, num_snapshots=8), eos_token_id=CONFIG.eos_token_id)
         engine.start()
+    engine.reference = random_model(CONFIG, seed=0)  # the same weights, unfused (the engine fuses its projections)
     yield engine
     engine.shutdown(drain_seconds=0)
 
 
-def reference(engine, prompt):
-    """log_softmax(model(ids)) [len(prompt), V] in float32."""
-    with kernels.use("jnp", moe="dense"):
-        logits = engine.runner.model(jnp.asarray([prompt]))[0]
-    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
-
-
 def check(engine, prompt, scored):
     """The engine's prompt logprobs of `prompt` are the reference's: each token's logprob, rank and top ones."""
-    expected = reference(engine, prompt)
+    expected = model_logprobs(engine.reference, prompt)
     assert [s.token_id for s in scored] == prompt[1:]
     got = np.array([s.logprob for s in scored])
     want = expected[np.arange(len(prompt) - 1), prompt[1:]]
@@ -106,6 +99,6 @@ def test_a_sequence_entering_a_used_slot_sees_nothing_of_its_previous_occupant(e
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=0, ignore_eos=True)
     generate(engine, [first], params)
     result = generate(engine, [second], params)[0]  # the slot the first one freed
-    expected = reference(engine, second)[-1]
+    expected = model_logprobs(engine.reference, second)[-1]
     assert result.token_ids == [int(np.argmax(expected))]
     np.testing.assert_allclose(result.logprobs, [expected.max()], rtol=0, atol=1e-6)
