@@ -187,7 +187,7 @@ class Engine:
             for seq in request.seqs:
                 self._owner[seq.seq_id] = request
                 self.metrics.prompt_tokens.inc(seq.num_prompt)
-                if seq.params.max_tokens == 0:
+                if seq.params.max_tokens == 0 and seq.params.prompt_logprobs is None:  # nothing to compute
                     self._finish(seq, "length", [])
                 else:
                     self.scheduler.add(seq)
@@ -223,17 +223,26 @@ class Engine:
         self._report()  # (a no-op where a dispatch above has reported)
         samples = self.runner.collect(dispatched)
         self._read_at = time.monotonic()
-        self._unreported = self._apply(chunks, samples)
+        self._unreported = self._apply(chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
 
-    def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
-        """Put a step's samples into their sequences; end those that hit EOS, a stop id or a length limit (the
-        sample's `finish_reason`). Returns the applied samples with their sequences, for `_report`."""
+    def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]],
+               prompt_logprobs: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
+        """Put a step's samples and prompt logprobs into their sequences; end those that hit EOS, a stop id or a
+        length limit (the sample's `finish_reason`), and those that asked only for prompt logprobs (max_tokens 0)
+        once their prompt is done. Returns the applied samples with their sequences, for `_report`."""
         applied = []
         for chunk in chunks:
             seq = chunk.seq
             if seq.finished:  # a stop string ended it after this step was dispatched
                 continue
+            if chunk.scores:
+                if seq.num_cached == 0:  # (re)computed from the start, after a preemption say
+                    seq.prompt_logprobs = []
+                seq.prompt_logprobs += prompt_logprobs[seq.seq_id]
             self._advance(seq, chunk.num_tokens)
+            if seq.params.max_tokens == 0 and seq.seq_id in samples:  # the prompt is done; its next token unwanted
+                self._finish(seq, "length", [])
+                continue
             for k, sample in enumerate(samples.get(seq.seq_id, ())):
                 if k:
                     self._advance(seq, 1)  # the token fed back on device is in the cache
@@ -279,8 +288,8 @@ class Engine:
         else:
             self.metrics.itl.observe(now - last)
         request.last_token[seq.seq_id] = now
-        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text
-            self._finish(seq, "stop", parser.finish())
+        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text, but of the logprobs
+            self._finish(seq, "stop", parser.finish(sample if seq.params.logprobs is not None else None))
             return
         deltas = parser.feed(sample.token_id, sample if seq.params.logprobs is not None else None)
         if parser.stopped:
@@ -298,7 +307,8 @@ class Engine:
         if request.remaining == 0:
             self._requests.pop(request.request_id, None)
             self.metrics.e2e.observe(time.monotonic() - request.arrival)
-        self._emit(request, Output(seq.index, deltas, reason, seq.num_output))
+        scored = seq.params.prompt_logprobs is not None and not seq.scores_prompt
+        self._emit(request, Output(seq.index, deltas, reason, seq.num_output, seq.prompt_logprobs if scored else None))
 
     def _end_request(self, request_id: str, reason: str) -> None:
         request = self._requests.get(request_id)

@@ -179,5 +179,6 @@ class ChatOutput:
         self.channel = self.switches.get(token_id, self.channel)
         return as_deltas(self.channel, *self.streams[self.channel].feed(token_id, sample))
 
-    def finish(self) -> list[Delta]:
+    def finish(self, stop: Sample | None = None) -> list[Delta]:
+        """A chat's logprobs list its content's tokens alone: not `stop`."""
         return [d for channel, stream in self.streams.items() for d in as_deltas(channel, *stream.finish())]

@@ -95,6 +95,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's extension: the prompt tokens' logprobs and this many top ones
     logit_bias: dict[str, float] | None = None
     user: Text | None = None
 
@@ -121,6 +122,14 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: Text | None = None
+
+    def sampling_values(self) -> dict:
+        """`echo` with `logprobs` also asks for the prompt's logprobs, as many top ones (where `prompt_logprobs`
+        does not say otherwise), as OpenAI's legacy API and vLLM read it."""
+        values = super().sampling_values()
+        if self.echo and self.logprobs is not None:
+            values.setdefault("prompt_logprobs", self.logprobs)
+        return values
 
 
 class ImageURL(BaseModel):

@@ -2,10 +2,11 @@
 or one body once every choice has finished, for `/v1/completions` and `/v1/chat/completions`.
 
 A `Choice` accumulates one choice's text and samples; a responder turns an engine `Output` into stream chunks, and
-the finished choices into a whole response. A client that goes away aborts its request (the engine frees its
-pages): streaming or not, `respond` watches the connection while it waits. A request the server ends (a failed
-step, the end of a shutdown's drain) gets an error: the status of a whole response, or a last `{"error": ...}`
-event before `[DONE]` in a stream.
+the finished choices into a whole response (with the prompt's logprobs where asked: in a completion's `logprobs`
+with `echo`, OpenAI's legacy way, and as vLLM's `prompt_logprobs`). A client that goes away aborts its request
+(the engine frees its pages): streaming or not, `respond` watches the connection while it waits. A request the
+server ends (a failed step, the end of a shutdown's drain) gets an error: the status of a whole response, or a
+last `{"error": ...}` event before `[DONE]` in a stream.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from serve.engine.outputs import Output, Sample
 from serve.engine.request import EngineStopped, OutputParser, QueueFull
 from serve.engine.sampling_params import SamplingParams
 from serve.http.protocol import APIError, SamplingFields
+from serve.http.text_stream import prompt_text
 from serve.http.tokenizer import Tokenizer
 
 log = logging.getLogger("serve.http")
@@ -38,6 +40,7 @@ class Choice:
     samples: dict[str, list[tuple[int, Sample]]] = dataclasses.field(default_factory=dict)  # (text offset, sample)
     finish_reason: str | None = None
     num_output: int = 0
+    prompt_logprobs: list[Sample] | None = None
 
     def add(self, output: Output) -> None:
         for delta in output.deltas:
@@ -46,6 +49,8 @@ class Choice:
             self.text[delta.channel] = self.text.get(delta.channel, "") + delta.text
         self.finish_reason = output.finish_reason or self.finish_reason
         self.num_output = output.num_output
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -68,16 +73,38 @@ class Responder:
     def usage_chunk(self, usage_body: dict) -> dict:
         return self.envelope(self.chunk_name, [], usage=usage_body)
 
+    def prompt_logprobs(self, scored: list[Sample] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
+        decoded_token}} for the token itself and the most likely ones."""
+        if scored is None:
+            return None
+
+        def entry(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.token_text(token_id)}
+
+        out: list = [None]
+        for s in scored:
+            ranked = {str(s.token_id): entry(s.token_id, s.logprob, s.rank)}
+            for rank, (token_id, logprob) in enumerate(s.top, 1):
+                ranked.setdefault(str(token_id), entry(token_id, logprob, rank))
+            out.append(ranked)
+        return out
+
 
 class CompletionResponder(Responder):
     object_name = chunk_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, echo: list[str] | None, n: int):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, prompts: list[list[int]], n: int, *,
+                 echo: bool = False, prompt_logprobs: bool = False):
+        """`echo`: each choice's text (and logprobs) begins with its prompt's; `prompt_logprobs`: each choice
+        carries vLLM's `prompt_logprobs`."""
         super().__init__(request_id, model, tokenizer)
-        self.echo, self.n = echo, n  # echo[i]: prompt i's text, when the request asked for echo
+        self.prompts, self.n, self.with_prompt_logprobs = prompts, n, prompt_logprobs
+        # prompt i's (text, where each of its tokens' text begins), when the request asked for echo
+        self.echo = [prompt_text(tokenizer, p) for p in prompts] if echo else None
 
     def echo_text(self, index: int) -> str:
-        return self.echo[index // self.n] if self.echo else ""
+        return self.echo[index // self.n][0] if self.echo else ""
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         return [self.envelope(self.chunk_name, [self._choice(i, self.echo_text(i), None, None)])
@@ -98,8 +125,19 @@ class CompletionResponder(Responder):
         for i, c in enumerate(choices):
             echo = self.echo_text(i)
             lp = self._logprobs(c.samples.get("text", []), len(echo)) if logprobs else None
+            if lp is not None and self.echo:
+                lp = {key: values + lp[key] for key, values in self._echo_logprobs(i, c.prompt_logprobs).items()}
             body.append(self._choice(i, echo + c.text.get("text", ""), lp, c.finish_reason))
+            if self.with_prompt_logprobs:
+                body[-1]["prompt_logprobs"] = self.prompt_logprobs(c.prompt_logprobs)
         return self.envelope(self.object_name, body, usage=usage_body)
+
+    def _echo_logprobs(self, index: int, scored: list[Sample]) -> dict:
+        """The legacy `logprobs` of choice `index`'s echoed prompt: its first token has none."""
+        ids, (_, offsets) = self.prompts[index // self.n], self.echo[index // self.n]
+        text = self.tokenizer.token_text
+        return {"tokens": [text(i) for i in ids], "token_logprobs": [None] + [s.logprob for s in scored],
+                "top_logprobs": [None] + [{text(i): lp for i, lp in s.top} for s in scored], "text_offset": offsets}
 
     @staticmethod
     def _choice(index: int, text: str, logprobs, finish_reason) -> dict:
@@ -115,6 +153,11 @@ class CompletionResponder(Responder):
 class ChatResponder(Responder):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, prompt_logprobs: bool = False):
+        """`prompt_logprobs`: the response carries vLLM's `prompt_logprobs` (of the rendered conversation)."""
+        super().__init__(request_id, model, tokenizer)
+        self.with_prompt_logprobs = prompt_logprobs
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         return [self.envelope(self.chunk_name, [self._delta(i, {"role": "assistant", "content": ""}, None, None)])
@@ -138,7 +181,9 @@ class ChatResponder(Responder):
                        "reasoning_content": c.text.get("reasoning")}
             lp = {"content": self._logprobs([s for _, s in c.samples.get("content", [])])} if logprobs else None
             body.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
-        return self.envelope(self.object_name, body, usage=usage_body)
+        extra = {"prompt_logprobs": self.prompt_logprobs(choices[0].prompt_logprobs)} if self.with_prompt_logprobs \
+            else {}
+        return self.envelope(self.object_name, body, usage=usage_body, **extra)
 
     @staticmethod
     def _delta(index: int, delta: dict, logprobs, finish_reason) -> dict:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (both streaming as
-server-sent events, `serve.http.responses`), `/health` and `/metrics`.
+server-sent events, `serve.http.responses`), `/health` and `/metrics`; vLLM's tokenizer routes
+(`serve.http.tokenize`).
 
 Every malformed request gets a 4xx with an OpenAI-style error body: the schema's (`serve.http.protocol`), or a
 limit of this server's, checked here, each before the work it bounds; anything else a 500 in the same shape
@@ -32,6 +33,7 @@ from serve.http.protocol import (ERROR_RESPONSES, GENERATION_RESPONSES, APIError
                                  SamplingFields, validation_message)
 from serve.http.responses import ChatResponder, CompletionResponder, respond
 from serve.http.text_stream import TextOutput
+from serve.http.tokenize import check_model, tokenizer_router
 from serve.http.tokenizer import Tokenizer, TooLong
 
 MAX_BODY_BYTES = 16 << 20  # default of --max-body-mb
@@ -121,13 +123,10 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         prompts = await _completion_prompts(service, body.prompt)
         params = _params(service, body, prompts)
-        echo = [service.tokenizer.decode(p) for p in prompts] if body.echo else None
-        responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer, echo,
-                                        body.n)
+        responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer, prompts,
+                                        body.n, echo=body.echo, prompt_logprobs=body.prompt_logprobs is not None)
         return await respond(service.engine, request, body, prompts, params, responder,
                              lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
 
@@ -148,17 +147,17 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         if items:
             with _as_api_errors(service, "messages"):
                 media = await service.off_loop(service.chat.media.encode, items)
-        responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer)
+        responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer,
+                                  prompt_logprobs=body.prompt_logprobs is not None)
         return await respond(service.engine, request, body, [prompt], params, responder,
                              lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media)
 
+    app.include_router(tokenizer_router(service, [Depends(authorized)]))
     return app
 
 
 def _check_model(service: Service, body: SamplingFields) -> None:
-    if body.model != service.model_name:
-        raise APIError(404, f"model {body.model!r} does not exist; this server serves {service.model_name!r}",
-                       param="model", code="model_not_found")
+    check_model(body.model, service.model_name)
 
 
 def _check_no_tools(body: ChatRequest) -> None:
@@ -218,8 +217,12 @@ def _params(service: Service, body: SamplingFields, prompts: list[list[int]]) ->
                        code="context_length_exceeded")
     if body.n * len(prompts) > service.max_n:
         raise APIError(400, f"n x prompts must be at most {service.max_n}", param="n")
-    if values.get("logprobs") is not None and values["logprobs"] > service.engine.config.max_logprobs:
-        raise APIError(400, f"at most {service.engine.config.max_logprobs} logprobs", param="logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if values.get(name) is not None and values[name] > service.engine.config.max_logprobs:
+            raise APIError(400, f"at most {service.engine.config.max_logprobs} {name}", param=name)
+    if values.get("prompt_logprobs") is not None and body.stream:
+        raise APIError(400, "prompt logprobs (echo with logprobs, or prompt_logprobs) are not streamed: send "
+                       "stream false", param="stream")
     if body.logit_bias:
         raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if any(not 0 <= t < service.vocab_size for t in values.get("stop_token_ids", ())):

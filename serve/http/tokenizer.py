@@ -8,6 +8,7 @@ are only inserted by the chat renderer, by id), and both know Inkling's named sp
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 # Inkling's named special tokens (spec section 7). The byte-level tokenizer numbers them from 256 in this order,
@@ -30,8 +31,13 @@ class Tokenizer:
     name: str
     special_ids: frozenset[int]
     max_token_chars: int  # the most characters of text that one token covers
+    # The model directory's tokenizer_config.json, where it has one: its named tokens and chat template are what
+    # `/tokenizer_info` reports.
+    config: dict = {}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what the tokenizer's own post-processor adds around the text (a BOS, say;
+        Inkling's adds nothing)."""
         raise NotImplementedError
 
     def encode_at_most(self, text: str, limit: int) -> list[int]:
@@ -73,8 +79,8 @@ class ByteTokenizer(Tokenizer):
         self.names = {i: name for name, i in self.specials.items()}
         self.special_ids = frozenset(self.names)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # no post-processor
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out, run = [], bytearray()
@@ -98,10 +104,11 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    def __init__(self, path: str):
+    def __init__(self, path: str, config: dict | None = None):
         from tokenizers import Tokenizer as Backend
 
         self.name = path
+        self.config = config or {}
         self.backend = Backend.from_file(path)
         self.backend.encode_special_tokens = True  # user text never becomes control tokens
         added = self.backend.get_added_tokens_decoder()
@@ -110,8 +117,8 @@ class HFTokenizer(Tokenizer):
         # A piece's characters bound the text characters it stands for (byte-level pieces have one per byte).
         self.max_token_chars = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -140,10 +147,16 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def load_tokenizer(model_dir: str | None) -> Tokenizer:
-    """`tokenizer.json` of a model directory, or the byte-level tokenizer when there is no model directory."""
+    """`tokenizer.json` (and tokenizer_config.json, if there) of a model directory, or the byte-level tokenizer when
+    there is no model directory."""
     if model_dir is None:
         return ByteTokenizer()
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json (the server reads HF `tokenizers` files)")
-    return HFTokenizer(path)
+    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    config = None
+    if os.path.exists(config_path):
+        with open(config_path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    return HFTokenizer(path, config)
