@@ -24,7 +24,7 @@ from serve.http.routes import Service
 from serve.http.server import ServerThread, serving_app
 from serve.http.tokenizer import ByteTokenizer
 from serve.random_weights import random_model
-from tests.serve.http.test_api import KEY, MODEL, ids, metric, post
+from tests.serve.http.client import KEY, MODEL, ids, metric, post
 from tests.serve.logprobs import model_logprobs
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
