@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from serve.http.chat import ChatError
-from serve.http.protocol import APIError, ChatMessage
+from serve.http.protocol import ERROR_RESPONSES, APIError, ChatMessage
 
 
 class TokenizeRequest(BaseModel):
@@ -56,7 +56,7 @@ def check_model(requested: str | None, served: str) -> None:
 def tokenizer_router(service, dependencies: list) -> APIRouter:
     """The three routes for `service` (the app's `serve.http.routes.Service`), with `dependencies` (the API key
     check)."""
-    router = APIRouter(dependencies=dependencies)
+    router = APIRouter(dependencies=dependencies, responses=ERROR_RESPONSES)
     tokenizer = service.tokenizer
 
     @router.get("/tokenizer_info")
