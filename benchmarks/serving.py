@@ -45,11 +45,11 @@ from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.memory_plan import program_bytes
-from serve.runner.placement import Placement
-from serve.random_weights import random_model
 from serve.engine.sampling_params import SamplingParams
-from serve.runner.steps import pack
 from serve.http.text_stream import Delta
+from serve.random_weights import random_model
+from serve.runner.placement import Placement
+from serve.runner.steps import pack
 
 PEER = r"""
 import json, sys, time, torch

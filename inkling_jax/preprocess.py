@@ -18,6 +18,7 @@ from inkling_jax.config import AudioConfig, VisionConfig
 CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
 CLIP_STD = np.array([0.26862954, 0.2613026, 0.2757771], np.float32)
 SAMPLE_RATE = 16000
+AUDIO_HOP = 800  # samples per dMel frame
 
 
 def image_to_patches(image, cfg: VisionConfig = VisionConfig(), rescale: float | None = None,
@@ -30,7 +31,7 @@ def image_to_patches(image, cfg: VisionConfig = VisionConfig(), rescale: float |
         raise ValueError(f"expected an RGB image [H, W, 3], got shape {pixels.shape}")
     p = cfg.patch_size
     height, width = pixels.shape[:2]
-    rows, cols = -(-height // p), width // p + 1
+    rows, cols = _patch_grid(height, width, p)
     canvas = np.full((rows * p, cols * p, 3), -1.0, np.float32)  # raw -1 marks "outside the image"
     canvas[:height, :width] = pixels
     canvas = (canvas / 255.0 - CLIP_MEAN) / CLIP_STD
@@ -42,14 +43,34 @@ def _rescale(image, factor: float, max_long_edge: int):
     from PIL import Image
 
     image = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, np.uint8))
-    width, height = image.size
+    size = rescaled_size(*image.size, factor, max_long_edge)
+    if size == image.size:
+        return image
+    return image.convert("RGB").resize(size, Image.LANCZOS)
+
+
+def rescaled_size(width: int, height: int, factor: float, max_long_edge: int = 2048) -> tuple[int, int]:
+    """(width, height) after the long-edge rescale: times `factor`, growth capped at `max_long_edge`."""
     long_edge = max(width, height)
     target = min(long_edge * factor, max(max_long_edge, long_edge))  # the cap only limits growth
     ratio = target / long_edge
     if ratio == 1.0:
-        return image
-    size = (math.floor(width * ratio + 0.5), math.floor(height * ratio + 0.5))
-    return image.convert("RGB").resize(size, Image.LANCZOS)
+        return width, height
+    return math.floor(width * ratio + 0.5), math.floor(height * ratio + 0.5)
+
+
+def image_tokens(width: int, height: int, cfg: VisionConfig = VisionConfig(), rescale: float | None = None,
+                 max_long_edge: int = 2048) -> int:
+    """The patches (tokens) `image_to_patches` makes of an image of this size: known before any pixel is decoded."""
+    if rescale is not None:
+        width, height = rescaled_size(width, height, rescale, max_long_edge)
+    rows, cols = _patch_grid(height, width, cfg.patch_size)
+    return rows * cols
+
+
+def _patch_grid(height: int, width: int, patch_size: int) -> tuple[int, int]:
+    """Rows and columns of patches: the rows cover the image, the columns have one more (always)."""
+    return -(-height // patch_size), width // patch_size + 1
 
 
 def _hz_to_mel(f):
@@ -75,7 +96,12 @@ def mel_filters(n_fft: int, n_mels: int, sample_rate: int = SAMPLE_RATE) -> np.n
     return (tri * (2.0 / (right - left))).astype(np.float32)
 
 
-def log_mel(waveform: np.ndarray, n_mels: int = 80, hop: int = 800, n_fft: int = 1600) -> np.ndarray:
+def audio_tokens(num_samples: int) -> int:
+    """The dMel frames (tokens) `dmel_ids` makes of a 16 kHz waveform of this length."""
+    return -(-num_samples // AUDIO_HOP)
+
+
+def log_mel(waveform: np.ndarray, n_mels: int = 80, hop: int = AUDIO_HOP, n_fft: int = 1600) -> np.ndarray:
     """16 kHz mono waveform -> log10 mel energies [ceil(len / hop), n_mels]."""
     wave = np.asarray(waveform, np.float32)
     if wave.ndim == 2:  # multichannel: average to mono

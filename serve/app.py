@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 
 import jax
-import uvicorn
 
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.config.generation import SAMPLING_FIELDS
@@ -29,13 +29,29 @@ from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatError, ChatFormat
-from serve.http.media import MediaEncoder
-from serve.http.routes import Service
-from serve.http.server import serving_app
+from serve.http.guards import is_loopback, local_host_names
+from serve.http.media import MAX_IMAGE_PIXELS, MediaEncoder
+from serve.http.routes import MAX_BODY_BYTES, Service
+from serve.http.server import Server, serving_app
 from serve.http.tokenizer import load_tokenizer
 from serve.runner.placement import MeshError, Placement
 
 log = logging.getLogger("serve")
+
+
+def number(kind, low, high=None):
+    """An argparse type: a finite `kind` from `low` to `high` (inclusive), else an error that says so."""
+    bounds = f"in [{low}, {high}]" if high is not None else f">= {low}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and low <= value and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {bounds}, got {text}")
+        return value
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,25 +65,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--served-model-name", help="the model id clients send (default: the directory name, inkling-tiny, or "
       "inkling-tiny-random)")
     a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    a("--port", type=int, default=8000, help="TCP port (default 8000)")
-    a("--api-key", default=os.environ.get("INKLING_API_KEY"),
-      help="require `Authorization: Bearer KEY` on /v1 routes (default: $INKLING_API_KEY, else none)")
+    a("--port", type=number(int, 1, 65535), default=8000, help="TCP port (default 8000)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=os.environ.get("INKLING_API_KEY"),
+                     help="require `Authorization: Bearer KEY` on /v1 routes (default: $INKLING_API_KEY, else none; "
+                     "without a key, a server on a loopback address answers only Host headers that name it)")
+    key.add_argument("--api-key-file", type=argparse.FileType("r"),
+                     help="read the API key from this file (its first line), so that it is not on the command line")
     a("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
     a("--seed", type=int, default=0, help="seed of --random-weights")
-    a("--max-num-seqs", type=int, default=8, help="sequences decoded together (cache slots)")
-    a("--max-model-len", type=int, default=1024, help="prompt + output tokens per sequence")
-    a("--max-num-batched-tokens", type=int, default=256, help="token budget of one engine step")
-    a("--page-size", type=int, default=16, help="tokens per KV page")
-    a("--num-pages", type=int, help="KV pages (default: from free device memory on GPU; every slot at full "
-      "length on CPU)")
-    a("--memory-fraction", type=float, default=0.85, help="share of free device memory for caches")
+    a("--max-num-seqs", type=number(int, 1), default=8, help="sequences decoded together (cache slots)")
+    a("--max-model-len", type=number(int, 2), default=1024, help="prompt + output tokens per sequence")
+    a("--max-num-batched-tokens", type=number(int, 1), default=256, help="token budget of one engine step")
+    a("--page-size", type=number(int, 1), default=16, help="tokens per KV page")
+    a("--num-pages", type=number(int, 1), help="KV pages (default: from free device memory on GPU; every slot at "
+      "full length on CPU)")
+    a("--memory-fraction", type=number(float, 0.01, 1.0), default=0.85,
+      help="share of free device memory for caches")
     a("--chunk-buckets", help="compiled tokens-per-row sizes; the largest is the longest prefill chunk "
       "(default: 1,16,64,256 on GPU, 1,16 on CPU, where each compilation takes seconds)")
     a("--row-buckets", help="compiled rows-per-step sizes, ending with max-num-seqs + 1 (default: powers of 2 "
       "on GPU, only all rows on CPU)")
-    a("--decode-steps", type=int, default=8, help="decode steps queued on the device before the host reads their "
-      "tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: one "
-      "token at a time)")
+    a("--decode-steps", type=number(int, 1), default=8, help="decode steps queued on the device before the host "
+      "reads their tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: "
+      "one token at a time)")
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device). Checked against "
       "the model's config before the weights load")
@@ -91,12 +112,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--no-fuse-projections", action="store_true",
       help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
       "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")
-    a("--num-snapshots", type=int, help="saved window/conv states for prefix hits (default: 2 per slot)")
-    a("--max-queued", type=int, default=256, help="waiting sequences beyond which requests get 429")
-    a("--max-prompt-tokens", type=int, help="longest accepted prompt (default: max-model-len - 1)")
-    a("--max-tokens", type=int, help="largest accepted max_tokens (default: max-model-len - 1)")
-    a("--max-n", type=int, default=16, help="largest n (choices x prompts) per request")
-    a("--drain-seconds", type=float, default=10.0, help="on shutdown, how long in-flight requests may finish")
+    a("--num-snapshots", type=number(int, 0), help="saved window/conv states for prefix hits (default: 2 per slot)")
+    a("--max-queued", type=number(int, 1), default=256, help="waiting sequences beyond which requests get 429")
+    a("--max-prompt-tokens", type=number(int, 1), help="longest accepted prompt (default: max-model-len - 1)")
+    a("--max-tokens", type=number(int, 1), help="largest accepted max_tokens (default: max-model-len - 1)")
+    a("--max-n", type=number(int, 1), default=16, help="largest n (choices x prompts) per request")
+    a("--max-body-mb", type=number(float, 0.001), default=MAX_BODY_BYTES / 2**20,
+      help=f"largest request body in MiB; larger ones get 413 before they are read (default {MAX_BODY_BYTES >> 20})")
+    a("--max-image-pixels", type=number(int, 1), default=MAX_IMAGE_PIXELS,
+      help=f"largest image (width x height) in a chat message, checked from its header before it is decoded "
+      f"(default {MAX_IMAGE_PIXELS})")
+    a("--drain-seconds", type=number(float, 0.0), default=10.0,
+      help="on shutdown, how long in-flight requests may finish; streams still open then end with an error event")
     add_backend_flag(p)
     a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
@@ -108,6 +135,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
         p.error(str(exc))
+    for flag in ("max_prompt_tokens", "max_tokens"):
+        if (getattr(args, flag) or 0) >= args.max_model_len:
+            p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
+    if args.api_key_file:
+        with args.api_key_file as file:
+            args.api_key = file.readline().strip()
+        if not args.api_key:
+            p.error(f"--api-key-file {file.name} holds no key")
     return args
 
 
@@ -167,7 +202,8 @@ def build_service(args: argparse.Namespace) -> Service:
     # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
     model = placement.model_view(model, config.fuse_projections)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)
-    media = MediaEncoder(model) if model.vision is not None or model.audio is not None else None
+    media = (MediaEncoder(model, args.max_image_pixels) if model.vision is not None or model.audio is not None
+             else None)
     try:
         chat = ChatFormat(tokenizer, media)
     except ChatError as exc:
@@ -179,7 +215,8 @@ def build_service(args: argparse.Namespace) -> Service:
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
                    max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
                    max_n=args.max_n, api_key=args.api_key, chat=chat,
-                   sampling_defaults=sampling_defaults(generation))
+                   sampling_defaults=sampling_defaults(generation), max_body_bytes=int(args.max_body_mb * 2**20),
+                   allowed_hosts=None if args.api_key or not is_loopback(args.host) else local_host_names(args.host))
 
 
 def sampling_defaults(generation) -> SamplingParams:
@@ -199,11 +236,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"--mesh {args.mesh}: {e}") from None
     except MemoryError as e:  # the KV pool did not fit: the message says its size and the flags that change it
         raise SystemExit(str(e)) from None
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use it", args.host)
     log.info("serving %r at http://%s:%d/v1", service.model_name, args.host, args.port)
-    uvicorn.run(serving_app(service), host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.drain_seconds)
+    Server(serving_app(service), args.host, args.port, args.drain_seconds, args.log_level).run()
 
 
 if __name__ == "__main__":

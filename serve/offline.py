@@ -22,6 +22,7 @@ class Generated:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[Sample] | None = None  # where asked (`SamplingParams.prompt_logprobs`)
 
 
 class TokenRecorder:
@@ -38,7 +39,7 @@ class TokenRecorder:
             self.result.logprobs.append(sample.logprob)
         return []
 
-    def finish(self) -> list:
+    def finish(self, stop: Sample | None = None) -> list:
         return []
 
 
@@ -46,14 +47,14 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *
              timeout: float = 600.0) -> list[Generated]:
     """Choice i * n + j of prompt i, once every choice has finished."""
     pending = [len(prompts) * n]
-    reasons: dict[int, str] = {}
+    last: dict[int, Output] = {}
     done = threading.Event()
     lock = threading.Lock()
 
     def sink(output: Output) -> None:
         if output.finish_reason is not None:
             with lock:
-                reasons[output.index] = output.finish_reason
+                last[output.index] = output
                 pending[0] -= 1
                 if not pending[0]:
                     done.set()
@@ -64,5 +65,5 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *
         raise TimeoutError(f"generation did not finish within {timeout}s")
     results = [request.parsers[seq.seq_id].result for seq in request.seqs]
     for seq, result in zip(request.seqs, results):
-        result.finish_reason = reasons[seq.index]
+        result.finish_reason, result.prompt_logprobs = last[seq.index].finish_reason, last[seq.index].prompt_logprobs
     return results

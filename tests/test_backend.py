@@ -15,6 +15,7 @@ from inkling_jax.generate import StepFunctions, flat_params
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear
 from serve.random_weights import random_model
+from tests.backends import REFERENCE
 from tests.hf_oracle import relative_error
 
 
@@ -83,7 +84,6 @@ def test_serve_and_train_take_the_same_flag(capsys):
 # dense MLP, a full one with the MoE.
 CONFIG = preset("tiny").replace(sliding_window=16, rel_extent=24, num_layers=2, local_layer_ids=(0,),
                                 dense_layer_ids=(0,))
-REFERENCE = Backend.parse("reference,moe=dense")
 
 
 @pytest.fixture(scope="module")

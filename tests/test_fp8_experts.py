@@ -20,7 +20,6 @@ from serve.offline import generate
 from serve.random_weights import random_model
 from tests.greedy import greedy_tokens
 
-
 RAGGED, PALLAS = Backend(moe="ragged"), Backend(moe="pallas")
 
 

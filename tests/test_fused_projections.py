@@ -26,6 +26,7 @@ from serve.engine.config import EngineConfig
 from serve.random_weights import random_model
 from serve.runner.model_runner import ModelRunner
 from serve.runner.placement import Placement
+from tests.backends import REFERENCE
 from tests.hf_oracle import relative_error
 
 CONFIG = preset("tiny")  # sliding and full layers (2 and 1 KV heads), MTP blocks
@@ -33,7 +34,6 @@ CONFIG = preset("tiny")  # sliding and full layers (2 and 1 KV heads), MTP block
 SMALL = CONFIG.replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), sliding_window=16, rel_extent=24)
 PROMPT = 18  # past the window: the decode steps read a wrapped ring
 TOL = 1e-5  # fp32 at full matmul precision: a wrong column order would be off by O(1)
-REFERENCE = Backend.parse("reference,moe=dense")
 
 
 def nodes_of(model, kind) -> list:

@@ -80,6 +80,13 @@ class EngineConfig:
             return 0
         return 2 * self.max_num_seqs if self.num_snapshots is None else self.num_snapshots
 
+    @property
+    def prompt_logprobs_rows(self) -> int:
+        """Rows of the one prefill program that also computes prompt logprobs (`ModelRunner`; it runs the head at
+        every position, chunks padded to the largest): the most rows of a bucket whose largest chunks fit the token
+        budget. A step's prefill rows run in it when any of them asks."""
+        return max(r for r in self.rows if r * self.max_chunk <= self.max_num_batched_tokens)
+
     def fits(self, rows: int, tokens: int) -> bool:
         """Whether a step of `rows` rows of up to `tokens` tokens has a compiled bucket."""
         return tokens == 1 or self.row_bucket(rows) * self.chunk_bucket(tokens) <= self.max_num_batched_tokens

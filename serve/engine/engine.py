@@ -1,8 +1,8 @@
 """The engine: a background thread that admits requests, runs scheduled steps, turns sampled tokens into text
 and hands each request's outputs to its listener.
 
-Other threads only `submit`, `abort` and `shutdown`; everything else (scheduler, pages, device state) belongs to
-the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
+Other threads only `submit`, `abort`, `drain` and `shutdown`; everything else (scheduler, pages, device state)
+belongs to the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
 
 Host work overlaps device work: a step's samples are first applied to their sequences (tokens appended, EOS,
 stop ids and length limits end them, freeing their slots), which the next step's schedule needs; the text work
@@ -119,15 +119,21 @@ class Engine:
         with self._lock:
             return len(self._requests) + len(self._inbox)
 
-    def shutdown(self, drain_seconds: float = 10.0) -> None:
-        """Stop taking requests, let in-flight ones finish for up to `drain_seconds`, abort the rest."""
+    def drain(self, seconds: float) -> None:
+        """Stop taking requests, let in-flight ones finish for up to `seconds`, then end the rest ("abort"
+        outputs); the engine thread keeps running until `shutdown`."""
         with self._lock:
             self._accepting = False
-        deadline = time.monotonic() + drain_seconds
+        deadline = time.monotonic() + seconds
         while self.num_requests and time.monotonic() < deadline:
             time.sleep(0.02)
         with self._lock:
             self._cancel_all = True
+        self._wake.set()
+
+    def shutdown(self, drain_seconds: float = 10.0) -> None:
+        """`drain`, then stop the engine thread."""
+        self.drain(drain_seconds)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -181,14 +187,13 @@ class Engine:
             for seq in request.seqs:
                 self._owner[seq.seq_id] = request
                 self.metrics.prompt_tokens.inc(seq.num_prompt)
-                if seq.params.max_tokens == 0:
+                if seq.params.max_tokens == 0 and seq.params.prompt_logprobs is None:  # nothing to compute
                     self._finish(seq, "length", [])
                 else:
                     self.scheduler.add(seq)
         for request_id in list(self._requests) if cancel_all else aborts:
             self._end_request(request_id, "abort")
-        with self._lock:
-            self._queued = len(self.scheduler.waiting)
+        self._update_gauges()  # aborts free their slots and pages now, not at the next step
 
     def step(self) -> None:
         if self._inflight is not None:  # a continuation queued by the last step: read it now
@@ -218,17 +223,26 @@ class Engine:
         self._report()  # (a no-op where a dispatch above has reported)
         samples = self.runner.collect(dispatched)
         self._read_at = time.monotonic()
-        self._unreported = self._apply(chunks, samples)
+        self._unreported = self._apply(chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
 
-    def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
-        """Put a step's samples into their sequences; end those that hit EOS, a stop id or a length limit (the
-        sample's `finish_reason`). Returns the applied samples with their sequences, for `_report`."""
+    def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]],
+               prompt_logprobs: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
+        """Put a step's samples and prompt logprobs into their sequences; end those that hit EOS, a stop id or a
+        length limit (the sample's `finish_reason`), and those that asked only for prompt logprobs (max_tokens 0)
+        once their prompt is done. Returns the applied samples with their sequences, for `_report`."""
         applied = []
         for chunk in chunks:
             seq = chunk.seq
             if seq.finished:  # a stop string ended it after this step was dispatched
                 continue
+            if chunk.scores:
+                if seq.num_cached == 0:  # (re)computed from the start, after a preemption say
+                    seq.prompt_logprobs = []
+                seq.prompt_logprobs += prompt_logprobs[seq.seq_id]
             self._advance(seq, chunk.num_tokens)
+            if seq.params.max_tokens == 0 and seq.seq_id in samples:  # the prompt is done; its next token unwanted
+                self._finish(seq, "length", [])
+                continue
             for k, sample in enumerate(samples.get(seq.seq_id, ())):
                 if k:
                     self._advance(seq, 1)  # the token fed back on device is in the cache
@@ -274,8 +288,8 @@ class Engine:
         else:
             self.metrics.itl.observe(now - last)
         request.last_token[seq.seq_id] = now
-        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text
-            self._finish(seq, "stop", parser.finish())
+        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text, but of the logprobs
+            self._finish(seq, "stop", parser.finish(sample if seq.params.logprobs is not None else None))
             return
         deltas = parser.feed(sample.token_id, sample if seq.params.logprobs is not None else None)
         if parser.stopped:
@@ -293,7 +307,8 @@ class Engine:
         if request.remaining == 0:
             self._requests.pop(request.request_id, None)
             self.metrics.e2e.observe(time.monotonic() - request.arrival)
-        self._emit(request, Output(seq.index, deltas, reason, seq.num_output))
+        scored = seq.params.prompt_logprobs is not None and not seq.scores_prompt
+        self._emit(request, Output(seq.index, deltas, reason, seq.num_output, seq.prompt_logprobs if scored else None))
 
     def _end_request(self, request_id: str, reason: str) -> None:
         request = self._requests.get(request_id)

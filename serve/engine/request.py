@@ -27,8 +27,9 @@ class OutputParser(Protocol):
     def feed(self, token_id: int, sample: Sample | None = None) -> list:
         """One more token (`sample`: its Sample, where the request wants logprobs); what it releases."""
 
-    def finish(self) -> list:
-        """The sequence ended: what is still held back."""
+    def finish(self, stop: Sample | None = None) -> list:
+        """The sequence ended: what is still held back. `stop`: the Sample of the EOS or stop id that ended it, where
+        the request wants logprobs (it has no text)."""
 
 
 class Request:

@@ -4,7 +4,8 @@ The names are the OpenAI API's (plus the usual vLLM extensions), and every layer
 (`serve.http.protocol`), these parameters, and the device sampler's per-row arrays (`serve.runner.sampler`).
 Temperature 0 is greedy; top_k <= 0, top_p 1 and min_p 0 switch their filters off; presence and frequency
 penalties act on the output so far, the repetition penalty on prompt and output. A seed makes a request's
-samples reproducible whatever else runs beside it.
+samples reproducible whatever else runs beside it. Prompt logprobs (vLLM's `prompt_logprobs`) with max_tokens 0
+score the prompt and generate nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the k most likely
+    prompt_logprobs: int | None = None  # likewise for every prompt token after the first, given those before it
     skip_special_tokens: bool = True
 
     def __post_init__(self):
@@ -52,6 +54,7 @@ class SamplingParams:
             ("stop", len(self.stop) <= MAX_STOP_STRINGS and all(0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
              f"takes up to {MAX_STOP_STRINGS} non-empty strings of up to {MAX_STOP_LENGTH} characters"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "must be >= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, "must be >= 0"),
         ]
         for param, ok, rule in checks:
             if not ok:

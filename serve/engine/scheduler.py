@@ -10,6 +10,9 @@ Chunks end on page boundaries (where snapshots for the prefix cache can be taken
 prompt's chunks stop once at the last page boundary before its end, so that boundary gets a snapshot.
 When the pages run out, the most recently admitted sequence is preempted: its pages are returned and it goes
 back to the head of the queue, to be recomputed (its prefix may well still be cached).
+
+A sequence that asks for prompt logprobs is prefilled from its first token (no prefix hit: the cache holds no
+logits), and a step's prefill rows then run in the program that computes them, which takes fewer rows.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ class Chunk:
     admitted: bool = False  # the sequence (re)entered a slot in this step
     steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
     ahead: int = 0  # tokens a decode run still in flight adds first: this chunk continues after them
+    scores: bool = False  # it computes its positions' prompt logprobs (`Sequence.scores_prompt` when scheduled)
+
+    @property
+    def prefill(self) -> bool:
+        """It runs in the step's prefill program (a decode is one token that computes no prompt logprobs)."""
+        return self.num_tokens > 1 or self.scores
 
     @property
     def samples(self) -> int:
@@ -60,10 +69,10 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted while making room for an older one
                 continue
             n = self._chunk_size(seq, budget)
-            if n == 0 or not self._fits(chunks, n) or not self._make_room(seq, seq.num_cached + n):
+            if n == 0 or not self._fits(chunks, seq, n) or not self._make_room(seq, seq.num_cached + n):
                 continue
             self.blocks.grow(seq, seq.num_cached + n)
-            chunks.append(Chunk(seq, n))
+            chunks.append(Chunk(seq, n, scores=seq.scores_prompt))
             budget -= n
         while self.waiting and self.free_slots and budget > 0:
             chunk = self._admit(self.waiting[0], budget, chunks)
@@ -83,7 +92,7 @@ class Scheduler:
         cfg, blocks = self.config, self.blocks
         steps = min(decode_steps, cfg.decode_steps)
         admissible = (self.waiting or mail) and self.free_slots
-        if admissible or any(c.num_tokens > 1 or c.seq.finished for c in chunks):
+        if admissible or any(c.prefill or c.seq.finished for c in chunks):
             return None
         plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
                 for c, a in zip(chunks, ahead)]
@@ -116,19 +125,23 @@ class Scheduler:
             n = boundary - seq.num_cached
         return n
 
-    def _fits(self, chunks: list[Chunk], n: int) -> bool:
-        """Whether a chunk of n tokens can join the step's prefill rows within a compiled bucket."""
-        prefill = [c.num_tokens for c in chunks if c.num_tokens > 1]
-        return n == 1 or self.config.fits(len(prefill) + 1, max(prefill + [n]))
+    def _fits(self, chunks: list[Chunk], seq: Sequence, n: int) -> bool:
+        """Whether a chunk of n tokens of `seq` can join the step's prefill rows within a compiled program: a
+        bucket, or where any of them computes prompt logprobs, the rows of the program that does."""
+        prefill = [c for c in chunks if c.prefill]
+        if seq.scores_prompt or any(c.scores for c in prefill):
+            return len(prefill) + 1 <= self.config.prompt_logprobs_rows
+        return n == 1 or self.config.fits(len(prefill) + 1, max([c.num_tokens for c in prefill] + [n]))
 
     def _admit(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> Chunk | None:
-        cached, snapshot = self.blocks.match_prefix(seq) if self.config.prefix_caching else ([], None)
+        cached, snapshot = self.blocks.match_prefix(seq) if self.config.prefix_caching and not seq.scores_prompt \
+            else ([], None)
         hit = len(cached) * self.config.page_size
         seq.num_cached = hit  # provisional, for the chunk size; `admit` sets it for good
         n = self._chunk_size(seq, budget)
         reclaimed = sum(1 for b in cached if self.blocks.blocks[b].ref_count == 0)
         needed = self.blocks.blocks_for(hit + n) - len(cached)
-        if n == 0 or not self._fits(chunks, n) or needed > self.blocks.num_free - reclaimed:
+        if n == 0 or not self._fits(chunks, seq, n) or needed > self.blocks.num_free - reclaimed:
             seq.num_cached = 0
             return None
         self.blocks.admit(seq, cached)
@@ -137,7 +150,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         seq.prefix_hit = hit
         self.running.append(seq)
-        return Chunk(seq, n, restore=snapshot, admitted=True)
+        return Chunk(seq, n, restore=snapshot, admitted=True, scores=seq.scores_prompt)
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest sequences until `seq` can hold `num_tokens`; False if `seq` itself had to go."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 
+from serve.engine.outputs import Sample
 from serve.engine.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Sequence:
         self.prefix_hit = 0  # prompt tokens taken from the prefix cache at the last admission
         self.media = media  # (prompt positions [M], embeddings [M, hidden]) that replace those tokens, or None
         self.hash_seed = hash_seed  # starts the block-hash chain: prompts with different media never share pages
+        self.prompt_logprobs: list[Sample] = []  # of prompt tokens 1, 2, ... as far as computed (where asked)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -58,6 +60,12 @@ class Sequence:
     @property
     def num_uncached(self) -> int:
         return len(self.token_ids) - self.num_cached
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prefill chunks compute prompt logprobs: asked for and not all computed yet. They are computed from
+        the prompt's first token on, so such a sequence takes no prefix-cache hit (the pages hold no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt - 1
 
     @property
     def finished(self) -> bool:

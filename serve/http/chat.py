@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from serve.engine.outputs import Sample
 from serve.http.text_stream import Delta, TextStream, as_deltas
-from serve.http.tokenizer import Tokenizer
+from serve.http.tokenizer import Tokenizer, TooLong
 
 EFFORT_LEVELS = {"none": 0.0, "minimal": 0.1, "low": 0.2, "medium": 0.7, "high": 0.9, "xhigh": 0.99, "max": 0.99}
 DEFAULT_EFFORT = 0.9
@@ -64,9 +64,11 @@ class ChatFormat:
             raise ChatError("this conversation holds media: use render_with_media")
         return ids
 
-    def render_with_media(self, messages: list[dict], reasoning_effort: str | float | None = None):
+    def render_with_media(self, messages: list[dict], reasoning_effort: str | float | None = None,
+                          max_tokens: int | None = None):
         """(prompt ids, [(start position, MediaItem)]): image and audio parts become blocks of placeholder
-        tokens (spec 6.1, 6.2) whose rows the media embeddings replace."""
+        tokens (spec 6.1, 6.2) whose rows the media embeddings replace. A prompt that would pass `max_tokens`
+        raises TooLong as soon as it does: each text before it is encoded, each media item from its header."""
         if not messages:
             raise ChatError("messages must not be empty")
         leading = 0
@@ -75,46 +77,71 @@ class ChatFormat:
         if leading == len(messages):
             raise ChatError("messages need at least one non-system message")
         effort = f"Thinking effort level: {format_effort(effort_value(reasoning_effort))}"
-        ids: list[int] = []
-        media: list = []
+        prompt = _Prompt(max_tokens)
         for i, message in enumerate(messages):
             if i == leading:
-                ids += self._block("system", None, effort)
-            self._message(message, ids, media)
-        return ids, media
+                self._block(prompt, "system", None, effort)
+            self._message(message, prompt)
+        return prompt.ids, prompt.media
 
-    def _message(self, message: dict, ids: list[int], media: list) -> None:
+    def _message(self, message: dict, prompt: "_Prompt") -> None:
         role, name = message.get("role"), message.get("name")
         if role not in ROLE_TOKENS:
             raise ChatError(f"unknown role {role!r}; use one of {sorted(ROLE_TOKENS)}")
         for kind, value in _blocks(message.get("content")):
             if kind == "text":
-                ids += self._block(role, name, value)
+                self._block(prompt, role, name, value)
                 continue
             if self.media is None:
                 raise ChatError("this model takes text only: image and audio content parts need a checkpoint "
                                 "with media towers")
             item = self.media.item(value)
             opener, closers = MEDIA_FRAMING[item.kind]
-            ids += self._head(role, name) + [self._special(opener)]
-            media.append((len(ids), item))
-            ids += [self.media.token_ids[item.kind]] * item.count
-            ids += [self._special(closer) for closer in closers] + [self.ids["<|end_message|>"]]
+            self._head(prompt, role, name)
+            prompt.add([self._special(opener)])
+            prompt.room(item.count)
+            prompt.media.append((len(prompt.ids), item))
+            prompt.add([self.media.token_ids[item.kind]] * item.count)
+            prompt.add([self._special(closer) for closer in closers] + [self.ids["<|end_message|>"]])
         if role == "assistant":
-            ids.append(self.ids["<|content_model_end_sampling|>"])
+            prompt.add([self.ids["<|content_model_end_sampling|>"]])
 
-    def _head(self, role: str, name: str | None) -> list[int]:
-        return [self.ids[ROLE_TOKENS[role]]] + (self.tokenizer.encode(name) if name else [])
+    def _head(self, prompt: "_Prompt", role: str, name: str | None) -> None:
+        prompt.add([self.ids[ROLE_TOKENS[role]]])
+        if name:
+            prompt.add(self.tokenizer.encode_at_most(name, prompt.room()))
 
-    def _block(self, role: str, name: str | None, text: str) -> list[int]:
-        return (self._head(role, name) + [self.ids["<|content_text|>"]] + self.tokenizer.encode(text)
-                + [self.ids["<|end_message|>"]])
+    def _block(self, prompt: "_Prompt", role: str, name: str | None, text: str) -> None:
+        self._head(prompt, role, name)
+        prompt.add([self.ids["<|content_text|>"]])
+        prompt.add(self.tokenizer.encode_at_most(text, prompt.room()))
+        prompt.add([self.ids["<|end_message|>"]])
 
     def _special(self, name: str) -> int:
         token = self.tokenizer.token_id(name)
         if token is None:
             raise ChatError(f"the tokenizer lacks {name}, which media content needs")
         return token
+
+
+class _Prompt:
+    """Prompt ids and media being rendered, never past a limit of tokens."""
+
+    def __init__(self, limit: int | None):
+        self.ids: list[int] = []
+        self.media: list = []
+        self.limit = limit
+
+    def room(self, needed: int = 0) -> int:
+        """Tokens still free (a large number without a limit); raises TooLong when fewer than `needed`."""
+        free = (1 << 62) if self.limit is None else self.limit - len(self.ids)
+        if free < needed:
+            raise TooLong(f"the prompt takes more than {self.limit} tokens")
+        return free
+
+    def add(self, ids: list[int]) -> None:
+        self.room(len(ids))
+        self.ids += ids
 
 
 def _blocks(content) -> list[tuple[str, object]]:
@@ -152,5 +179,6 @@ class ChatOutput:
         self.channel = self.switches.get(token_id, self.channel)
         return as_deltas(self.channel, *self.streams[self.channel].feed(token_id, sample))
 
-    def finish(self) -> list[Delta]:
+    def finish(self, stop: Sample | None = None) -> list[Delta]:
+        """A chat's logprobs list its content's tokens alone: not `stop`."""
         return [d for channel, stream in self.streams.items() for d in as_deltas(channel, *stream.finish())]

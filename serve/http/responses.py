@@ -2,8 +2,11 @@
 or one body once every choice has finished, for `/v1/completions` and `/v1/chat/completions`.
 
 A `Choice` accumulates one choice's text and samples; a responder turns an engine `Output` into stream chunks, and
-the finished choices into a whole response. A client that goes away aborts its request (the engine frees its
-pages): streaming or not, `respond` watches the connection while it waits.
+the finished choices into a whole response (with the prompt's logprobs where asked: in a completion's `logprobs`
+with `echo`, OpenAI's legacy way, and as vLLM's `prompt_logprobs`). A client that goes away aborts its request
+(the engine frees its pages): streaming or not, `respond` watches the connection while it waits. A request the
+server ends (a failed step, the end of a shutdown's drain) gets an error: the status of a whole response, or a
+last `{"error": ...}` event before `[DONE]` in a stream.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from typing import Callable
 
@@ -23,7 +27,11 @@ from serve.engine.outputs import Output, Sample
 from serve.engine.request import EngineStopped, OutputParser, QueueFull
 from serve.engine.sampling_params import SamplingParams
 from serve.http.protocol import APIError, SamplingFields
+from serve.http.text_stream import prompt_text
 from serve.http.tokenizer import Tokenizer
+
+log = logging.getLogger("serve.http")
+RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait
 
 
 @dataclasses.dataclass
@@ -32,6 +40,7 @@ class Choice:
     samples: dict[str, list[tuple[int, Sample]]] = dataclasses.field(default_factory=dict)  # (text offset, sample)
     finish_reason: str | None = None
     num_output: int = 0
+    prompt_logprobs: list[Sample] | None = None
 
     def add(self, output: Output) -> None:
         for delta in output.deltas:
@@ -40,6 +49,8 @@ class Choice:
             self.text[delta.channel] = self.text.get(delta.channel, "") + delta.text
         self.finish_reason = output.finish_reason or self.finish_reason
         self.num_output = output.num_output
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -62,16 +73,38 @@ class Responder:
     def usage_chunk(self, usage_body: dict) -> dict:
         return self.envelope(self.chunk_name, [], usage=usage_body)
 
+    def prompt_logprobs(self, scored: list[Sample] | None) -> list | None:
+        """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
+        decoded_token}} for the token itself and the most likely ones."""
+        if scored is None:
+            return None
+
+        def entry(token_id: int, logprob: float, rank: int) -> dict:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.tokenizer.token_text(token_id)}
+
+        out: list = [None]
+        for s in scored:
+            ranked = {str(s.token_id): entry(s.token_id, s.logprob, s.rank)}
+            for rank, (token_id, logprob) in enumerate(s.top, 1):
+                ranked.setdefault(str(token_id), entry(token_id, logprob, rank))
+            out.append(ranked)
+        return out
+
 
 class CompletionResponder(Responder):
     object_name = chunk_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, echo: list[str] | None, n: int):
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, prompts: list[list[int]], n: int, *,
+                 echo: bool = False, prompt_logprobs: bool = False):
+        """`echo`: each choice's text (and logprobs) begins with its prompt's; `prompt_logprobs`: each choice
+        carries vLLM's `prompt_logprobs`."""
         super().__init__(request_id, model, tokenizer)
-        self.echo, self.n = echo, n  # echo[i]: prompt i's text, when the request asked for echo
+        self.prompts, self.n, self.with_prompt_logprobs = prompts, n, prompt_logprobs
+        # prompt i's (text, where each of its tokens' text begins), when the request asked for echo
+        self.echo = [prompt_text(tokenizer, p) for p in prompts] if echo else None
 
     def echo_text(self, index: int) -> str:
-        return self.echo[index // self.n] if self.echo else ""
+        return self.echo[index // self.n][0] if self.echo else ""
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         return [self.envelope(self.chunk_name, [self._choice(i, self.echo_text(i), None, None)])
@@ -92,8 +125,19 @@ class CompletionResponder(Responder):
         for i, c in enumerate(choices):
             echo = self.echo_text(i)
             lp = self._logprobs(c.samples.get("text", []), len(echo)) if logprobs else None
+            if lp is not None and self.echo:
+                lp = {key: values + lp[key] for key, values in self._echo_logprobs(i, c.prompt_logprobs).items()}
             body.append(self._choice(i, echo + c.text.get("text", ""), lp, c.finish_reason))
+            if self.with_prompt_logprobs:
+                body[-1]["prompt_logprobs"] = self.prompt_logprobs(c.prompt_logprobs)
         return self.envelope(self.object_name, body, usage=usage_body)
+
+    def _echo_logprobs(self, index: int, scored: list[Sample]) -> dict:
+        """The legacy `logprobs` of choice `index`'s echoed prompt: its first token has none."""
+        ids, (_, offsets) = self.prompts[index // self.n], self.echo[index // self.n]
+        text = self.tokenizer.token_text
+        return {"tokens": [text(i) for i in ids], "token_logprobs": [None] + [s.logprob for s in scored],
+                "top_logprobs": [None] + [{text(i): lp for i, lp in s.top} for s in scored], "text_offset": offsets}
 
     @staticmethod
     def _choice(index: int, text: str, logprobs, finish_reason) -> dict:
@@ -109,6 +153,11 @@ class CompletionResponder(Responder):
 class ChatResponder(Responder):
     object_name = "chat.completion"
     chunk_name = "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer, prompt_logprobs: bool = False):
+        """`prompt_logprobs`: the response carries vLLM's `prompt_logprobs` (of the rendered conversation)."""
+        super().__init__(request_id, model, tokenizer)
+        self.with_prompt_logprobs = prompt_logprobs
 
     def first_chunks(self, num_choices: int) -> list[dict]:
         return [self.envelope(self.chunk_name, [self._delta(i, {"role": "assistant", "content": ""}, None, None)])
@@ -132,7 +181,9 @@ class ChatResponder(Responder):
                        "reasoning_content": c.text.get("reasoning")}
             lp = {"content": self._logprobs([s for _, s in c.samples.get("content", [])])} if logprobs else None
             body.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
-        return self.envelope(self.object_name, body, usage=usage_body)
+        extra = {"prompt_logprobs": self.prompt_logprobs(choices[0].prompt_logprobs)} if self.with_prompt_logprobs \
+            else {}
+        return self.envelope(self.object_name, body, usage=usage_body, **extra)
 
     @staticmethod
     def _delta(index: int, delta: dict, logprobs, finish_reason) -> dict:
@@ -146,24 +197,30 @@ class ChatResponder(Responder):
         return [{**one(s.token_id, s.logprob), "top_logprobs": [one(i, lp) for i, lp in s.top]} for s in samples]
 
 
-class _ClientGone(Exception):
-    pass
+CLIENT_GONE = None  # put into a request's queue of outputs when its client disconnects
+ENDED_BY_SERVER = {  # finish reasons that are no answer (the request failed): its error's status, message, code
+    "abort": (503, "the server shut down before this request finished", "server_shutdown"),
+    "error": (500, "the engine failed while running this request", None)}
 
 
-async def _next_output(queue: asyncio.Queue, request: Request):
-    """The engine's next output for this request; raises _ClientGone once the client has disconnected."""
-    while True:
-        try:
-            return await asyncio.wait_for(queue.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                raise _ClientGone from None
+def _ended_by_server(reason: str) -> APIError:
+    status, message, code = ENDED_BY_SERVER[reason]
+    return APIError(status, message, kind="server_error", code=code)
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+    """Wait for the client to go away (the messages after the body are only that, or the response's end), then
+    tell the request's queue."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(CLIENT_GONE)
 
 
 async def respond(engine: Engine, request: Request, body: SamplingFields, prompts: list[list[int]],
                   params: SamplingParams, responder: Responder, make_parser: Callable[[], OutputParser],
                   media=None) -> Response:
-    """Run the request's choices on the engine; its response, streamed if the body asks for it."""
+    """Run the request's choices on the engine; its response, streamed if the body asks for it. A client that
+    goes away aborts the request at once, streaming or not."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     request_id = responder.request_id
@@ -172,7 +229,7 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
                       lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media)
     except QueueFull as exc:
         raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
-                       code="rate_limit_exceeded") from None
+                       code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
     except EngineStopped as exc:
         raise APIError(503, str(exc), kind="server_error") from None
     choices = [Choice() for _ in range(len(prompts) * body.n)]
@@ -183,40 +240,55 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
         choices[output.index].add(output)
         pending[0] -= output.finish_reason is not None
 
-    def abort_unfinished() -> None:  # the client left, or anything else ended the handler early
-        if pending[0]:
-            engine.abort(request_id)
+    @contextlib.contextmanager
+    def watched():
+        """Watch the client meanwhile; afterwards abort the request unless it has finished (the client left, the
+        server failed it, or the handler ended early)."""
+        watcher = asyncio.ensure_future(_watch_disconnect(request, queue))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            if pending[0]:
+                engine.abort(request_id)
 
     def total() -> dict:
         return usage(sum(map(len, prompts)), sum(c.num_output for c in choices))
 
     if body.stream:
         async def events():
-            try:
-                with contextlib.suppress(_ClientGone):
+            with watched():
+                try:
                     for chunk in responder.first_chunks(len(choices)):
                         yield _sse(chunk)
                     while pending[0]:
-                        output = await _next_output(queue, request)
+                        output = await queue.get()
+                        if output is CLIENT_GONE:
+                            return
+                        if output.finish_reason in ENDED_BY_SERVER:
+                            yield _sse(_ended_by_server(output.finish_reason).body())
+                            break
                         for chunk in responder.chunks(output, logprobs, choices[output.index]):
                             yield _sse(chunk)
                         record(output)
-                    if body.stream_options and body.stream_options.include_usage:
-                        yield _sse(responder.usage_chunk(total()))
-                    yield "data: [DONE]\n\n"
-            finally:
-                abort_unfinished()
+                    else:
+                        if body.stream_options and body.stream_options.include_usage:
+                            yield _sse(responder.usage_chunk(total()))
+                except Exception:  # the status line is out: the stream itself has to say it failed
+                    log.exception("stream %s failed", request_id)
+                    yield _sse(APIError(500, "the server failed on this stream (its log says why)",
+                                        kind="server_error").body())
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
-    try:
+    with watched():
         while pending[0]:
-            record(await _next_output(queue, request))
-    except _ClientGone:
-        return Response(status_code=499)  # nobody is listening; the request was aborted
-    finally:
-        abort_unfinished()
-    if any(c.finish_reason == "error" for c in choices):
-        raise APIError(500, "the engine failed while running this request", kind="server_error")
+            output = await queue.get()
+            if output is CLIENT_GONE:
+                return Response(status_code=499)  # nobody is listening; the request is aborted
+            if output.finish_reason in ENDED_BY_SERVER:
+                raise _ended_by_server(output.finish_reason)
+            record(output)
     return JSONResponse(responder.response(choices, logprobs, total()))
 
 

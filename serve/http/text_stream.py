@@ -49,15 +49,16 @@ class TextStream:
             return self._release(cut, cut_tokens=True)
         return self._release(len(self.text) - self._held_back())
 
-    def finish(self) -> tuple[str, list[Sample]]:
-        """Release everything still held (the sequence ended for another reason than a stop string)."""
+    def finish(self, stop: Sample | None = None) -> tuple[str, list[Sample]]:
+        """Release everything still held (the sequence ended for another reason than a stop string), and `stop`,
+        the sample of the stop token that ended it (no text), if given."""
         if self.stopped:
             return "", []
         rest = self._decode(self.ids[self.prefix_offset:])[len(self._decode(self.ids[self.prefix_offset:
                                                                                     self.read_offset])):]
         self.text += rest
         self.read_offset = len(self.ids)
-        self.pending = [(len(self.text), s) for _, s in self.pending]
+        self.pending = [(len(self.text), s) for _, s in self.pending] + [(len(self.text), stop)]
         return self._release(len(self.text))
 
     def _decode(self, ids: list[int]) -> str:
@@ -100,6 +101,17 @@ class TextStream:
         return text, samples
 
 
+def prompt_text(tokenizer: Tokenizer, ids: list[int]) -> tuple[str, list[int]]:
+    """A prompt's text (as its completion echoes it) and where each token's text begins in it; tokens that
+    complete a character begun before them begin where it does."""
+    stream, offsets = TextStream(tokenizer), []
+    for token_id in ids:
+        offsets.append(len(stream.text))
+        stream.feed(token_id)
+    stream.finish()
+    return stream.text, offsets
+
+
 @dataclasses.dataclass
 class Delta:
     channel: str  # "text" (completions), "content" or "reasoning" (chat)
@@ -120,8 +132,9 @@ class TextOutput:
     def feed(self, token_id: int, sample: Sample | None = None) -> list[Delta]:
         return as_deltas("text", *self.stream.feed(token_id, sample))
 
-    def finish(self) -> list[Delta]:
-        return as_deltas("text", *self.stream.finish())
+    def finish(self, stop: Sample | None = None) -> list[Delta]:
+        """A completion's logprobs list the stop token too, as OpenAI's do."""
+        return as_deltas("text", *self.stream.finish(stop))
 
 
 def as_deltas(channel: str, text: str, samples: list[Sample]) -> list[Delta]:

@@ -8,6 +8,7 @@ are only inserted by the chat renderer, by id), and both know Inkling's named sp
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 # Inkling's named special tokens (spec section 7). The byte-level tokenizer numbers them from 256 in this order,
@@ -20,14 +21,32 @@ SPECIAL_TOKENS = (
 )
 
 
+class TooLong(ValueError):
+    """A prompt longer than the server takes (the API answers 400, context_length_exceeded)."""
+
+
 class Tokenizer:
     """The interface the server uses."""
 
     name: str
     special_ids: frozenset[int]
+    max_token_chars: int  # the most characters of text that one token covers
+    # The model directory's tokenizer_config.json, where it has one: its named tokens and chat template are what
+    # `/tokenizer_info` reports.
+    config: dict = {}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: what the tokenizer's own post-processor adds around the text (a BOS, say;
+        Inkling's adds nothing)."""
         raise NotImplementedError
+
+    def encode_at_most(self, text: str, limit: int) -> list[int]:
+        """`encode`, raising TooLong for a text over `limit` tokens; one longer than `limit` tokens of the longest
+        kind is refused before any encoding, so the work is bounded by the limit, not by the text."""
+        ids = None if len(text) > limit * self.max_token_chars else self.encode(text)
+        if ids is None or len(ids) > limit:
+            raise TooLong(f"the text takes more than {limit} tokens")
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         raise NotImplementedError
@@ -53,14 +72,15 @@ class ByteTokenizer(Tokenizer):
     nothing and show as `<|reserved_N|>` in logprobs."""
 
     name = "byte-level (no trained vocabulary)"
+    max_token_chars = 1
 
     def __init__(self):
         self.specials = {name: 256 + i for i, name in enumerate(SPECIAL_TOKENS)}
         self.names = {i: name for name, i in self.specials.items()}
         self.special_ids = frozenset(self.names)
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # no post-processor
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out, run = [], bytearray()
@@ -84,18 +104,21 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    def __init__(self, path: str):
+    def __init__(self, path: str, config: dict | None = None):
         from tokenizers import Tokenizer as Backend
 
         self.name = path
+        self.config = config or {}
         self.backend = Backend.from_file(path)
         self.backend.encode_special_tokens = True  # user text never becomes control tokens
         added = self.backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in added.items() if tok.special)
         self.byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        # A piece's characters bound the text characters it stands for (byte-level pieces have one per byte).
+        self.max_token_chars = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -124,10 +147,16 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def load_tokenizer(model_dir: str | None) -> Tokenizer:
-    """`tokenizer.json` of a model directory, or the byte-level tokenizer when there is no model directory."""
+    """`tokenizer.json` (and tokenizer_config.json, if there) of a model directory, or the byte-level tokenizer when
+    there is no model directory."""
     if model_dir is None:
         return ByteTokenizer()
     path = os.path.join(model_dir, "tokenizer.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json (the server reads HF `tokenizers` files)")
-    return HFTokenizer(path)
+    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    config = None
+    if os.path.exists(config_path):
+        with open(config_path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    return HFTokenizer(path, config)

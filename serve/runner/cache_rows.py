@@ -58,6 +58,13 @@ def put_rows(cache: Cache, rows, sub: Cache) -> Cache:
                                               page_table=put(cache.page_table, sub.page_table), ring_rows=None)
 
 
+def clear_conv_state(cache: Cache, starting) -> Cache:
+    """`cache` with the ShortConv states of the rows where `starting` [B] holds set to zero: a sequence that enters
+    a slot starts from zero inputs (as the model's own forward does), not from the slot's previous occupant's."""
+    clear = lambda x: jnp.where(starting[:, None, None], jnp.zeros((), x.dtype), x)  # noqa: E731
+    return with_row_state(cache, jax.tree.map(clear, conv_state(cache)))
+
+
 def empty_snapshots(cfg: TextConfig, cache: Cache, count: int) -> tuple[dict, ...]:
     return jax.tree.map(lambda x: jnp.zeros((count,) + x.shape[1:], x.dtype), row_state(cfg, cache))
 

@@ -4,7 +4,8 @@ the sampler state (penalty counts) and the snapshot pool.
 Every bucket is compiled ahead of time by `warm_up`, and a call outside the buckets is an error, never a silent
 compilation. A decode group runs as max(`steps`) dispatches of its `decode` program back to back, each feeding
 the next its samples on device (each chunk takes its own `steps` of them); a prefill group as one `prefill`
-program.
+program, or where a chunk computes prompt logprobs, as the one prefill program that does (at
+`EngineConfig.prompt_logprobs_rows` rows of the largest chunk).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from serve.engine.scheduler import Chunk
 from serve.runner import cache_rows
 from serve.runner.compilation import compile_options
 from serve.runner.placement import Placement
+from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.sampler import read_samples, unpack_samples
 from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
 
@@ -57,7 +59,7 @@ class ModelRunner:
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
         self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
-        self._save = self._restore = self._init_penalties = None
+        self._save = self._restore = self._init_penalties = self._scoring = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
                  "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
                  memory_plan.page_bytes(self.text, config, model.dtype) * self.num_pages / 2**20,
@@ -114,11 +116,12 @@ class ModelRunner:
         """Compile every step bucket and helper; returns the seconds it took."""
         start = time.perf_counter()
         jit = self.placement.jit
-        step_out = {"decode": None, "prefill": None}
+        step_out = {"decode": None, "prefill": None, "scoring": None}
         if self.cache_shardings is not None:
             replicated = self.placement.replicated()
             step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
-                        "prefill": (self.cache_shardings, replicated, replicated)}
+                        "prefill": (self.cache_shardings, replicated, replicated),
+                        "scoring": (self.cache_shardings, replicated, replicated, replicated)}
         decode = jit(self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
                      donate_argnums=(1, 2))
         prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
@@ -135,6 +138,12 @@ class ModelRunner:
                     lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
                                                               self._step_index[0], self._no_tokens[rows],
                                                               gather=gather, full=full)
+        rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
+        scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"], static_argnames=("gather", "full"),
+                      donate_argnums=(1, 2))
+        lowered["prompt_logprobs"] = scoring.lower(
+            self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
+            self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows, full=True)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
         lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
@@ -155,6 +164,7 @@ class ModelRunner:
             self.warm_up()
             return time.perf_counter() - start
         self._init_penalties = compiled.pop("init_penalties")
+        self._scoring = compiled.pop("prompt_logprobs")
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
         self._steps = compiled
         self._run_once()
@@ -184,6 +194,9 @@ class ModelRunner:
                 self.cache, self.penalties, _ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
+        rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
+        self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties, *self.placement.put(
+            (pack(self._inputs([], rows, chunk)), np.full((rows, chunk), -1, np.int32))))
         jax.block_until_ready(self.cache)
 
     def _init_penalties_fn(self, penalties: PenaltyState, row, tokens, num_prompt):
@@ -234,12 +247,24 @@ class ModelRunner:
         """Wait for a dispatched step; returns seq_id -> the chunk's `steps` Samples (with the request's
         `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens."""
         results = {}
-        for group, outs, _ in dispatched:
+        for group, outs, _, _ in dispatched:
             host = unpack_samples(np.concatenate(jax.device_get(outs)))
             for chunk, row in zip(group, self._row_index(group)):
                 if chunk.samples:
                     num_top = chunk.seq.params.logprobs or 0
                     results[chunk.seq.seq_id] = read_samples(host, row, chunk.samples, num_top)
+        return results
+
+    def collect_prompt_logprobs(self, dispatched: list) -> dict[int, list[Sample]]:
+        """seq_id -> the Samples of the prompt tokens each scoring chunk of a dispatched step predicts (with the
+        request's `prompt_logprobs` most likely tokens), in order."""
+        results = {}
+        for group, _, _, scored in dispatched:
+            if scored is not None:
+                host = np.asarray(jax.device_get(scored))
+                for chunk, row in zip(group, self._row_index(group)):
+                    if chunk.scores:
+                        results[chunk.seq.seq_id] = read_prompt_logprobs(host, row, chunk.seq.params.prompt_logprobs)
         return results
 
     def save_snapshot(self, slot: int, snapshot: int) -> None:
@@ -249,27 +274,39 @@ class ModelRunner:
     @staticmethod
     def _groups(chunks: list[Chunk]) -> list[list[Chunk]]:
         """One step for the decodes (one token each), one for the prefill chunks."""
-        decode = [c for c in chunks if c.num_tokens == 1]
-        prefill = [c for c in chunks if c.num_tokens > 1]
+        decode = [c for c in chunks if not c.prefill]
+        prefill = [c for c in chunks if c.prefill]
         return [group for group in (decode, prefill) if group]
 
+    def _shape(self, group: list[Chunk]) -> tuple[int, int]:
+        """(rows, tokens) of the program a group runs in."""
+        if any(c.scores for c in group):
+            return self.config.prompt_logprobs_rows, self.config.max_chunk
+        return self.config.row_bucket(len(group)), self.config.chunk_bucket(max(c.num_tokens for c in group))
+
     def _row_index(self, group: list[Chunk]) -> list[int]:
-        rows = self.config.row_bucket(len(group))
+        rows = self._shape(group)[0]
         return [c.seq.slot for c in group] if rows == self.config.num_rows else list(range(len(group)))
 
-    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple[list[jax.Array], object]:
+    def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple:
         """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
-        [1, rows, 2 + 2K], `sampler.pack_samples`) and a decode run's last tokens."""
-        rows = self.config.row_bucket(len(group))
-        chunk = self.config.chunk_bucket(max(c.num_tokens for c in group))
+        [1, rows, 2 + 2K], `sampler.pack_samples`), a decode run's last tokens and the prompt logprobs of a
+        scoring prefill (`prompt_logprobs.score`; else None)."""
+        rows, chunk = self._shape(group)
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
+        if any(c.scores for c in group):
+            targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
+            self.cache, self.penalties, out, scored = self._scoring(self.params, self.cache, self.penalties, inputs,
+                                                                    targets)
+            on_queued()
+            return [out], None, scored
         full = any(c.seq.params.needs_full_sampler for c in group)
         program = self._steps[rows, chunk, full]
         if chunk > 1:
             self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
-            return [out], None
-        return self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous)
+            return [out], None, None
+        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None):

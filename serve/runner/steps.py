@@ -1,7 +1,9 @@
 """The engine's device programs, each compiled once per shape bucket (see `serve.engine.config`).
 
 `prefill`: R rows of up to T tokens, a chunk each; the head runs only at each row's last real token (at
-Inkling's vocabulary the head over every position would be the step's largest matmul), one sample per row.
+Inkling's vocabulary the head over every position would be the step's largest matmul), one sample per row. Its
+variant with prompt-logprob targets (`serve.runner.prompt_logprobs`) runs the head at every position and also
+returns the positions' logprobs.
 `decode`: step `step` of a run of one-token steps over the same inputs, each row feeding back its own sample
 (`previous`, a device array) so the host dispatches the next step without waiting for this one and reads the
 samples of the whole run at once. Row r takes `steps[r]` of them (0: a padding row, untouched). Sampling uses
@@ -31,7 +33,7 @@ from flax import struct
 
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Chunk
-from serve.runner import cache_rows
+from serve.runner import cache_rows, prompt_logprobs
 from serve.runner.sampler import FLOAT_FIELDS, INT_FIELDS, NO_SEQUENCE, SamplingBatch, batch_of, pack_samples, sample
 
 
@@ -101,9 +103,10 @@ class StepPrograms:
         self.constrain = constrain
         self.whole = whole
 
-    def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool,
-                full: bool):
-        """A prefill chunk per row; `full` as in `decode`."""
+    def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, targets=None, *,
+                gather: bool, full: bool):
+        """A prefill chunk per row; `full` as in `decode`. With `targets` [R, T] (`prompt_logprobs.prompt_targets`)
+        the head runs at every position, and a fourth output holds their prompt logprobs (`prompt_logprobs.score`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         sub = self._rows_in(cache, inp, gather)
@@ -111,10 +114,16 @@ class StepPrograms:
         if inp.media is not None:
             tokens = model.embed_tokens(inp.ids)
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
-        logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=jnp.maximum(inp.n_new - 1, 0))
+        last = jnp.maximum(inp.n_new - 1, 0)
+        if targets is None:
+            logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=last)
+        else:
+            every, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds)
+            logits = every[jnp.arange(every.shape[0]), last]
         out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
         cache = self._rows_out(cache, inp, sub, gather)
-        return cache, penalties.replace(counts=counts), pack_samples(out)[None]
+        outputs = cache, penalties.replace(counts=counts), pack_samples(out)[None]
+        return outputs if targets is None else (*outputs, prompt_logprobs.score(every, targets, self.num_top))
 
     def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
                gather: bool, full: bool):
@@ -149,6 +158,7 @@ class StepPrograms:
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
         sub = cache_rows.take_rows(cache, inp.rows) if gather else cache
+        sub = cache_rows.clear_conv_state(sub, (inp.lengths == 0) & (inp.n_new > 0))  # rows that start a sequence
         return sub.replace(lengths=inp.lengths, page_table=inp.page_rows)
 
     def _rows_out(self, cache, inp: StepInputs, sub, gather: bool):

@@ -38,3 +38,33 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     with caplog.at_level("WARNING", logger="inkling_jax.parallel.rules"):
         Placement.from_spec("tensor=2").check(text)  # the full layer's single KV head stays whole
     assert "full-attention" in caplog.text and "sliding" not in caplog.text and "expert width" not in caplog.text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "99999"], "--port: must be in [1, 65535]"),
+    (["--port", "0"], "--port: must be in [1, 65535]"),
+    (["--max-n", "0"], "--max-n: must be >= 1"),
+    (["--max-tokens", "-5"], "--max-tokens: must be >= 1"),
+    (["--max-queued", "-1"], "--max-queued: must be >= 1"),
+    (["--max-num-seqs", "two"], "--max-num-seqs: 'two' is not a number"),
+    (["--drain-seconds", "nan"], "--drain-seconds: must be >= 0.0"),
+    (["--memory-fraction", "1.5"], "--memory-fraction: must be in [0.01, 1.0]"),
+    (["--max-body-mb", "0"], "--max-body-mb: must be >= 0.001"),
+    (["--max-prompt-tokens", "1024"], "--max-prompt-tokens must be below --max-model-len (1024)"),
+    (["--max-model-len", "64", "--max-tokens", "64"], "--max-tokens must be below --max-model-len (64)"),
+    (["--api-key", "a", "--api-key-file", "/dev/null"], "not allowed with argument"),
+    (["--api-key-file", "/no/such/file"], "--api-key-file: can't open"),
+    (["--api-key-file", "/dev/null"], "holds no key"),
+])
+def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_the_api_key_can_come_from_a_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("INKLING_API_KEY", raising=False)
+    path = tmp_path / "key"
+    path.write_text("s3cret\nignored\n")
+    assert parse_args(["--api-key-file", str(path)]).api_key == "s3cret"
+    assert parse_args([]).api_key is None

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from inkling_jax import Backend, preset
+from inkling_jax import preset
 from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -15,8 +15,8 @@ from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.placement import Placement
+from tests.backends import REFERENCE
 
-REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 ENGINE = dict(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
               row_buckets=(3,))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from inkling_jax import Backend, preset
+from inkling_jax import preset
 from inkling_jax.generate import StepFunctions
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -18,8 +18,8 @@ from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.placement import Placement
+from tests.backends import REFERENCE
 
-REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 PROMPTS = [np.random.default_rng(seed).integers(0, 256, n).tolist() for seed, n in enumerate((7, 19))]
 NEW = 9

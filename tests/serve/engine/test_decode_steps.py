@@ -9,14 +9,14 @@ import re
 import numpy as np
 import pytest
 
-from inkling_jax import Backend, preset
+from inkling_jax import preset
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
+from tests.backends import REFERENCE
 
-REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 RNG = np.random.default_rng(3)
 PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 21, 11)]

@@ -1,17 +1,10 @@
-"""The server end to end, through the official `openai` client and raw HTTP, on 127.0.0.1.
-
-One engine (a 2-layer variant of the `tiny` preset with seeded random weights, so it compiles quickly; one
-sliding and one full-attention layer, a dense MLP and a MoE) serves every test. Its KV pool holds 16 pages of
-8 tokens for 4 slots of up to 96 tokens, so concurrent traffic preempts and recomputes sequences.
-"""
+"""The server end to end, through the official `openai` client and raw HTTP, on 127.0.0.1 (the shared server of
+conftest.py)."""
 
 import concurrent.futures
 import http.client
 import json
-import threading
 import time
-import types
-import urllib.error
 import urllib.request
 
 import numpy as np
@@ -20,71 +13,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from inkling_jax import Backend, preset
 from inkling_jax.generate import greedy_generate
-from serve.engine.config import EngineConfig
-from serve.engine.engine import Engine
-from serve.engine.request import EngineStopped
-from serve.engine.sampling_params import SamplingParams
-from serve.http.chat import ChatFormat, ChatOutput
-from serve.http.routes import Service
-from serve.http.server import ServerThread, serving_app
-from serve.http.tokenizer import ByteTokenizer
-from serve.random_weights import random_model
+from serve.http.chat import ChatOutput
 from serve.runner.compilation import compilation_count
+from tests.serve.http.client import KEY, MODEL, complete, ids, metric, post
 
-REFERENCE = Backend.parse("reference,moe=dense")  # the kernels' jnp references, every expert on every token
-MODEL = "tiny-2-layer-random"
-KEY = "test-key"
 LENGTH, NEW = 36, 12  # reference prompts: 32 tokens of chat framing + 4 characters of user text
-RNG = np.random.default_rng(0)
-
-
-@pytest.fixture(scope="module")
-def server():
-    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
-    tokenizer = ByteTokenizer()
-    model = random_model(config, seed=0, backend=REFERENCE)
-    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=96, max_num_batched_tokens=32,
-                                        page_size=8, chunk_buckets=(1, 16), row_buckets=(2, 5), num_pages=16,
-                                        num_snapshots=8), eos_token_id=config.eos_token_id)
-    engine.start()
-    service = Service(engine, tokenizer, MODEL, "test model", config.text.unpadded_vocab_size,
-                      max_prompt_tokens=80, max_tokens=24, max_n=4, api_key=KEY, chat=ChatFormat(tokenizer))
-    with ServerThread(serving_app(service), drain_seconds=20) as thread:
-        client = openai.OpenAI(base_url=thread.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        yield types.SimpleNamespace(url=thread.url, client=client, engine=engine, model=model, thread=thread,
-                                    tokenizer=tokenizer, chat=service.chat)
-
-
-def post(url, path, body, key=KEY, raw=None):
-    """(status, parsed JSON or text) of a raw POST; never raises for an HTTP status."""
-    data = raw if raw is not None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url + path, data, headers), timeout=120) as r:
-            status, text = r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text
-
-
-def ids(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
-
-
-def metric(url, name):
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
-
-
-def complete(client, prompt, **kw):
-    kw.setdefault("extra_body", {}).setdefault("ignore_eos", True)
-    return client.completions.create(model=MODEL, prompt=prompt, **kw)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -274,24 +208,3 @@ def test_nothing_compiles_after_warm_up(server):
     list(server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "yo"}],
                                                max_tokens=4, stream=True))
     assert compilation_count() == before
-
-
-def test_graceful_shutdown_drains_streams_then_refuses_work(server):
-    first_chunk = threading.Event()
-    result = {}
-
-    def stream():
-        chunks = []
-        for chunk in complete(server.client, ids(8, 4), max_tokens=20, stream=True):
-            chunks.append(chunk)
-            first_chunk.set()
-        result["reason"] = chunks[-1].choices[0].finish_reason
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert first_chunk.wait(60)
-    server.thread.__exit__(None, None, None)  # what SIGTERM does: stop listening, drain, stop the engine
-    reader.join(60)
-    assert result == {"reason": "length"}
-    with pytest.raises(EngineStopped):
-        server.engine.submit("late", [[1]], SamplingParams(), 1, lambda: None, lambda out: None)

@@ -8,8 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from serve.runner.sampler import (SamplingBatch, gumbel_noise, pack_samples, read_samples, sample, top_k_top_p,
-                                  unpack_samples)
+from serve.runner.sampler import (
+    SamplingBatch,
+    gumbel_noise,
+    pack_samples,
+    read_samples,
+    sample,
+    top_k_top_p,
+    unpack_samples,
+)
 
 RNG = np.random.default_rng(0)
 
