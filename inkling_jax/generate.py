@@ -16,7 +16,7 @@ from inkling_jax.nn.model import InklingModel
 def flat_params(model: InklingModel):
     """(leaves, merge): the model's parameters as a flat list of arrays, and the function that rebuilds the model
     from such a list inside a jitted program. A flat list is what jitted steps should take: flattening an
-    nnx.State at every call costs about a millisecond of host time, a third of a batch-1 decode step on an H200."""
+    nnx.State at every call costs host time of the order of a small decode step."""
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     return leaves, lambda values: nnx.merge(graphdef, jax.tree.unflatten(treedef, values))

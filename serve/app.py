@@ -96,14 +96,14 @@ def parse_args(argv=None) -> argparse.Namespace:
       help="routed experts' weights: bf16 (in the model's --dtype, as loaded); fp8 e4m3 with one scale per "
       "expert and matrix and the activations quantised per row (half the bytes a decode step reads; a few "
       "percent of error per MoE layer); or nvfp4, 4-bit values with a scale per 16 (0.63 of fp8's memory, "
-      "decode a little faster than fp8 on an H200, prefill slower unless --fp8-twins; an NVFP4 checkpoint's "
+      "decode a little faster than fp8, prefill slower unless --fp8-twins; an NVFP4 checkpoint's "
       "packed experts load as stored)")
     a("--dense-precision", default="bf16", choices=DENSE_PRECISIONS,
       help="the dense MLP layers' and the LM head's weights: bf16 (in --dtype), or fp8 e4m3 with one scale per "
       "output column and the activations quantised per row (fewer bytes per decode step; the attention "
       "projections, shared experts and embeddings stay in --dtype); nvfp4: as fp8, and the attention "
       "projections and shared experts in NVFP4 (4-bit values, a scale per 16; W4A16; not with a tensor mesh; "
-      "faster decode up to ~64 sequences per GPU, slower at 128 on an H200)")
+      "faster decode at small batches, slower at large ones: docs/quantisation.md)")
     a("--fp8-twins", action="store_true",
       help="with nvfp4 experts or dense weights: keep an fp8 copy of every NVFP4 weight (one more byte per "
       "weight) for the products of prompt chunks and other wide steps, which then run on fp8 tensor cores at "

@@ -127,7 +127,7 @@ def rules_in_use() -> dict:
 @contextlib.contextmanager
 def override_rules(**changes):
     """Inside the block, `spec_for` (and so the model's own splits) maps the named logical dimensions as given,
-    e.g. the server keeps its rows whole over `expert` (`serve.placement`). For code traced inside the block."""
+    e.g. the server keeps its rows whole over `expert` (`serve.runner.placement`). For code traced inside the block."""
     token = _RULES_IN_USE.set({**rules_in_use(), **changes})
     try:
         yield

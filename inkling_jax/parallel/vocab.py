@@ -13,7 +13,7 @@ def take_rows(table, ids, mesh: Mesh | None):
     """table[ids] for a [vocab, embed] table placed by the rules ("vocab" rows over `tensor`): the embedding
     lookup. With the rows split, each device looks up the ids in its own slice (zeros for the others) and the
     slices' results are summed, which moves [..., embed] activations. Left to XLA, the partitioner may gather
-    the whole table instead: it did so in the 1-row decode step on two H200s (2.47 GB per token)."""
+    the whole table instead, gigabytes per token in a decode step."""
     axis = None if mesh is None else spec_for(("vocab", "embed"), table.shape, mesh)[0]
     if axis is None:
         return jnp.take(table, ids, axis=0)

@@ -5,9 +5,9 @@ barriers, so the tests run the same kernel code as the H200.
 
 In-kernel profiles: with PALLAS_MGPU_PROFILE_DIR set, the MoE kernels compiled afterwards record the start and
 end of their named ranges (`profiled`: each pipeline step, each epilogue) per warpgroup with Mosaic GPU's
-profiler, and every call writes a trace file there (`bench/mgpu_profile.py DIR` summarises them). Read the
-shares, not the lengths: a recorded call of the W4 kernels took 1.5x a timed one (bench/results/moe.md). The
-records take PROFILE_RANGES x 16 bytes of SMEM per warpgroup, which the stage counts make room for.
+profiler, and every call writes a trace file there (Perfetto's format). Read the shares, not the lengths:
+recording slows the kernels down. The records take PROFILE_RANGES x 16 bytes of SMEM per warpgroup, which the
+stage counts make room for.
 """
 
 import functools

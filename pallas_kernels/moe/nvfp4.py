@@ -2,11 +2,10 @@
 
 Hopper has no fp4 tensor cores, so the kernels turn the e2m1 codes into f16 in registers (exactly: see
 `w4_codes.f16_planes`) and multiply by f16 activations. The weights take 5 bits per value (the 4-bit codes and
-an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory. On the H200 (bench/results/moe.md) the
-decode kernels took 406 us at 32 tokens against fp8's 611 (0.66; fp8 timed in earlier calls) and 517 us at 128
-against 750 (0.69), not the 0.63 the bytes allow (kernel_w4.py says what bounds them); a first version took 2.5x
-fp8's time on a 16k-token prefill. The format is NVFP4's (inkling_jax/checkpoint/nvfp4.py, spec section 5.2): per
-expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale, per value an e2m1 code:
+an f16 block scale per 16 values) against fp8's 8: 0.63 of fp8's memory (the kernels' times against fp8's:
+docs/performance.md; kernel_w4.py says what bounds them). The format is NVFP4's (inkling_jax/checkpoint/nvfp4.py,
+spec section 5.2): per expert and matrix a global fp32 scale2, per 16 input values an e4m3 block scale, per
+value an e2m1 code:
 
     W[g] = code * block_scale * scale2[g]
     h = row_weight * silu(s2_13[g] * (x @ W_gate[g]^T)) * (s2_13[g] * (x @ W_up[g]^T))     (gate and up share
@@ -34,16 +33,14 @@ _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # between the e2m1 ma
 _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 WIDTH_MULTIPLE = 128  # the expert width: whole tiles of 2 x 64 output rows (gate/up) and whole k steps (down)
 PREFILL_SLAB = 128  # tokens per slab without a bound, or above this one
-# Tokens per slab for decode steps, by the step's bound: a group of more tokens takes several slabs. On the H200
-# (bench/results/moe.md, 2026-12-01) 32 tokens took 580 us in slabs of 16 against 621 us in one slab of 32 per
-# expert, and 128 tokens 741 us in slabs of 32 against 789 (64), 1072 (one of 128) and 1158 (16). The bound of
-# the 32-token slabs leaves room above 128 because the server's all-rows decode step has max_num_seqs + 1 rows
-# (129 for bench/serve.py's 128 sequences), which a bound of 128 sent to 128-token slabs
+# Tokens per slab for decode steps, by the step's bound: a group of more tokens takes several slabs. Smaller
+# slabs won at decode sizes in a sweep (16 at 32 tokens, 32 at 128). The bound of the 32-token slabs leaves room
+# above 128 because the server's all-rows decode step has max_num_seqs + 1 rows (129 for 128 sequences), which a
+# bound of 128 sent to 128-token slabs
 DECODE_SLABS = ((32, 16), (160, 32))  # (largest bound, slab tokens)
 # The down projection's warpgroups each take two adjacent 64-row blocks (kernel_w4's paired_rows): its tiles
 # have half the k steps of gate/up's (K is the expert width), so unpaired it paid a pipeline fill and an epilogue
-# per tile for half the work. In the H200's 32-row decode step (bench/results/serve.md, 2026-12-02) the down
-# kernels took 104-108 us against 119-121; outputs bit-identical at bench widths
+# per tile for half the work; paired, a 32-row decode step's down kernels are faster with bit-identical outputs
 PAIRED_DOWN = True
 
 

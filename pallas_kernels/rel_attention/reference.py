@@ -32,7 +32,7 @@ def self_relative_bias(r, rel_proj):
     """`relative_bias` for T tokens attending among themselves, distances taken as index differences (t - s):
     R = r @ P [B, H, T, E] skewed into b[B, H, T, T] by a pad and a reshape, not gathered. The same values
     where s <= t; zeros above the diagonal (masked by causality). A gather of P's columns has a scatter onto
-    E columns as its gradient, which made training steps of the jnp path seconds long on the H200."""
+    E columns as its gradient, which made the jnp path's training steps many times slower."""
     batch, seq, heads, _ = r.shape
     extent = rel_proj.shape[-1]
     rel = jnp.einsum("bthd,de->bhte", r, rel_proj.astype(r.dtype))[..., :seq]
