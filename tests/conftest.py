@@ -6,6 +6,15 @@ import pytest
 
 from tests import hf_oracle
 
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # pytest without pytest-xdist: one process, nothing to schedule
+    LoadFileScheduling = None
+
+# The HTTP tests share one server (tests/serve/http/conftest.py, package scope): handed out as one unit, that
+# package runs in one worker, which builds the server once instead of once per file it happens to receive.
+SHARED_SERVER_PACKAGE = "tests/serve/http/"
+
 # fp32 matmuls at full precision, so parity tolerances mean the same on every CPU and GPU.
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -21,3 +30,17 @@ def checkpoints(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+if LoadFileScheduling is not None:
+    class _FilesAndSharedServer(LoadFileScheduling):
+        """`--dist loadfile`, with the shared server's package as one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SHARED_SERVER_PACKAGE if scope.startswith(SHARED_SERVER_PACKAGE) else scope
+
+    def pytest_xdist_make_scheduler(config, log):
+        if config.getoption("dist") == "loadfile":
+            return _FilesAndSharedServer(config, log)
+        return None

@@ -14,7 +14,7 @@ Phases, in order (name some to run only those; each reads what the earlier ones 
   perplexity against the unigram and bigram baselines, and against the shipped model's (REBUILD_MARGIN);
 - samples: continuations and chat answers to held-out prompts, through the server;
 - ship: the exported directory and `training.json` (settings, timings, metrics, samples) into
-  inkling_jax/assets/inkling-tiny, the held-out sample into tests/data.
+  inkling_jax/assets/inkling-tiny, the held-out sample into tests/train/data.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ log = logging.getLogger("default_model")
 
 PHASES = ("corpus", "data", "train", "evaluate", "samples", "ship")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SAMPLE_FILE = os.path.join(REPO, "tests", "data", "inkling_tiny_heldout.txt")
+SAMPLE_FILE = os.path.join(REPO, "tests", "train", "data", "inkling_tiny_heldout.txt")
 CORPUS = {"name": "King James Version of the Bible (1611; Debian's bible-kjv-text 4.38)",
           "license": "public domain (Debian's copyright file: the copyright of the KJV text has expired; in the "
                      "UK the Crown's letters patent still cover printing it)",

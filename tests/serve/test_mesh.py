@@ -2,7 +2,7 @@
 of the one-device model, a prefix-cache hit included: K/V heads of the sliding layer split over `tensor`, the
 full layer's single KV head replicated, experts spread over `expert`. The attention and ShortConv run once per
 device through the same `shard_map`s as the Pallas kernels on GPUs (`inkling_jax.parallel.kernel_sharding`; the kernels
-themselves are checked per device in tests/test_kernel_sharding.py)."""
+themselves are checked per device in tests/parallel/test_kernel_sharding.py)."""
 
 import jax
 import jax.numpy as jnp

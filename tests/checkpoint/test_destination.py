@@ -183,7 +183,7 @@ def test_two_conversions_to_one_destination_at_once(checkpoints, tmp_path):
     src, _ = checkpoints("base")
     command = [sys.executable, "-m", "inkling_jax.checkpoint.convert", "--src", src, "--dst", str(tmp_path / "out"),
                *SMALL]
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))}
     runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
             for _ in range(2)]
     results = sorted((run.returncode, err) for run in runs for _, err in [run.communicate(timeout=600)])

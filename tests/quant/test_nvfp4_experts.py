@@ -1,7 +1,7 @@
 """NVFP4 routed experts (`QuantConfig(expert_precision="nvfp4")`: `Nvfp4RoutedExperts`): the view holds them in
 place of the bf16 ones, an NVFP4 checkpoint's packed experts load as stored (onto a mesh too), bad precision names
 are refused.
-Routing, closeness, the kernels against the formula and meshes: tests/test_fp8_experts.py, for both formats."""
+Routing, closeness, the kernels against the formula and meshes: tests/quant/test_fp8_experts.py, for both formats."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ from inkling_jax.nn.moe import MoE
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.experts import Nvfp4RoutedExperts
 from pallas_kernels.moe.nvfp4 import dequantize
-from tests.test_fp8_experts import moe_pair
+from tests.quant.test_fp8_experts import moe_pair
 
 NVFP4 = QuantConfig(expert_precision="nvfp4")
 

@@ -16,7 +16,7 @@ from inkling_jax import Backend, preset
 from inkling_jax.nn.moe import MoE
 from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model
-from tests.test_moe import _assert_same, _input, _moe, _reference, _run
+from tests.nn.test_moe import _assert_same, _input, _moe, _reference, _run
 
 needs_8_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 

@@ -157,7 +157,7 @@ def test_server_fuses_unless_off_or_tensor_parallel(flag, mesh, fused):
     model = random_model(SMALL, seed=0)
     graph = nnx.graphdef(model)
     runner = ModelRunner(model, config, Placement.from_spec(mesh))
-    assert nnx.graphdef(model) == graph  # the model given is left as it was (tests/test_serving_view.py)
+    assert nnx.graphdef(model) == graph  # the model given is left as it was (tests/quant/test_serving_view.py)
     assert all(isinstance(attention, FusedAttention) == fused for attention in attentions(runner.model))
     dense = [isinstance(mlp, FusedMLP) for mlp in nodes_of(runner.model, DenseMLP)]
     assert dense and all(f == fused for f in dense)

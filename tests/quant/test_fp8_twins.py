@@ -22,7 +22,7 @@ from pallas_kernels.moe.fp8 import dequantize_experts as fp8_float
 from pallas_kernels.moe.nvfp4 import Nvfp4Experts
 from pallas_kernels.moe.nvfp4 import dequantize_experts as nvfp4_float
 from serve.random_weights import random_model
-from tests.test_fp8_experts import _rel, moe_pair
+from tests.quant.test_fp8_experts import _rel, moe_pair
 
 
 def _linear(shape=(96, 128), seed=0, twin=True):

@@ -1,7 +1,7 @@
 """NVFP4 dense weights (inkling_jax/quant/dense_nvfp4.py, `QuantConfig(dense_precision="nvfp4")`): the W4A16
 kernel's decode and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
 NVFP4's error bound and concatenates without requantising, and the quantised view is fused, close to the float
-model, and refused with a tensor mesh (tests/test_fp8_dense.py runs it on a mesh)."""
+model, and refused with a tensor mesh (tests/quant/test_fp8_dense.py runs it on a mesh)."""
 
 import jax
 import jax.numpy as jnp

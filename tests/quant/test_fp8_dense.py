@@ -74,7 +74,7 @@ def test_quantised_view_holds_fp8_dense_weights_and_its_logits_stay_close():
 def test_engine_on_fp8_weights_decodes_the_quantised_models_greedy_tokens(dense_precision):
     """The serving path (paged cache, prefill then decode steps) gives the tokens that the quantised model's own
     full-sequence forward picks greedily. (fp8 experts with bf16 dense weights are served in
-    tests/test_fp8_experts.py's mesh test.)"""
+    tests/quant/test_fp8_experts.py's mesh test.)"""
     config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
     model = serving_view(random_model(config, jnp.float32, seed=1, backend=REFERENCE),
                          QuantConfig("fp8", dense_precision), fuse=False)

@@ -1,7 +1,7 @@
 """fp8 routed experts (`QuantConfig(expert_precision="fp8")`: a `ServingMoE` holding `Fp8RoutedExperts`): the view
 holds them in place of the bf16 ones, routing is unchanged, the outputs stay within fp8's error of the original
 model, and the Pallas kernels (portable, interpret mode on CPU) agree with the jnp formula. The layer and logits
-tests cover NVFP4 experts too (tests/test_nvfp4_experts.py has the rest)."""
+tests cover NVFP4 experts too (tests/quant/test_nvfp4_experts.py has the rest)."""
 
 import jax
 import jax.numpy as jnp
