@@ -5,7 +5,8 @@
         --mesh fsdp=4,tensor=2 --lora-rank 16 --batch 32 --accum 4 --seq-len 4096 --remat full
 
 With `--eval-data` it reports the held-out loss and perplexity every `--eval-every` steps and after the last
-(`--steps 0` only evaluates), with unigram and bigram baselines of the training rows on the same tokens.
+(`--steps 0` only evaluates), with unigram and bigram baselines of the training rows on the same tokens;
+`python -m train.evaluate` scores a model directory the same way without training.
 `--export DIR` writes the model with its tokenizer.json and generation_config.json, ready to serve.
 
 Running the same command again with the same `--out` resumes from the newest checkpoint (parameters, optimizer,
