@@ -2,7 +2,8 @@
 batches that are a pure function of (seed, step), so a resumed run sees exactly the batches it would have seen.
 
 - JSONL: one document per line, `{"input_ids": [...]}` (or `"tokens"`), optionally `"loss_mask": [...]` of the
-  same length (0 on tokens that are not to be predicted, e.g. a prompt). Tokens are used as given.
+  same length (0 on tokens that are not to be predicted, e.g. a prompt). Tokens are used as given. A line
+  `{"text": "..."}` is tokenised as a plain-text document is.
 - Plain text: documents are separated by blank lines; each is tokenised (UTF-8 bytes for presets, or the
   model's tokenizer) and ends with the EOS token.
 
@@ -40,6 +41,12 @@ def file_tokenizer(path: str) -> Callable[[str], list[int]]:
     return lambda text: backend().encode(text, add_special_tokens=False).ids
 
 
+def text_document(text: str, tokenize: Callable[[str], list[int]], eos_id: int):
+    """(tokens, loss_mask) of a text: its tokens and the EOS token, every one counted."""
+    ids = np.asarray(tokenize(text) + [eos_id], np.int32)
+    return ids, np.ones(len(ids), np.uint8)
+
+
 def read_documents(path: str, tokenize: Callable[[str], list[int]], eos_id: int, vocab_size: int):
     """[(tokens int32 [n], loss_mask uint8 [n])] from a .jsonl file or a text file."""
     docs = []
@@ -49,9 +56,12 @@ def read_documents(path: str, tokenize: Callable[[str], list[int]], eos_id: int,
                 if not line.strip():
                     continue
                 row = json.loads(line)
+                if isinstance(row.get("text"), str):
+                    docs.append(text_document(row["text"], tokenize, eos_id))
+                    continue
                 ids = row.get("input_ids", row.get("tokens"))
                 if ids is None:
-                    raise ValueError(f"{path}:{line_no}: no 'input_ids' (or 'tokens') field")
+                    raise ValueError(f"{path}:{line_no}: no 'input_ids' (or 'tokens') nor 'text' field")
                 mask = row.get("loss_mask", [1] * len(ids))
                 if len(mask) != len(ids):
                     raise ValueError(f"{path}:{line_no}: loss_mask has {len(mask)} entries for {len(ids)} tokens")
@@ -59,10 +69,7 @@ def read_documents(path: str, tokenize: Callable[[str], list[int]], eos_id: int,
     else:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
-        for part in (p.strip() for p in text.split("\n\n")):
-            if part:
-                ids = np.asarray(tokenize(part) + [eos_id], np.int32)
-                docs.append((ids, np.ones(len(ids), np.uint8)))
+        docs += [text_document(part, tokenize, eos_id) for part in (p.strip() for p in text.split("\n\n")) if part]
     if not docs:
         raise ValueError(f"{path}: no documents")
     top = max(int(d[0].max()) for d in docs)

@@ -10,8 +10,8 @@ Phases, in order (name some to run only those; each reads what the earlier ones 
   conversations (a user quotes a few verses, the model answers with the next ones, loss on the answer only)
   rendered by the server's own chat format; a small held-out sample for the tests;
 - train: `python -m train.run` on the `inkling-tiny` preset, the MTP head included, exported in the hub layout;
-- evaluate: `python -m train.run --steps 0` on the exported bf16 weights in float32: held-out loss and
-  perplexity against the unigram and bigram baselines, and against the shipped model's (REBUILD_MARGIN);
+- evaluate: `python -m train.evaluate` on the exported bf16 weights in float32: held-out loss, perplexity and
+  bits per byte against the unigram and bigram baselines, and against the shipped model's (REBUILD_MARGIN);
 - samples: continuations and chat answers to held-out prompts, through the server;
 - ship: the exported directory and `training.json` (settings, timings, metrics, samples) into
   inkling_jax/assets/inkling-tiny, the held-out sample into tests/train/data.
@@ -193,13 +193,14 @@ def metrics_rows(run_dir: str) -> list[dict]:
 
 
 def evaluate(work: str, held_out: str) -> dict:
-    """`train.run --steps 0` on the exported weights in float32: held-out loss and the count baselines."""
-    out = os.path.join(work, "evaluate-" + held_out.split(".")[0])
-    shutil.rmtree(out, ignore_errors=True)
-    train_run(["--model", os.path.join(work, "export"), "--data", os.path.join(work, "train.jsonl"),
-               "--eval-data", os.path.join(work, held_out), "--steps", "0", "--dtype", "float32", "--out", out,
-               "--no-tensorboard", "--batch", "16", "--seq-len", "512", *REFERENCE_PATHS])
-    return metrics_rows(out)[-1]
+    """`python -m train.evaluate` on the exported weights in float32: held-out loss, perplexity, bits per byte
+    and the count baselines of the training rows."""
+    from inkling_jax.backend import Backend
+    from train.evaluate import evaluate_model
+
+    return evaluate_model(os.path.join(work, "export"), os.path.join(work, held_out), seq_len=512, batch=16,
+                          dtype="float32", backend=Backend.parse(REFERENCE_PATHS[1]),
+                          baseline_data=os.path.join(work, "train.jsonl"))
 
 
 def against_shipped(eval_loss: float, assets: str) -> dict | None:

@@ -5,7 +5,8 @@
         --mesh fsdp=4,tensor=2 --lora-rank 16 --batch 32 --accum 4 --seq-len 4096 --remat full
 
 With `--eval-data` it reports the held-out loss and perplexity every `--eval-every` steps and after the last
-(`--steps 0` only evaluates), with unigram and bigram baselines of the training rows on the same tokens.
+(`--steps 0` only evaluates), with unigram and bigram baselines of the training rows on the same tokens;
+`python -m train.evaluate` scores a model directory the same way without training.
 `--export DIR` writes the model with its tokenizer.json and generation_config.json, ready to serve.
 
 Running the same command again with the same `--out` resumes from the newest checkpoint (parameters, optimizer,
@@ -40,7 +41,7 @@ from train.evaluate import Evaluator
 from train.export import export
 from train.metrics import MetricsWriter, peak_flops, train_flops_per_token
 from train.optim import OptimConfig
-from train.state import ModelParts, model_params, name_of, seeded_params
+from train.state import ModelParts, pretrained_params, seeded_params
 from train.step import StepConfig, Trainer
 
 log = logging.getLogger("train")
@@ -118,11 +119,7 @@ def initial_params(args, config: InklingConfig, trainer: Trainer):
     shardings = trainer.param_shardings()
     if args.preset:
         return seeded_params(config, args.seed, shardings, trainer.compiler_options)
-    from inkling_jax.checkpoint.loading import load_pretrained
-
-    place = lambda path, x: jax.device_put(x, shardings[name_of(path)])  # noqa: E731
-    return model_params(load_pretrained(args.model, "float32", config=config, place=place,
-                                        progress=jax.process_index() == 0))
+    return pretrained_params(args.model, config, shardings, progress=jax.process_index() == 0)
 
 
 def main(argv=None) -> None:

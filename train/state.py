@@ -108,6 +108,15 @@ def seeded_params(config: InklingConfig, seed: int, shardings: Flat | None = Non
     return _SEEDED[key]()
 
 
+def pretrained_params(path: str, config: InklingConfig, shardings: Flat, progress: bool = True) -> Flat:
+    """The fp32 parameters of the model directory `path` (`load_pretrained`), each placed on its sharding as
+    it is read."""
+    from inkling_jax.checkpoint.loading import load_pretrained
+
+    place = lambda p, x: jax.device_put(x, shardings[name_of(p)])  # noqa: E731
+    return model_params(load_pretrained(path, "float32", config=config, place=place, progress=progress))
+
+
 def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False) -> list[str]:
     """Text weights the optimizer updates (and the MTP head's with `mtp`): all but the selection biases and
     names matching a `freeze` regex."""

@@ -13,23 +13,25 @@ from __future__ import annotations
 from typing import Union
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, model_validator
 
 from serve.http.chat import ChatError
-from serve.http.protocol import ERROR_RESPONSES, APIError, ChatMessage
+from serve.http.protocol import ERROR_RESPONSES, STRICT, APIError, ChatMessage, Text
 
 
 class TokenizeRequest(BaseModel):
     """vLLM's two shapes in one: a `prompt`, or chat `messages` (with this server's `reasoning_effort`).
     `add_special_tokens` (default true, as vLLM's) applies the tokenizer's post-processor to a prompt; Inkling's
     adds nothing, and the chat format inserts its own control tokens. vLLM's template options
-    (`add_generation_prompt`, ...) do not apply: the prompt ends where the model writes its own turn."""
+    (`add_generation_prompt`, ...) do not apply: the prompt ends where the model writes its own turn. A prompt is
+    tokenized whole, however long (a harness tokenizes whole documents and cuts its windows itself): the body
+    size limit bounds the work."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
-    reasoning_effort: Union[str, float, None] = None
+    reasoning_effort: Union[Text, float, None] = None
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
@@ -41,7 +43,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     tokens: list[int]
 
@@ -71,13 +73,14 @@ def tokenizer_router(service, dependencies: list) -> APIRouter:
     async def tokenize(body: TokenizeRequest):
         check_model(body.model, service.model_name)
         if body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await service.off_loop(tokenizer.encode, body.prompt, body.add_special_tokens)
         elif service.chat is None:
             raise APIError(400, "this model's tokenizer has no chat format", param="messages")
         else:
             try:  # media parts become their placeholder tokens, as in a chat request
-                ids, _ = service.chat.render_with_media([m.model_dump(exclude_none=True) for m in body.messages],
-                                                        body.reasoning_effort)
+                ids, _ = await service.off_loop(service.chat.render_with_media,
+                                                [m.model_dump(exclude_none=True) for m in body.messages],
+                                                body.reasoning_effort)
             except ChatError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         reply = {"count": len(ids), "max_model_len": service.engine.config.max_model_len, "tokens": ids}
@@ -90,7 +93,7 @@ def tokenizer_router(service, dependencies: list) -> APIRouter:
         check_model(body.model, service.model_name)
         if any(not 0 <= t < service.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {service.vocab_size})", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await service.off_loop(tokenizer.decode, body.tokens, False)}
 
     return router
 

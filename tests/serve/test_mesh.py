@@ -19,6 +19,7 @@ from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.placement import Placement
 from tests.backends import REFERENCE
+from tests.serve.logprobs import model_logprobs
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 PROMPTS = [np.random.default_rng(seed).integers(0, 256, n).tolist() for seed, n in enumerate((7, 19))]
@@ -38,6 +39,7 @@ def test_sharded_engine_equals_one_device_model():
         # The second prompt's first 16 tokens again: a prefix-cache hit restores sharded pages and states.
         reused = PROMPTS[1][:16] + [5, 6, 7]
         got += generate(engine, [reused], params)
+        scored = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=0, prompt_logprobs=1))[0].prompt_logprobs
     finally:
         engine.shutdown(drain_seconds=0)
     assert engine.metrics._hits >= 8
@@ -61,13 +63,18 @@ def test_sharded_engine_equals_one_device_model():
         if full:
             assert reduces[rows, chunk, True] - reduces[rows, chunk, False] < 8, (rows, chunk, reduces)
     # The one-device model over each prompt and its output: greedy picks and logprobs at every new position.
-    steps = StepFunctions(random_model(CONFIG, seed=1, backend=REFERENCE))
+    reference = random_model(CONFIG, seed=1, backend=REFERENCE)
+    steps = StepFunctions(reference)
     for prompt, out in zip(PROMPTS + [reused], got):
         assert len(out.token_ids) == NEW
         logits = np.asarray(steps.forward(np.array([prompt + out.token_ids[:-1]])))[0, len(prompt) - 1:]
         logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
         assert out.token_ids == logits.argmax(-1).tolist()
         np.testing.assert_allclose(out.logprobs, logprobs[np.arange(NEW), out.token_ids], rtol=1e-4, atol=1e-4)
+    # The prompt-logprobs prefill program, sharded: the one-device model's logprobs of the prompt's tokens.
+    prompt = PROMPTS[1]
+    expected = model_logprobs(reference, prompt)[np.arange(len(prompt) - 1), prompt[1:]]
+    np.testing.assert_allclose([s.logprob for s in scored], expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")

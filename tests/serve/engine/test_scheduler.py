@@ -4,7 +4,8 @@ slots, and preemption by recompute."""
 from serve.engine.block_manager import BlockManager
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Scheduler
-from serve.engine.sequence import Status
+from serve.engine.sampling_params import SamplingParams
+from serve.engine.sequence import Sequence, Status
 from tests.serve.engine.sequences import seq_of
 
 
@@ -83,3 +84,37 @@ def test_preemption_by_recompute_when_pages_run_out():
     scheduler.finish(old)
     chunks = run_step(scheduler, sample=False)
     assert [(c.seq, c.num_tokens) for c in chunks] == [(new, 8)]  # recomputed: prompt and output alike
+
+
+def test_a_sequence_asking_prompt_logprobs_takes_no_prefix_hit():
+    scheduler = make_scheduler()
+    prompt = seq_of(13).token_ids
+    first = Sequence(prompt, SamplingParams())
+    scheduler.add(first)
+    while first.num_cached < len(prompt):  # prefilled as the engine does: pages published, chunk ends saved
+        for chunk in scheduler.schedule():
+            chunk.seq.num_cached += chunk.num_tokens
+            scheduler.blocks.register(chunk.seq)
+            scheduler.blocks.snapshot_slot(chunk.seq)
+    scheduler.finish(first)
+    plain, scored = Sequence(prompt, SamplingParams()), Sequence(prompt, SamplingParams(prompt_logprobs=1))
+    scheduler.add(plain)
+    scheduler.add(scored)
+    chunks = scheduler.schedule()
+    assert plain.prefix_hit == 12 and scored.prefix_hit == 0  # its logprobs need the cached prefix computed
+    assert [(c.seq, c.num_tokens, c.scores) for c in chunks] == [(plain, 1, False), (scored, 8, True)]
+
+
+def test_prompt_logprob_chunks_run_in_the_scoring_programs_rows():
+    def first_step(params):
+        scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32, chunk_buckets=(1, 4, 8),
+                                   prefix_caching=False)
+        for _ in range(4):
+            scheduler.add(Sequence(seq_of(4).token_ids, params))
+        return scheduler.config, scheduler.schedule()
+
+    config, plain = first_step(SamplingParams())
+    assert len(plain) == 4 and (5, 4) in config.buckets  # 4 prompts of 4 tokens in one prefill step...
+    assert config.prompt_logprobs_rows == 2  # ...but the scoring program is 2 rows x 8 (5 x 8 exceeds 32)
+    _, scored = first_step(SamplingParams(prompt_logprobs=0))
+    assert [(c.num_tokens, c.scores) for c in scored] == [(4, True), (4, True)]
