@@ -7,18 +7,21 @@ import time
 
 import pytest
 
-from tests.serve.http.client import HEADERS, MODEL, connect, ids, metric
+from tests.serve.http.client import HEADERS, MODEL, connect, ids, metric, slowed
 
 GAUGES = ("inkling_running_sequences", "inkling_queued_sequences", "inkling_kv_cache_usage_ratio")
 LONG = 60  # tokens a request asks for: far more engine steps than the test takes to walk away
+STEP_SECONDS = 0.1  # each engine step's pace: a request of LONG - 40 tokens runs for 2 s or more however fast the
+# machine is, longer than opening the test's connections takes, and an abort still lands within one step
 
 
 @pytest.fixture
-def slow_requests(server):
-    """Long requests, one token per engine step, so that none finishes before its client leaves."""
+def slow_requests(server, monkeypatch):
+    """Long requests, one token per paced engine step, so that none finishes before its client leaves."""
     service, engine = server.service, server.engine
     limits = service.max_tokens, engine.decode_steps
     service.max_tokens, engine.decode_steps = LONG, 1
+    monkeypatch.setattr(engine, "step", slowed(engine.step, STEP_SECONDS))
     yield
     service.max_tokens, engine.decode_steps = limits
 
@@ -45,7 +48,7 @@ def test_aborted_streams_free_their_work_and_zero_the_gauges_within_a_second(ser
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: ")  # the role chunk: it runs
         conns.append(conn)
-    assert metric(server.url, "inkling_running_sequences") > 0
+    assert wait_for(lambda: metric(server.url, "inkling_running_sequences") > 0, 60)  # past a first compile
     for conn in conns:
         conn.sock.close()
         conn.close()
