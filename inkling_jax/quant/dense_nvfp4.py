@@ -2,8 +2,8 @@
 
 A decode step of a few dozen rows is bound by reading weights, and fp8 gained nothing on the step's attention
 and shared-expert products (see docs/performance.md). Held as NVFP4 they are read at 5 bits a value (the e2m1
-code and its share of an f16 block scale) by the routed experts' W4A16 kernel (pallas_kernels/moe/kernel_w4.py)
-as one expert: up to DECODE_TOKENS rows run as one slab of tokens, more in slabs of PREFILL_SLAB.
+code and its share of an f16 block scale) by the dense W4A16 product (pallas_kernels/dense_w4/: the routed
+experts' kernel run as one expert): up to DECODE_TOKENS rows as one slab of tokens, more in prefill slabs.
 
 Format, per matrix [in, out] (the model's `kernel` orientation): the e2m1 codes and f16 block scales of the
 kernel layout (one group, one matrix: `nvfp4.layout`) with one fp32 global scale per output column. NVFP4's
@@ -27,9 +27,6 @@ A product with fewer output tiles than the GPU has SMs splits K so that every SM
 
 from __future__ import annotations
 
-import functools
-import operator
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,14 +34,13 @@ from flax import nnx
 from inkling_jax.backend import Backend
 from inkling_jax.quant import dense_fp8
 from inkling_jax.quant.form import ServingForm
-from pallas_kernels._common import interpret_default, round_up
-from pallas_kernels.moe import epilogues, kernel_w4
-from pallas_kernels.moe.nvfp4 import PREFILL_SLAB, dequantize, layout, quantize_matrices
+from pallas_kernels._common import round_up
+from pallas_kernels.dense_w4 import DECODE_TOKENS, dequantize_matrix, kernel_product, reference_product
+from pallas_kernels.moe.nvfp4 import layout, quantize_matrices
 from pallas_kernels.moe.w4_codes import ROWS
 
 OUT_MULTIPLE = ROWS  # output rows are padded to this (one warpgroup's 64 rows)
 K_MULTIPLE = 32  # input values per packed pair of NVFP4 blocks
-DECODE_TOKENS = 64  # up to this many rows run as one slab (decode); more run in prefill slabs
 TWIN_ROWS = DECODE_TOKENS  # products of more rows take the fp8 twin where there is one
 
 
@@ -90,8 +86,8 @@ class Nvfp4Linear(ServingForm):
 
     def dequantize(self):
         """The float32 matrix [in, out] this stands for."""
-        return _dequantize(self.nvfp4_codes[...], self.nvfp4_scales[...])[:self.in_features, :self.out_features] * \
-            self.nvfp4_scale2[...]
+        matrix = dequantize_matrix(self.nvfp4_codes[...], self.nvfp4_scales[...])
+        return matrix[:self.in_features, :self.out_features] * self.nvfp4_scale2[...]
 
     def __call__(self, x):
         return matmul(x, self.nvfp4_codes[...], self.nvfp4_scales[...], self.nvfp4_scale2[...], backend=self.backend)
@@ -140,37 +136,3 @@ def _quantize(kernel):
     codes, block_scale, scale2 = quantize_matrices(w[None, None])
     codes, block_scales = layout(codes, block_scale)
     return codes, block_scales, jnp.broadcast_to(scale2, (out,))
-
-
-def _dequantize(codes, block_scales):
-    """code * block_scale as [in_pad, out_pad] fp32 (no global scale)."""
-    return dequantize(codes, block_scales, jnp.ones((1,), jnp.float32), 1)[0, 0].T
-
-
-def reference_product(rows, codes, block_scales):
-    """f16(rows) @ (code * block_scale), fp32, [M, out_pad]: what the kernel computes before the global scale."""
-    return jnp.dot(rows.astype(jnp.float16).astype(jnp.float32), _dequantize(codes, block_scales),
-                   precision=jax.lax.Precision.HIGHEST)
-
-
-def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, cfg=None,
-                   k_splits: int | None = None):
-    """The W4A16 kernel's f16(rows) @ (code * block_scale), [M, out_pad] fp32 (rounded to bf16 on the way): up to
-    DECODE_TOKENS rows as one slab, more in slabs of PREFILL_SLAB rows. A slab with fewer output tiles than the
-    GPU has SMs splits K (k_splits; None: `kernel_w4.k_splits_to_fill`) and sums the bf16 partials in fp32."""
-    interpret = interpret_default() if interpret is None else interpret
-    m, k = rows.shape
-    out_rows = codes.shape[1] * ROWS
-    n = round_up(m, kernel_w4.N_ALIGN) if m <= DECODE_TOKENS else PREFILL_SLAB
-    slabs = -(-m // n)
-    cfg = cfg or kernel_w4.config_for(n)
-    if k_splits is None:
-        k_splits = kernel_w4.k_splits_to_fill(slabs * out_rows // (cfg.compute_wgs * ROWS), k, cfg, interpret)
-    x = jnp.pad(rows, ((0, slabs * n - m), (0, 0))).astype(jnp.float16).reshape(slabs, n, k)
-    out = kernel_w4.w4_gmm(x, codes, block_scales, slab_group=jnp.zeros((slabs,), jnp.int32),
-                           slab_rows=jnp.full((slabs,), n, jnp.int32), col_vectors=(), matrices=1,
-                           epilogue=epilogues.plain, out_dtype=jnp.bfloat16, cfg=cfg, interpret=interpret,
-                           k_splits=k_splits)
-    if k_splits > 1:  # elementwise adds, which XLA fuses into the caller's scale
-        out = functools.reduce(operator.add, [part.astype(jnp.float32) for part in out])
-    return out.reshape(slabs * n, out_rows)[:m].astype(jnp.float32)

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import mgpu
+from pallas_kernels import mgpu
 from pallas_kernels.moe.groups import RowBlockPasses
 from pallas_kernels.moe.tuning import GmmConfig, fit_stages
 

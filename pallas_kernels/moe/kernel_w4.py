@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import mgpu
+from pallas_kernels import mgpu
 from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, UNIT_SHAPE, f16_planes, from_units,
                                           planes_in_registers)
 

@@ -11,7 +11,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_kernels.moe import mgpu
+from pallas_kernels import mgpu
 
 
 @dataclasses.dataclass(frozen=True)

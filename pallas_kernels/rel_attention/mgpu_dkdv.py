@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import mgpu
+from pallas_kernels import mgpu
 from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention import mgpu_parts as parts
 from pallas_kernels.rel_attention.tiles import LOG2E, NEG, Blocks, Geometry

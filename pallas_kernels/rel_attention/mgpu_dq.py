@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import mgpu
+from pallas_kernels import mgpu
 from pallas_kernels.rel_attention import backward, tiles, toeplitz
 from pallas_kernels.rel_attention import mgpu_parts as parts
 from pallas_kernels.rel_attention.mgpu_parts import COMPUTE_REGISTERS, ROWS, SMEM_LIMIT

@@ -10,8 +10,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.moe import mgpu
-from pallas_kernels.moe.mgpu import column_vector, row_vector  # noqa: F401 (the kernels call them as parts.*)
+from pallas_kernels import mgpu
+from pallas_kernels.mgpu import column_vector, row_vector  # noqa: F401 (the kernels call them as parts.*)
 from pallas_kernels.rel_attention import tiles, toeplitz
 from pallas_kernels.rel_attention.tiles import NEG, Geometry
 

@@ -1,7 +1,7 @@
-"""NVFP4 dense weights (inkling_jax/quant/dense_nvfp4.py, `QuantConfig(dense_precision="nvfp4")`): the W4A16
-kernel's decode and prefill products equal their formula (interpreted on CPU, compiled on a GPU), the format keeps
-NVFP4's error bound and concatenates without requantising, and the quantised view is fused, close to the float
-model, and refused with a tensor mesh (tests/quant/test_fp8_dense.py runs it on a mesh)."""
+"""NVFP4 dense weights (inkling_jax/quant/dense_nvfp4.py, `QuantConfig(dense_precision="nvfp4")`): both paths of
+the product pad and slice alike (the kernel itself: pallas_kernels/dense_w4), the format keeps NVFP4's error bound
+and concatenates without requantising, and the quantised view is fused, close to the float model, and refused
+with a tensor mesh (tests/quant/test_fp8_dense.py runs it on a mesh)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +16,12 @@ from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.attention import FusedAttention
 from inkling_jax.quant.dense_fp8 import Fp8Linear
-from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear, kernel_product, reference_product
+from inkling_jax.quant.dense_nvfp4 import Nvfp4Linear
 from inkling_jax.quant.head import Fp8HeadModel
 from inkling_jax.quant.mlp import FusedMLP, SplitMLP
 from inkling_jax.quant.moe import ServingMoE, WidenedSharedExperts
-from pallas_kernels.moe.kernel_w4 import W4Config
 from serve.random_weights import random_model
 
-CFG = W4Config(block_k=64, stages=2)  # 384 inputs: 6 k steps; 384 outputs: 3 tiles of 128 rows
 TOKENS = jnp.asarray([[5, 17, 3, 99, 42, 7, 7, 1]])
 
 
@@ -34,19 +32,6 @@ def _rel(a, b):
 
 def _matrix(shape, seed=0):
     return 0.05 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-@pytest.mark.parametrize("rows, k_splits", [(20, 2), (200, None)])
-def test_kernel_products_equal_their_formula(rows, k_splits):
-    """20 rows in one decode slab of 32, K split in two (partials summed), and 200 in two prefill slabs of 128
-    (the second part padding)."""
-    linear = Nvfp4Linear.quantize(_matrix((384, 384)))
-    x = jax.random.normal(jax.random.key(1), (rows, 384), jnp.bfloat16)
-    codes, scales = linear.nvfp4_codes[...], linear.nvfp4_scales[...]
-    got = kernel_product(x, codes, scales, cfg=CFG, k_splits=k_splits)
-    want = reference_product(x, codes, scales)
-    assert got.shape == want.shape == (rows, 384)
-    assert _rel(got, want) < 1e-2  # the kernel's outputs are bf16
 
 
 def test_matmul_pads_and_slices_odd_widths_the_same_on_both_paths():

@@ -1,4 +1,4 @@
-"""Mosaic-GPU pieces shared by the grouped-matmul kernels, working on jax 0.10.2 and 0.11.2.
+"""Mosaic-GPU pieces shared by the grouped-matmul and relative-attention kernels, working on jax 0.10.2 and 0.11.2.
 
 On CPU the kernels run in Pallas's Mosaic-GPU interpret mode, which simulates the warpgroups, SMEM, TMA and
 barriers, so the tests run the same kernel code as the H200.
