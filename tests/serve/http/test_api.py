@@ -201,10 +201,24 @@ def test_fuzzed_request_bodies_never_get_5xx(server, chat, changes):
 
 
 def test_nothing_compiles_after_warm_up(server):
+    """Nothing in this process, and per /metrics nothing on the engine thread since its warm-up (whatever the
+    tests before this one sent), under a mixed load: lengths, n, logprobs, penalties, streams, prompt logprobs."""
     before = compilation_count()
-    complete(server.client, ids(40, 20), max_tokens=5, temperature=0.7, top_p=0.9, n=2, logprobs=3,
-             frequency_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2})
-    complete(server.client, ids(40, 20), max_tokens=3)  # a prefix-cache hit
+    assert metric(server.url, "inkling_compilations_after_warmup_total") == 0
+    mixed = [dict(prompt=ids(40, 20), max_tokens=5, temperature=0.7, top_p=0.9, n=2, logprobs=3,
+                  frequency_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2}),
+             dict(prompt=ids(40, 20), max_tokens=3),  # a prefix-cache hit
+             dict(prompt=ids(70, 21), max_tokens=9, stream=True, n=3, temperature=1.0, seed=3),
+             dict(prompt=ids(3, 22), max_tokens=2, logprobs=0, echo=True, extra_body={"prompt_logprobs": 2}),
+             dict(prompt=[ids(9, 23), ids(33, 24)], max_tokens=6, stream=True, presence_penalty=1.0)]
+
+    def send(kw):
+        out = complete(server.client, **kw)
+        return list(out) if kw.get("stream") else out
+
+    with concurrent.futures.ThreadPoolExecutor(len(mixed)) as pool:
+        list(pool.map(send, mixed, timeout=300))
     list(server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "yo"}],
                                                max_tokens=4, stream=True))
     assert compilation_count() == before
+    assert metric(server.url, "inkling_compilations_after_warmup_total") == 0
