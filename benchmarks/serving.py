@@ -35,11 +35,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from benchmarks.model import decode_step_bytes
 from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
-from inkling_jax import InklingModel, preset
+from inkling_jax import preset
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
@@ -47,7 +46,7 @@ from serve.engine.engine import Engine
 from serve.engine.memory_plan import program_bytes
 from serve.engine.sampling_params import SamplingParams
 from serve.http.text_stream import Delta
-from serve.random_weights import random_model
+from serve.random_weights import random_weights
 from serve.runner.placement import Placement
 from serve.runner.steps import pack
 
@@ -218,7 +217,7 @@ def build_engine(args, levels, placement, results):
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
     config = preset(args.preset)
-    model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
+    model = random_weights(config, dtype)
     model = serving_view(model, QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins), fuse=False)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
