@@ -62,10 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--levels takes integers, --request-rates numbers, comma-separated")
     if min(args.level_list) < 1 or any(not r > 0 for r in args.rate_list):
         p.error("levels must be >= 1 and request rates > 0")
-    try:  # prompts of ids the model has (any: the server's tokenizer is byte-level; its output is noise)
-        args.vocab = min(preset(args.preset).text.unpadded_vocab_size, DEFAULT_TOKEN_RANGE[1])
+    try:  # prompts of ids the model has (the load generator's default range where the vocabulary holds it)
+        vocab = preset(args.preset).text.unpadded_vocab_size
     except ConfigError as exc:
         p.error(f"--preset: {exc}")
+    args.token_range = DEFAULT_TOKEN_RANGE if vocab >= DEFAULT_TOKEN_RANGE[1] else (0, vocab)
     for flag in ("input_len", "output_len", "prompts_per_level", "max_prompts"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -131,7 +132,8 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
     """One run of the load generator; its result, saved to DIR/load-<label>.json."""
     flags = ["--base-url", f"http://{HOST}:{args.port}", "--random-input-len", str(args.input_len),
              "--random-output-len", str(args.output_len), "--num-prompts", str(prompts), "--request-rate",
-             str(rate), "--seed", str(prompts), "--disable-tqdm", "--random-token-range", f"0,{args.vocab}",
+             str(rate), "--seed", str(prompts), "--disable-tqdm", "--random-token-range",
+             ",".join(map(str, args.token_range)),
              *(["--max-concurrency", str(concurrency)] if concurrency else [])]
     found = cli.benchmark(cli.parse_args(flags))
     found["compilations_after_warmup"] = server_counter(args, "inkling_compilations_after_warmup_total")

@@ -1,8 +1,8 @@
 """One streamed request to an OpenAI-compatible server over plain HTTP (the standard library: a load generator needs
 no extras), timed chunk by chunk as vLLM's benchmark times them.
 
-A chunk that carries `choices` is a token arrival: the first gives the time to first token, the gaps between the
-next ones the inter-token latencies. The token counts are the server's `usage` (asked for with
+A chunk that carries a token (`carries_token`) is its arrival: the first gives the time to first token, the gaps
+between the next ones the inter-token latencies. The token counts are the server's `usage` (asked for with
 `stream_options.include_usage`); a server that sends none is counted by its chunks with choices.
 """
 
@@ -99,7 +99,7 @@ def stream(server: Server, body: dict, prompt_len: int) -> Result:
             if "error" in chunk:
                 result.error = f"error event: {json.dumps(chunk['error'])[:500]}"
                 return result
-            if chunk.get("choices"):
+            if chunk.get("choices") and carries_token(chunk["choices"][0]):
                 if chunks == 0:
                     result.ttft = now - start
                 else:
@@ -115,11 +115,22 @@ def stream(server: Server, body: dict, prompt_len: int) -> Result:
             result.error = "the stream ended without a token"
         elif not result.output_len:
             result.output_len = chunks  # no usage from the server: one token per chunk
-    except (OSError, http.client.HTTPException, ValueError) as exc:
+    except (OSError, http.client.HTTPException, ValueError, TypeError, KeyError, AttributeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         connection.close()
     return result
+
+
+def carries_token(choice: dict) -> bool:
+    """Whether a streamed choice brings a token: a completion's text (even empty: this server and vLLM send a
+    chunk per token), a chat delta's content or reasoning; not a chat stream's opening role announcement (its
+    content empty) nor a chunk that only finishes."""
+    if "text" in choice:
+        return True
+    delta = choice.get("delta") or {}
+    texts = [delta[k] for k in ("content", "reasoning_content") if isinstance(delta.get(k), str)]
+    return bool(texts) and ("role" not in delta or any(texts))
 
 
 def server_token_counter(server: Server, model: str):

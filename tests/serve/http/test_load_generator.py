@@ -82,3 +82,5 @@ def test_sharegpt_load_through_chat(server, tmp_path):
     assert found["completed"] == 3 and found["dataset_name"] == "sharegpt"
     assert sorted(found["output_lens"]) == [7, 14, 21]  # the answers' byte counts
     assert min(found["input_lens"]) > len("Question 0?")  # the chat framing counts, as the server's usage says
+    # a chunk per token: neither the opening role announcement nor the finishing chunk counts as one
+    assert [len(itl) + 1 for itl in found["itls"]] == found["output_lens"]
