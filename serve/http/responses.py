@@ -169,10 +169,10 @@ class ChatResponder(Responder):
             lp = {"content": self._logprobs(d.samples)} if logprobs and d.channel == "content" else None
             if d.text or lp:
                 out.append(self.envelope(self.chunk_name, [self._delta(output.index, {key: d.text}, lp, None)]))
+        if not out:  # a token whose text is held back or none: a chunk all the same, one per token
+            out.append(self.envelope(self.chunk_name, [self._delta(output.index, {"content": ""}, None, None)]))
         if output.finish_reason is not None:
             out.append(self.envelope(self.chunk_name, [self._delta(output.index, {}, None, output.finish_reason)]))
-        elif not out:  # a token whose text is held back or none: a chunk all the same, one per token
-            out.append(self.envelope(self.chunk_name, [self._delta(output.index, {"content": ""}, None, None)]))
         return out
 
     def response(self, choices: list[Choice], logprobs: bool, usage_body: dict) -> dict:
