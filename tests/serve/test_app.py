@@ -7,7 +7,10 @@ import pytest
 import serve.app
 from inkling_jax import preset
 from serve.app import engine_config, main, parse_args
+from serve.engine.block_manager import BlockManager
+from serve.engine.scheduler import Scheduler
 from serve.runner.placement import MeshError, Placement
+from tests.serve.engine.sequences import seq_of
 
 
 def test_command_line_defaults_suit_the_backend():
@@ -31,6 +34,10 @@ def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(mon
     assert {r for r, t in config.buckets if t == 1} == set(config.rows)
     assert max(r for r, t in config.buckets if t == 256) == 8 and (129, 16) in config.buckets
     assert config.fits(8, 256) and not config.fits(9, 256)
+    scheduler = Scheduler(config, BlockManager(20_000, config.page_size, config.snapshots))
+    for _ in range(128):  # a burst of long prompts
+        scheduler.add(seq_of(1000))
+    assert [c.num_tokens for c in scheduler.schedule()] == [256] * 8
     smaller = engine_config(parse_args(["--max-num-seqs", "32", "--chunk-buckets", "1,64"]))
     assert smaller.max_num_batched_tokens == 32 + 8 * 64 and smaller.rows == (1, 2, 4, 8, 16, 33)
     assert engine_config(parse_args(["--max-num-seqs", "4", "--chunk-buckets", "1,16"])).max_num_batched_tokens \
