@@ -201,7 +201,24 @@ def table(results: dict) -> str:
                  f"{found['median_tpot_ms']:.2f}", f"{found['median_tpot_ms'] / ms:.2f}" if ms else "-",
                  f"{found['p99_itl_ms']:.2f}", found["failed"]]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + targets(results))
+
+
+def targets(results: dict) -> list[str]:
+    """Issue 48's bars, where this run measured both sides: output tok/s at 32 and 128 concurrent requests at
+    least 0.85 of the decode program's at those rows, TTFT p50 at 32 at most 3 prefills, TPOT at 1 within 1.1x of
+    the one-row decode program's time per token."""
+    decode, prefill, levels, lines = results.get("decode_ms_per_token", {}), results.get("prefill_ms"), \
+        results["levels"], []
+    for level in (32, 128):
+        if level in levels and level in decode:
+            ratio = levels[level]["output_throughput"] * decode[level] / level / 1e3
+            lines.append(f"output tok/s at {level}: {ratio:.2f} of the decode program's (bar 0.85)")
+    if 32 in levels and prefill:
+        lines.append(f"TTFT p50 at 32: {levels[32]['median_ttft_ms'] / prefill:.2f} prefills (bar 3)")
+    if 1 in levels and 1 in decode:
+        lines.append(f"TPOT p50 at 1: {levels[1]['median_tpot_ms'] / decode[1]:.2f}x the decode program's (bar 1.1)")
+    return lines
 
 
 def main(argv=None) -> None:
