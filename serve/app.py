@@ -64,12 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", help="checkpoint directory in the hub layout (default: the embedded inkling-tiny)")
-    a("--random-weights", action="store_true", help="serve the `tiny` preset with seeded random weights and a "
-      "byte-level tokenizer (tests, demos of the server; its output is noise)")
+    a("--random-weights", action="store_true", help="serve the `tiny` preset (or --preset) with seeded random "
+      "weights and a byte-level tokenizer (tests, demos and benchmarks of the server; its output is noise)")
     a("--preset", default="tiny", help="with --random-weights: the architecture to build, e.g. bench (the "
       "benchmarks' 6-layer Inkling at the released widths; its weights are made on the device)")
     a("--served-model-name", help="the model id clients send (default: the directory name, inkling-tiny, or "
-      "inkling-tiny-random)")
+      "inkling-PRESET-random)")
     a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     a("--port", type=number(int, 1, 65535), default=8000, help="TCP port (default 8000)")
     key = p.add_mutually_exclusive_group()
