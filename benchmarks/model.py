@@ -11,16 +11,16 @@ the embedding rows not looked up, plus the K/V in use. `--preset tiny` starts th
 import argparse
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from benchmarks.timing import copy_bandwidth, median_seconds, stamp, stamp_line
-from inkling_jax import InklingModel, preset
+from inkling_jax import preset
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.generate import StepFunctions
 from inkling_jax.nn.moe_dispatch import ROUTED_FP8, ROUTED_NVFP4
+from serve.random_weights import device_random_model
 
 
 def decode_step_bytes(model, batch: int, context: int) -> int:
@@ -52,10 +52,7 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
 
 def build(config, backend):
     """The model with its random weights made on the device, in one jitted program (not layer by layer)."""
-    abstract = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=backend))
-    graphdef, _ = nnx.split(abstract)
-    state = jax.jit(lambda: nnx.split(InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))[1])()
-    return nnx.merge(graphdef, state)
+    return device_random_model(config, jnp.bfloat16, 0, backend)
 
 
 def main(argv=None):

@@ -35,11 +35,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from benchmarks.model import decode_step_bytes
 from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
-from inkling_jax import InklingModel, preset
+from inkling_jax import preset
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
@@ -47,7 +46,7 @@ from serve.engine.engine import Engine
 from serve.engine.memory_plan import program_bytes
 from serve.engine.sampling_params import SamplingParams
 from serve.http.text_stream import Delta
-from serve.random_weights import random_model
+from serve.random_weights import random_weights
 from serve.runner.placement import Placement
 from serve.runner.steps import pack
 
@@ -89,9 +88,9 @@ class Timestamps:
         return []
 
 
-def _program_inputs(engine: Engine, num_rows: int, tokens: int):
+def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 128):
     """Device inputs of a step of `num_rows` rows in the smallest row bucket that holds them: `tokens` new
-    tokens per row (1: decode, sampling `decode_steps` tokens, after 128 cached ones; more: a prefill chunk
+    tokens per row (1: decode, sampling `decode_steps` tokens, after `cached` ones; more: a prefill chunk
     from position 0)."""
     runner = engine.runner
     cfg = runner.config
@@ -99,7 +98,7 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int):
     inputs = runner._inputs([], rows, cfg.chunk_bucket(tokens))
     if rows != cfg.num_rows:
         inputs.rows[:num_rows] = np.arange(num_rows)
-    inputs.lengths[:num_rows] = 128 if tokens == 1 else 0
+    inputs.lengths[:num_rows] = cached if tokens == 1 else 0
     inputs.n_new[:num_rows] = tokens
     inputs.steps[:num_rows] = cfg.decode_steps if tokens == 1 else 1
     inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
@@ -109,12 +108,12 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int):
     return rows, runner.placement.put(pack(inputs))
 
 
-def decode_program_seconds(engine: Engine, num_rows: int) -> float:
+def decode_program_seconds(engine: Engine, num_rows: int, cached: int = 128) -> float:
     """Seconds per call of the compiled decode program alone (no host work between calls): `num_rows` rows at
-    128 cached tokens, each sampling `decode_steps` tokens, in the smallest decode bucket that holds them.
+    `cached` tokens, each sampling `decode_steps` tokens, in the smallest decode bucket that holds them.
     Run after the engine thread has stopped: it uses the engine's cache."""
     runner = engine.runner
-    rows, inputs = _program_inputs(engine, num_rows, 1)
+    rows, inputs = _program_inputs(engine, num_rows, 1, cached)
     program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
     def call():  # one run of decode_steps tokens, as the engine dispatches it
@@ -218,7 +217,7 @@ def build_engine(args, levels, placement, results):
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
     config = preset(args.preset)
-    model = InklingModel(config, dtype=dtype, rngs=nnx.Rngs(0)) if gpu else random_model(config, dtype)
+    model = random_weights(config, dtype)
     model = serving_view(model, QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins), fuse=False)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16

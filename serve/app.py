@@ -3,8 +3,8 @@
 With --model DIR it serves a hub-layout checkpoint with the directory's tokenizer.json and the sampling defaults
 of its generation_config.json. Without it, it serves the embedded default, `inkling-tiny`: a 5M-parameter
 Inkling trained by train/ on the King James Bible, a continuation model that writes KJV-like English
-(docs/default-model.md). --random-weights serves the `tiny` preset with seeded random weights and a byte-level
-tokenizer instead (its output is noise, and /v1/models says so).
+(docs/default-model.md). --random-weights serves the `tiny` preset (or --preset NAME) with seeded random weights
+and a byte-level tokenizer instead (its output is noise, and /v1/models says so).
 
     python -m serve.app                                  # http://127.0.0.1:8000/v1, model "inkling-tiny"
     python -m serve.app --model /path/to/Inkling --dtype bfloat16 --api-key SECRET
@@ -25,7 +25,7 @@ import jax
 
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.config.generation import SAMPLING_FIELDS
-from serve.engine.config import EngineConfig
+from serve.engine.config import MIN_TOKEN_BUDGET, PREFILL_CHUNKS_PER_STEP, EngineConfig, default_token_budget
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatError, ChatFormat
@@ -37,6 +37,8 @@ from serve.http.tokenizer import load_tokenizer
 from serve.runner.placement import MeshError, Placement
 
 log = logging.getLogger("serve")
+GPU_MAX_NUM_SEQS = 128  # the concurrency serving benchmarks load a GPU server with; the KV pool takes the rest
+CPU_MAX_NUM_SEQS = 8
 
 
 def number(kind, low, high=None):
@@ -55,15 +57,19 @@ def number(kind, low, high=None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from inkling_jax import preset
+    from inkling_jax.config.schema import ConfigError
     from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = p.add_argument
     a("--model", help="checkpoint directory in the hub layout (default: the embedded inkling-tiny)")
-    a("--random-weights", action="store_true", help="serve the `tiny` preset with seeded random weights and a "
-      "byte-level tokenizer (tests, demos of the server; its output is noise)")
+    a("--random-weights", action="store_true", help="serve the `tiny` preset (or --preset) with seeded random "
+      "weights and a byte-level tokenizer (tests, demos and benchmarks of the server; its output is noise)")
+    a("--preset", default="tiny", help="with --random-weights: the architecture to build, e.g. bench (the "
+      "benchmarks' 6-layer Inkling at the released widths; its weights are made on the device)")
     a("--served-model-name", help="the model id clients send (default: the directory name, inkling-tiny, or "
-      "inkling-tiny-random)")
+      "inkling-PRESET-random)")
     a("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     a("--port", type=number(int, 1, 65535), default=8000, help="TCP port (default 8000)")
     key = p.add_mutually_exclusive_group()
@@ -74,9 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="read the API key from this file (its first line), so that it is not on the command line")
     a("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
     a("--seed", type=int, default=0, help="seed of --random-weights")
-    a("--max-num-seqs", type=number(int, 1), default=8, help="sequences decoded together (cache slots)")
+    a("--max-num-seqs", type=number(int, 1), help=f"sequences decoded together (cache slots; default "
+      f"{GPU_MAX_NUM_SEQS} on GPU, {CPU_MAX_NUM_SEQS} on CPU)")
     a("--max-model-len", type=number(int, 2), default=1024, help="prompt + output tokens per sequence")
-    a("--max-num-batched-tokens", type=number(int, 1), default=256, help="token budget of one engine step")
+    a("--max-num-batched-tokens", type=number(int, 1), help="token budget of one engine step (default: a token "
+      f"per sequence plus {PREFILL_CHUNKS_PER_STEP} of the largest prefill chunks, at least {MIN_TOKEN_BUDGET})")
     a("--page-size", type=number(int, 1), default=16, help="tokens per KV page")
     a("--num-pages", type=number(int, 1), help="KV pages (default: from free device memory on GPU; every slot at "
       "full length on CPU)")
@@ -131,6 +139,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.model and args.random_weights:
         p.error("--model and --random-weights exclude each other")
+    if args.preset != "tiny" and not args.random_weights:
+        p.error("--preset needs --random-weights (a checkpoint brings its own architecture)")
+    try:
+        preset(args.preset)
+    except ConfigError as exc:
+        p.error(f"--preset: {exc}")
     try:  # before any weights load
         QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
@@ -147,13 +161,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's shapes from the flags; those not given follow the backend (CPU: few compilations, each takes
+    seconds) and, for the token budget and row buckets, `--max-num-seqs`."""
     ints = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
     gpu = jax.default_backend() == "gpu"
+    seqs = args.max_num_seqs or (GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS)
     chunks = ints(args.chunk_buckets) if args.chunk_buckets else ((1, 16, 64, 256) if gpu else (1, 16))
-    rows = ints(args.row_buckets) if args.row_buckets else (None if gpu else (args.max_num_seqs + 1,))
+    rows = ints(args.row_buckets) if args.row_buckets else (None if gpu else (seqs + 1,))
     return EngineConfig(
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
+        max_num_seqs=seqs, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens or default_token_budget(seqs, chunks[-1]),
+        page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
         prefix_caching=not args.no_prefix_caching, fuse_projections=not args.no_fuse_projections,
         num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps)
@@ -165,12 +183,12 @@ def build_service(args: argparse.Namespace) -> Service:
     from inkling_jax.assets import DEFAULT_MODEL_NAME, default_model_description, default_model_dir
     from inkling_jax.config import GenerationConfig, load_generation_config
     from inkling_jax.quant import QuantConfig, serving_view
-    from serve.random_weights import random_model
+    from serve.random_weights import random_weights
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     placement = Placement.from_spec(args.mesh)
     directory = None if args.random_weights else args.model or default_model_dir()
-    model_config = preset("tiny") if directory is None else load_config(directory)
+    model_config = preset(args.preset) if directory is None else load_config(directory)
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
     placement.check(model_config.text, dense_precision=args.dense_precision)
     tokenizer = load_tokenizer(directory)
@@ -186,9 +204,10 @@ def build_service(args: argparse.Namespace) -> Service:
         else:
             name, description = args.served_model_name or DEFAULT_MODEL_NAME, default_model_description()
     else:
-        model = serving_view(random_model(model_config, dtype, args.seed, backend=args.backend), quant, fuse=False)
-        name = args.served_model_name or "inkling-tiny-random"
-        description = (f"the `tiny` preset with seeded random weights (seed {args.seed}) and a byte-level "
+        model = serving_view(random_weights(model_config, dtype, args.seed, backend=args.backend), quant,
+                             fuse=False)
+        name = args.served_model_name or f"inkling-{args.preset}-random"
+        description = (f"the `{args.preset}` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")
     dense_part = "dense MLPs and LM head" + (" (fp8), attention and shared experts" if args.dense_precision ==
                                              "nvfp4" else "")

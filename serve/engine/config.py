@@ -11,6 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 
+# Where no token budget is given: a decode token for every slot, plus this many prompt chunks of the largest size,
+# so that a server with every slot busy still prefills several prompts per step (one per step starves the TTFT of
+# a burst); never below MIN_TOKEN_BUDGET.
+PREFILL_CHUNKS_PER_STEP = 8
+MIN_TOKEN_BUDGET = 256
+
+
+def default_token_budget(max_num_seqs: int, max_chunk: int) -> int:
+    return max(MIN_TOKEN_BUDGET, max_num_seqs + PREFILL_CHUNKS_PER_STEP * max_chunk)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:

@@ -33,6 +33,7 @@ from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
 from serve.engine.sequence import Sequence
+from serve.runner.compilation import compilation_count
 from serve.runner.model_runner import ModelRunner
 from serve.runner.placement import Placement
 
@@ -62,6 +63,7 @@ class Engine:
         self._accepting = True
         self._refusal = "the server is shutting down"  # what a request hears once no more are taken
         self._cancel_all = False
+        self._built = 0  # programs built on the engine thread, as last counted into the metrics
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -79,6 +81,7 @@ class Engine:
         frozen out of Python's garbage collector (`gc.freeze`): a full collection walks every tracked object, a
         pause of the engine thread wherever one falls. `shutdown` unfreezes them."""
         self.warm_up_seconds = self.runner.warm_up()
+        compilation_count()  # listening from now on, before the engine thread runs anything
         gc.collect()
         gc.freeze()
         self._thread = threading.Thread(target=self._loop, name="inkling-engine", daemon=True)
@@ -144,6 +147,7 @@ class Engine:
     # The engine thread
 
     def _loop(self) -> None:
+        self._built = compilation_count(threading.get_ident())
         while True:
             self._take_mail()
             if self._stop.is_set():
@@ -296,7 +300,7 @@ class Engine:
             self._finish(seq, "stop", deltas)
         elif sample.finish_reason == "length":
             self._finish(seq, "length", deltas + parser.finish())
-        elif deltas:
+        else:  # every token, with text or not yet (a held-back stop string, part of a character): clients time it
             self._emit(request, Output(seq.index, deltas, None, seq.num_output))
 
     def _finish(self, seq: Sequence, reason: str, deltas: list) -> None:
@@ -329,5 +333,8 @@ class Engine:
         m.queued.set(len(self.scheduler.waiting))
         m.running.set(len(self.scheduler.running))
         m.cache_usage.set(1.0 - self.blocks.num_free / self.blocks.num_blocks)
+        built = compilation_count(threading.get_ident())
+        m.compilations.inc(built - self._built)
+        self._built = built
         with self._lock:
             self._queued = len(self.scheduler.waiting)

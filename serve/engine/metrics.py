@@ -30,6 +30,9 @@ class Metrics:
         self.generation_tokens = Counter("inkling_generation_tokens", "Tokens generated", registry=r)
         self.preemptions = Counter("inkling_preemptions", "Sequences preempted for recompute", registry=r)
         self.requests = Counter("inkling_requests", "Finished sequences by reason", ["finish_reason"], registry=r)
+        self.compilations = Counter("inkling_compilations_after_warmup", "Programs the engine thread built while "
+                                    "serving (compiled or loaded from the compilation cache): 0 unless a step fell "
+                                    "outside the shapes compiled at warm-up", registry=r)
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         self._queried = self._hits = 0
 

@@ -20,7 +20,8 @@ class Sample:
 
 @dataclasses.dataclass
 class Output:
-    """One event of a request: new text of choice `index`, and its finish reason once it is done."""
+    """One event of a request: a token of choice `index` (its new text, maybe none) and its finish reason once it is
+    done."""
 
     index: int
     deltas: list  # what the request's parser released (`serve.http.text_stream.Delta`s for the API)

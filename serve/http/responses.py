@@ -111,11 +111,10 @@ class CompletionResponder(Responder):
                 for i in range(num_choices) if self.echo_text(i)]
 
     def chunks(self, output: Output, logprobs: bool, before: Choice) -> list[dict]:
-        """Stream chunks of one output; `before` is the choice as it was before this output."""
+        """Stream chunks of one output; `before` is the choice as it was before this output. Every output is
+        one (a token whose text is held back or none gives a chunk of no text: clients time tokens by chunks)."""
         text = "".join(d.text for d in output.deltas)
         samples = [(0, s) for d in output.deltas for s in d.samples]
-        if not text and not samples and output.finish_reason is None:
-            return []
         start = len(self.echo_text(output.index)) + len(before.text.get("text", ""))
         lp = self._logprobs(samples, start) if logprobs else None
         return [self.envelope(self.chunk_name, [self._choice(output.index, text, lp, output.finish_reason)])]
@@ -170,6 +169,8 @@ class ChatResponder(Responder):
             lp = {"content": self._logprobs(d.samples)} if logprobs and d.channel == "content" else None
             if d.text or lp:
                 out.append(self.envelope(self.chunk_name, [self._delta(output.index, {key: d.text}, lp, None)]))
+        if not out:  # a token whose text is held back or none: a chunk all the same, one per token
+            out.append(self.envelope(self.chunk_name, [self._delta(output.index, {"content": ""}, None, None)]))
         if output.finish_reason is not None:
             out.append(self.envelope(self.chunk_name, [self._delta(output.index, {}, None, output.finish_reason)]))
         return out

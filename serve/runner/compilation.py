@@ -1,5 +1,8 @@
-"""XLA's options for each warm-up program, and a count of the process's compilations (serving must compile nothing
-after warm-up)."""
+"""XLA's options for each warm-up program, and a count of the programs the process builds, per thread (serving
+must build nothing after warm-up: the engine's `/metrics` counts what its thread builds)."""
+
+import collections
+import threading
 
 import jax
 
@@ -9,7 +12,6 @@ CPU_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_ex
 # compilation; the other programs keep it, faster tuned (see docs/performance.md).
 WIDE_TOKENS = 512
 WIDE_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
-_compilations = []
 
 
 def compile_options(key) -> dict | None:
@@ -21,14 +23,23 @@ def compile_options(key) -> dict | None:
     return WIDE_GPU_COMPILE_OPTIONS if wide else None
 
 
-def compilation_count() -> int:
-    """XLA compilations in this process since the first call (for checking that serving compiles nothing)."""
-    if not _compilations:
-        _compilations.append(0)
-        jax.monitoring.register_event_duration_secs_listener(_count_compilation)
-    return _compilations[0]
+# A program built: compiled, or loaded from the persistent compilation cache (a cache miss all the same).
+BUILT = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_hits")
+_counts: collections.Counter = collections.Counter()  # thread ident -> programs built on it; None: every thread
+_listening = []
 
 
-def _count_compilation(event: str, *_, **__) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-        _compilations[0] += 1
+def compilation_count(thread: int | None = None) -> int:
+    """Programs built in this process since the first call, on every thread or on one (`threading.get_ident()`; a
+    new thread may reuse a finished one's ident, so count from a baseline)."""
+    if not _listening:
+        _listening.append(True)
+        jax.monitoring.register_event_duration_secs_listener(_count_build)
+        jax.monitoring.register_event_listener(_count_build)
+    return _counts[thread]
+
+
+def _count_build(event: str, *_, **__) -> None:
+    if event in BUILT:  # XLA builds a program on the thread that asked for it
+        _counts[None] += 1
+        _counts[threading.get_ident()] += 1

@@ -51,7 +51,9 @@ class ModelRunner:
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(
             self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
         if self.num_pages < config.pages_per_row:
-            raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
+            raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens (what "
+                             f"the {config.max_num_seqs} slots' own state, their snapshots and the step buffers leave "
+                             "of the memory: lower --max-num-seqs, --num-snapshots or --max-model-len)")
         self.reset()
         self.programs = StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row,
                                      self._constrain_cache, self._whole)

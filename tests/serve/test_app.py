@@ -4,9 +4,13 @@ before any weight loads."""
 import jax
 import pytest
 
+import serve.app
 from inkling_jax import preset
 from serve.app import engine_config, main, parse_args
+from serve.engine.block_manager import BlockManager
+from serve.engine.scheduler import Scheduler
 from serve.runner.placement import MeshError, Placement
+from tests.serve.engine.sequences import seq_of
 
 
 def test_command_line_defaults_suit_the_backend():
@@ -16,7 +20,30 @@ def test_command_line_defaults_suit_the_backend():
     with pytest.raises(ValueError):
         engine_config(parse_args(["--chunk-buckets", "16,64"]))  # decode needs the 1-token bucket
     with pytest.raises(ValueError):  # 9 rows x 32 tokens: no prefill step would fit the budget of 256
-        engine_config(parse_args(["--chunk-buckets", "1,32"]))
+        engine_config(parse_args(["--chunk-buckets", "1,32", "--max-num-batched-tokens", "256"]))
+
+
+def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(monkeypatch):
+    """On a GPU the defaults serve 128 sequences: a decode bucket for each power of two of them, and a token
+    budget of a decode token per slot plus 8 of the largest prefill chunks, so that a burst of prompts is
+    prefilled 8 at a time, not one per step."""
+    monkeypatch.setattr(serve.app.jax, "default_backend", lambda: "gpu")
+    config = engine_config(parse_args([]))
+    assert config.max_num_seqs == 128 and config.max_num_batched_tokens == 128 + 8 * 256
+    assert config.rows == (1, 2, 4, 8, 16, 32, 64, 129)
+    assert {r for r, t in config.buckets if t == 1} == set(config.rows)
+    assert max(r for r, t in config.buckets if t == 256) == 8 and (129, 16) in config.buckets
+    assert config.fits(8, 256) and not config.fits(9, 256)
+    scheduler = Scheduler(config, BlockManager(20_000, config.page_size, config.snapshots))
+    for _ in range(128):  # a burst of long prompts
+        scheduler.add(seq_of(1000))
+    assert [c.num_tokens for c in scheduler.schedule()] == [256] * 8
+    smaller = engine_config(parse_args(["--max-num-seqs", "32", "--chunk-buckets", "1,64"]))
+    assert smaller.max_num_batched_tokens == 32 + 8 * 64 and smaller.rows == (1, 2, 4, 8, 16, 33)
+    assert engine_config(parse_args(["--max-num-seqs", "4", "--chunk-buckets", "1,16"])).max_num_batched_tokens \
+        == 256  # never below the least budget
+    given = engine_config(parse_args(["--max-num-batched-tokens", "4096"]))
+    assert given.max_num_batched_tokens == 4096 and max(r for r, t in given.buckets if t == 256) == 16
 
 
 @pytest.mark.skipif(jax.device_count() < 3, reason="needs 3 (simulated) devices")
@@ -55,6 +82,8 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--api-key", "a", "--api-key-file", "/dev/null"], "not allowed with argument"),
     (["--api-key-file", "/no/such/file"], "--api-key-file: can't open"),
     (["--api-key-file", "/dev/null"], "holds no key"),
+    (["--preset", "bench"], "--preset needs --random-weights"),
+    (["--random-weights", "--preset", "huge"], "--preset: unknown preset 'huge'"),
 ])
 def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -72,22 +72,28 @@ def test_stop_strings_split_across_tokens(server):
 
 
 def test_concurrent_streams_equal_one_at_a_time(server):
+    """A load that overflows the KV pool (preempting and recomputing sequences) loses nothing: every request
+    completes with the output it has alone, token for token where it asks for logprobs (the byte tokenizer gives
+    ids from 256 no text)."""
     jobs = [dict(prompt=ids(5 + 4 * (i % 16), 100 + i), max_tokens=3 + i % 8,
-                 temperature=0 if i % 2 else 0.8, seed=i) for i in range(64)]
+                 temperature=0 if i % 2 else 0.8, seed=i, **({"logprobs": 0} if i % 3 == 0 else {}))
+            for i in range(64)]
 
     def run(job, stream):
         if not stream:
             choice = complete(server.client, **job).choices[0]
-            return choice.text, choice.finish_reason
+            return choice.text, choice.finish_reason, choice.logprobs and choice.logprobs.tokens
         chunks = [c for c in complete(server.client, stream=True, **job) if c.choices]
-        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens] if "logprobs" in job else None
+        return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason, tokens
 
     alone = [run(job, False) for job in jobs]
     preempted = metric(server.url, "inkling_preemptions_total")
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         together = list(pool.map(lambda job: run(job, True), jobs, timeout=300))
     assert together == alone
-    assert all(reason == "length" for _, reason in alone)
+    assert all(reason == "length" for _, reason, _ in alone)
+    assert all(len(tokens) == job["max_tokens"] for job, (_, _, tokens) in zip(jobs, alone) if "logprobs" in job)
     assert metric(server.url, "inkling_preemptions_total") > preempted  # recomputed sequences lost nothing
 
 
@@ -201,10 +207,24 @@ def test_fuzzed_request_bodies_never_get_5xx(server, chat, changes):
 
 
 def test_nothing_compiles_after_warm_up(server):
+    """Nothing in this process, and per /metrics nothing on the engine thread since its warm-up (whatever the
+    tests before this one sent), under a mixed load: lengths, n, logprobs, penalties, streams, prompt logprobs."""
     before = compilation_count()
-    complete(server.client, ids(40, 20), max_tokens=5, temperature=0.7, top_p=0.9, n=2, logprobs=3,
-             frequency_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2})
-    complete(server.client, ids(40, 20), max_tokens=3)  # a prefix-cache hit
+    assert metric(server.url, "inkling_compilations_after_warmup_total") == 0
+    mixed = [dict(prompt=ids(40, 20), max_tokens=5, temperature=0.7, top_p=0.9, n=2, logprobs=3,
+                  frequency_penalty=0.5, extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.2}),
+             dict(prompt=ids(40, 20), max_tokens=3),  # a prefix-cache hit
+             dict(prompt=ids(70, 21), max_tokens=9, stream=True, n=3, temperature=1.0, seed=3),
+             dict(prompt=ids(3, 22), max_tokens=2, logprobs=0, echo=True, extra_body={"prompt_logprobs": 2}),
+             dict(prompt=[ids(9, 23), ids(33, 24)], max_tokens=6, stream=True, presence_penalty=1.0)]
+
+    def send(kw):
+        out = complete(server.client, **kw)
+        return list(out) if kw.get("stream") else out
+
+    with concurrent.futures.ThreadPoolExecutor(len(mixed)) as pool:
+        list(pool.map(send, mixed, timeout=300))
     list(server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "yo"}],
                                                max_tokens=4, stream=True))
     assert compilation_count() == before
+    assert metric(server.url, "inkling_compilations_after_warmup_total") == 0

@@ -1,4 +1,9 @@
-"""XLA options per warm-up program."""
+"""XLA options per warm-up program, and the count of programs built per thread."""
+
+import threading
+
+import jax
+import jax.numpy as jnp
 
 from serve.runner import compilation
 from serve.runner.compilation import CPU_COMPILE_OPTIONS, WIDE_GPU_COMPILE_OPTIONS, WIDE_TOKENS, compile_options
@@ -11,3 +16,19 @@ def test_only_wide_prefill_programs_compile_untuned_on_gpu(monkeypatch):
         WIDE_GPU_COMPILE_OPTIONS
     for narrow in ((1, 128, False), (WIDE_TOKENS, 1, False), "init_penalties"):  # a short prefill, a decode, a helper
         assert compile_options(narrow) is None
+
+
+def test_compilations_are_counted_on_the_thread_that_builds_them():
+    compilation.compilation_count()  # listening
+    here, total = compilation.compilation_count(threading.get_ident()), compilation.compilation_count()
+    other = {}
+
+    def build():  # a program never built before: a shape of its own
+        jax.jit(lambda x: x * 3 + 1)(jnp.ones((7, 13)))
+        other["count"] = compilation.compilation_count(threading.get_ident())
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    thread.join()
+    assert other["count"] >= 1 and compilation.compilation_count() >= total + 1
+    assert compilation.compilation_count(threading.get_ident()) == here

@@ -1,0 +1,251 @@
+"""The HTTP server at its default flags under the load of vLLM's serving benchmark, against the ceiling its own
+programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
+
+    python -m benchmarks.serving_sweep --out DIR                       # bf16 weights
+    python -m benchmarks.serving_sweep --out DIR --server-args "--expert-precision nvfp4 --fp8-twins"
+
+1. `python -m serve.app --random-weights --preset bench` starts with the defaults (only --max-model-len is set, to
+   hold a prompt and its output), its log in DIR/server.log; the run waits for /health.
+2. `inkling-bench-serving` loads it at each --max-concurrency level (random prompts of --input-len tokens,
+   --output-len output tokens, EOS ignored, greedy, all sent at once; --prompts-per-level x the level prompts),
+   then at each --request-rates rate; each result is printed and saved (DIR/load-*.json) as it comes, with what
+   /metrics counts of compilations after warm-up and preemptions.
+3. With the server stopped, this process builds the same engine (serve.app's own `build_service`, so the same
+   flags, shapes and KV pool; its programs come from the compilation cache the server filled) and times its
+   programs alone: the decode program at each level's rows (at the load's mean context), and the prefill of one
+   prompt of --input-len tokens (its chunks of the largest size, one after the other).
+4. A table: served output tok/s against the decode program's tok/s at the same rows, TTFT p50 against one
+   prompt's prefill, TPOT p50 against the decode program's time per token; DIR/sweep.json holds everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from benchmarks.load import cli
+from benchmarks.load.datasets import DEFAULT_TOKEN_RANGE
+from inkling_jax import preset
+from inkling_jax.config.schema import ConfigError
+
+HOST = "127.0.0.1"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.serving_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="serving-sweep", help="directory for the results and the server's log")
+    p.add_argument("--preset", default="bench", help="the random-weights model the server builds")
+    p.add_argument("--levels", default="1,8,32,128", help="--max-concurrency levels of the load")
+    p.add_argument("--request-rates", default="", help="request rates (req/s, Poisson) to load at after the "
+                   "levels, with no concurrency limit (default: none)")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--prompts-per-level", type=int, default=4, help="prompts sent at a level: this x the level")
+    p.add_argument("--max-prompts", type=int, default=512, help="prompts sent at a level or rate at most")
+    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--server-args", default="", help="more serve.app flags, e.g. \"--expert-precision fp8\"")
+    p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for /health")
+    args = p.parse_args(argv)
+    try:
+        args.level_list = sorted(int(c) for c in args.levels.split(","))
+        args.rate_list = [float(r) for r in args.request_rates.split(",") if r]
+    except ValueError:
+        p.error("--levels takes integers, --request-rates numbers, comma-separated")
+    if min(args.level_list) < 1 or any(not r > 0 for r in args.rate_list):
+        p.error("levels must be >= 1 and request rates > 0")
+    try:  # prompts of ids the model has (the load generator's default range where the vocabulary holds it)
+        vocab = preset(args.preset).text.unpadded_vocab_size
+    except ConfigError as exc:
+        p.error(f"--preset: {exc}")
+    args.token_range = DEFAULT_TOKEN_RANGE if vocab >= DEFAULT_TOKEN_RANGE[1] else (0, vocab)
+    for flag in ("input_len", "output_len", "prompts_per_level", "max_prompts"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    return args
+
+
+def server_flags(args) -> list[str]:
+    """serve.app's flags: its defaults, but the preset's random weights and room for a prompt and its output."""
+    return ["--random-weights", "--preset", args.preset, "--host", HOST, "--port", str(args.port),
+            "--max-model-len", str(args.input_len + args.output_len), *shlex.split(args.server_args)]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def save(args, results: dict) -> None:
+    with open(os.path.join(args.out, "sweep.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def start_server(args) -> subprocess.Popen:
+    command = [sys.executable, "-m", "serve.app", *server_flags(args)]
+    log("starting: " + shlex.join(command))
+    with open(os.path.join(args.out, "server.log"), "w") as server_log:
+        return subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+
+
+def wait_healthy(args, server: subprocess.Popen) -> float:
+    """Seconds until /health answers; SystemExit (with the log's tail) if the server dies or never answers."""
+    start = time.monotonic()
+    while time.monotonic() - start < args.startup_timeout:
+        if server.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{args.port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.monotonic() - start
+        except OSError:
+            time.sleep(2)
+    stop_server(server)
+    with open(os.path.join(args.out, "server.log")) as f:
+        tail = f.read()[-3000:]
+    raise SystemExit(f"the server did not come up within {args.startup_timeout:.0f}s:\n{tail}")
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
+
+
+def server_counter(args, name: str) -> float:
+    with urllib.request.urlopen(f"http://{HOST}:{args.port}/metrics", timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -> dict:
+    """One run of the load generator; its result, saved to DIR/load-<label>.json."""
+    flags = ["--base-url", f"http://{HOST}:{args.port}", "--random-input-len", str(args.input_len),
+             "--random-output-len", str(args.output_len), "--num-prompts", str(prompts), "--request-rate",
+             str(rate), "--seed", str(prompts), "--disable-tqdm", "--random-token-range",
+             ",".join(map(str, args.token_range)),
+             *(["--max-concurrency", str(concurrency)] if concurrency else [])]
+    found = cli.benchmark(cli.parse_args(flags))
+    found["compilations_after_warmup"] = server_counter(args, "inkling_compilations_after_warmup_total")
+    found["preemptions"] = server_counter(args, "inkling_preemptions_total")
+    with open(os.path.join(args.out, f"load-{label}.json"), "w") as f:
+        json.dump(found, f, indent=1)
+    log(f"{label}: {found['completed']} done, {found['failed']} failed in {found['duration']:.1f}s; output "
+        f"{found['output_throughput']:.0f} tok/s; TTFT p50 {found['median_ttft_ms']:.1f} ms, p99 "
+        f"{found['p99_ttft_ms']:.1f} ms; TPOT p50 {found['median_tpot_ms']:.2f} ms; ITL p99 "
+        f"{found['p99_itl_ms']:.2f} ms; compilations after warm-up {found['compilations_after_warmup']:.0f}, "
+        f"preemptions {found['preemptions']:.0f}")
+    return {k: v for k, v in found.items() if k not in ("input_lens", "output_lens", "ttfts", "itls", "errors")}
+
+
+def measure_programs(args, results: dict) -> None:
+    """The server's engine rebuilt here (the GPU is free again), its programs timed alone."""
+    import jax
+
+    from benchmarks.serving import decode_program_seconds, prefill_program_seconds
+    from benchmarks.timing import attempt, stamp
+    from serve.app import build_service, parse_args as server_args
+
+    results["stamp"] = stamp()
+    flags = server_args(server_flags(args))
+    if flags.compilation_cache:  # as serve.app does: the server's programs load from it
+        jax.config.update("jax_compilation_cache_dir", flags.compilation_cache)
+    start = time.perf_counter()
+    engine = build_service(flags).engine
+    engine.shutdown(drain_seconds=0)
+    config = engine.runner.config
+    results["engine"] = {"build_and_warm_up_s": time.perf_counter() - start, "max_num_seqs": config.max_num_seqs,
+                         "max_num_batched_tokens": config.max_num_batched_tokens, "buckets": config.buckets,
+                         "num_pages": engine.runner.num_pages, "decode_steps": config.decode_steps}
+    log(f"engine rebuilt in {results['engine']['build_and_warm_up_s']:.0f}s: {config.max_num_seqs} slots, "
+        f"budget {config.max_num_batched_tokens}, {engine.runner.num_pages} pages, buckets {config.buckets}")
+    context = args.input_len + args.output_len // 2  # a decoding row's mean context during the load
+    decode = results.setdefault("decode_ms_per_token", {})
+    for rows in args.level_list:
+        seconds = attempt(f"decode program, {rows} rows", lambda: decode_program_seconds(engine, rows, context))
+        if seconds is not None:
+            decode[rows] = 1e3 * seconds / config.decode_steps
+            log(f"decode program alone, {rows} rows at {context} tokens: {decode[rows]:.2f} ms per token = "
+                f"{rows / decode[rows] * 1e3:.0f} tok/s")
+        save(args, results)
+    chunks = math.ceil(args.input_len / config.max_chunk)
+    seconds = attempt("prefill program", lambda: prefill_program_seconds(engine, 1, config.max_chunk))
+    if seconds is not None:
+        results["prefill_ms"] = 1e3 * seconds * chunks
+        log(f"one {args.input_len}-token prompt's prefill: {chunks} x {config.max_chunk}-token chunk "
+            f"{1e3 * seconds:.2f} ms = {results['prefill_ms']:.1f} ms")
+
+
+def table(results: dict) -> str:
+    """Served against the programs: the ratios issue 48 asks of the default flags."""
+    decode, prefill = results.get("decode_ms_per_token", {}), results.get("prefill_ms")
+    lines = ["| concurrency | prompts | output tok/s | decode program tok/s | ratio | TTFT p50 ms | / one prefill | "
+             "TPOT p50 ms | / decode ms per token | ITL p99 ms | failed |", "|---:" * 11 + "|"]
+    for level, found in results["levels"].items():
+        ms = decode.get(level)
+        ceiling = level / ms * 1e3 if ms else None
+        served = found["output_throughput"]
+        cells = [level, found["completed"] + found["failed"], f"{served:.0f}",
+                 f"{ceiling:.0f}" if ceiling else "-", f"{served / ceiling:.2f}" if ceiling else "-",
+                 f"{found['median_ttft_ms']:.1f}", f"{found['median_ttft_ms'] / prefill:.2f}" if prefill else "-",
+                 f"{found['median_tpot_ms']:.2f}", f"{found['median_tpot_ms'] / ms:.2f}" if ms else "-",
+                 f"{found['p99_itl_ms']:.2f}", found["failed"]]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines + targets(results))
+
+
+def targets(results: dict) -> list[str]:
+    """Issue 48's bars, where this run measured both sides: output tok/s at 32 and 128 concurrent requests at
+    least 0.85 of the decode program's at those rows, TTFT p50 at 32 at most 3 prefills, TPOT at 1 within 1.1x of
+    the one-row decode program's time per token."""
+    decode, prefill, levels, lines = results.get("decode_ms_per_token", {}), results.get("prefill_ms"), \
+        results["levels"], []
+    for level in (32, 128):
+        if level in levels and level in decode:
+            ratio = levels[level]["output_throughput"] * decode[level] / level / 1e3
+            lines.append(f"output tok/s at {level}: {ratio:.2f} of the decode program's (bar 0.85)")
+    if 32 in levels and prefill:
+        lines.append(f"TTFT p50 at 32: {levels[32]['median_ttft_ms'] / prefill:.2f} prefills (bar 3)")
+    if 1 in levels and 1 in decode:
+        lines.append(f"TPOT p50 at 1: {levels[1]['median_tpot_ms'] / decode[1]:.2f}x the decode program's (bar 1.1)")
+    return lines
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = {"args": vars(args), "server_flags": server_flags(args), "levels": {}, "rates": {}}
+    # No JAX in this process until the server has stopped: it would take most of the GPU's memory.
+    server = start_server(args)
+    try:
+        results["server_startup_s"] = wait_healthy(args, server)
+        log(f"server healthy after {results['server_startup_s']:.0f}s")
+        for level in args.level_list:
+            prompts = min(args.prompts_per_level * level, args.max_prompts)
+            results["levels"][level] = load(args, f"c{level}", level, math.inf, prompts)
+            save(args, results)
+        for rate in args.rate_list:
+            prompts = min(args.max_prompts, max(args.prompts_per_level, math.ceil(30 * rate)))  # ~30 s of arrivals
+            results["rates"][rate] = load(args, f"r{rate:g}", None, rate, prompts)
+            save(args, results)
+    finally:
+        stop_server(server)
+    log("server stopped")
+    measure_programs(args, results)
+    save(args, results)
+    print(table(results), flush=True)
+    log(f"results in {os.path.join(args.out, 'sweep.json')}")
+
+
+if __name__ == "__main__":
+    main()
