@@ -134,8 +134,10 @@ def serve_report(args, mesh, limit) -> tuple[list[str], bool]:
     out.append(f"DOES NOT FIT: {plan.pages_needed:,} pages needed. Change: " + "; ".join(filter(None, [
         f"--max-num-seqs {slots} at this length" if slots else "",
         "a smaller --max-model-len, fewer --num-snapshots",
-        "fp8 or nvfp4 experts (--expert-precision)" if args.expert_precision != "nvfp4" else "",
-        "more devices, or `tensor` in the mesh (attention, shared experts and dense MLPs split only over it)"])))
+        {"bf16": "fp8 or nvfp4 experts", "fp8": "nvfp4 experts"}.get(args.expert_precision, ""),
+        "" if args.dense_precision != "bf16" else "fp8 dense weights (--dense-precision)",
+        "`tensor` in the mesh (attention, shared experts and dense MLPs split only over it)"
+        if mesh.shape["tensor"] == 1 else "", "more devices"])))
     return out, False
 
 

@@ -3,8 +3,9 @@ trained weights, AdamW's two fp32 moments, the gradients, the frozen weights in 
 the base model; else the media towers and the MTP head), the MoE selection biases, and the activations a step
 keeps for its backward pass under the chosen rematerialisation.
 
-Weights, masters, moments and gradients are exact (shapes and the rules table's splits). Activations are an
-estimate: per token and layer, the tensors each policy keeps (`REMAT_POLICIES`) in the compute dtype, with
+Weights, masters, moments and gradients are exact (shapes and the rules table's splits). With `fsdp`, each layer's
+weights are gathered whole over it while the layer runs, and its weight gradients exist whole before they are
+reduce-scattered: the largest layer's, twice, in the compute dtype. Activations are an estimate: per token and layer, the tensors each policy keeps (`REMAT_POLICIES`) in the compute dtype, with
 heads and MLP widths split over `tensor` and rows over the batch axes, not the attention scores (the attention
 kernels recompute them), plus one loss chunk's logits and their gradient in fp32. The AOT cross-check
 (`inkling_jax.plan.aot`) sets them beside what XLA's compiled step says.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
@@ -21,6 +23,7 @@ from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.parallel.rules import logical_axes, spec_for
 from inkling_jax.plan.weights import Weight, model_weights
 from train.lora import TARGETS, adapter_axes
+from train.optim import OptimConfig, make_optimizer
 from train.state import BIAS_NAME, is_trainable
 
 FP32 = 4
@@ -76,6 +79,25 @@ def _axes(entry) -> tuple:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def counter_bytes() -> int:
+    """The state's scalars, whole on every device: the step, the RNG key and the optimizer's counters."""
+    leaves = jax.tree.leaves(jax.eval_shape(make_optimizer(OptimConfig()).init,
+                                            {"w": jax.ShapeDtypeStruct((2, 2), jnp.float32)}))
+    leaves += [jax.ShapeDtypeStruct((), jnp.int32), jax.eval_shape(lambda: jax.random.PRNGKey(0))]
+    return sum(x.size * x.dtype.itemsize for x in leaves if x.shape != (2, 2))
+
+
+def gathered_layer_bytes(weights: list[Weight], mesh: AbstractMesh) -> int:
+    """The largest decoder layer's weights per device as the step uses them: gathered over `fsdp` (each layer's
+    in turn), still split over the other axes."""
+    whole_fsdp = AbstractMesh(tuple(1 if a == "fsdp" else n for a, n in mesh.shape.items()), mesh.axis_names)
+    layers: dict[int, int] = {}
+    for w in weights:
+        if w.path[0] == "layers":
+            layers[w.path[1]] = layers.get(w.path[1], 0) + w.nbytes(whole_fsdp) // w.count
+    return max(layers.values())
+
+
 def training_plan(config: InklingConfig, mesh: AbstractMesh, *, dtype=jnp.bfloat16, lora_rank: int = 0,
                   remat: str = "full", micro_batch: int = 1, seq_len: int = 4096, loss_chunk: int = 1024,
                   weights: list[Weight] | None = None) -> dict[str, int]:
@@ -100,8 +122,11 @@ def training_plan(config: InklingConfig, mesh: AbstractMesh, *, dtype=jnp.bfloat
         out["merged weights W + s A B (compute dtype)"] = itemsize * elements(targets)
     else:
         out["trained weights in the compute dtype"] = itemsize * n
+    if mesh.shape["fsdp"] > 1:
+        out["one layer gathered over fsdp, with its gradients"] = 2 * gathered_layer_bytes(weights, mesh)
     out["frozen weights"] = nbytes(frozen)
     out["MoE selection biases (fp32)"] = nbytes(bias)
+    out["step, RNG key, optimizer counters"] = counter_bytes()
     out[f"activations (remat {remat}, estimate)"] = activation_bytes(
         config.text, mesh, remat, micro_batch, seq_len, dtype, loss_chunk)
     return out

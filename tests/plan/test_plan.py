@@ -2,7 +2,10 @@
 equal a real model's parameter bytes, whole and per device of a mesh of the 8 simulated CPU devices, in plain and
 serving forms; its KV pages, rings and ShortConv states equal an allocated cache's, as the server places them; a
 training plan's masters, moments, frozen weights and biases equal a real `Trainer` state's; the command says
-whether a plan fits and refuses a mesh that does not use the devices."""
+whether a plan fits and refuses a mesh that does not use the devices; the step compiled ahead of time takes as
+arguments exactly the state the plan counts."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +17,7 @@ from inkling_jax.nn.model import InklingModel
 from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model
 from inkling_jax.plan.__main__ import main
+from inkling_jax.plan.aot import compare
 from inkling_jax.plan.serving import serving_plan
 from inkling_jax.plan.training import training_plan
 from inkling_jax.plan.weights import abstract_mesh, bytes_by_kind, kind_of, model_weights
@@ -105,3 +109,13 @@ def test_the_command_says_whether_it_fits_and_refuses_bad_meshes(capsys):
     assert main([*train, "--devices", "512", "--mesh", "fsdp=64,expert=8"]) == 0
     with pytest.raises(SystemExit):
         main([*serve, "--device-memory-gib", "140", "--devices", "8", "--mesh", "tensor=2,expert=2"])
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_compiled_steps_arguments_are_the_plans_state(lora_rank):
+    """The AOT cross-check (`inkling_jax.plan.aot`) on the tiny preset: what XLA's step takes as arguments, to the
+    byte, is what the plan counts as the trainer's state (the towers and MTP head left out: jit drops them)."""
+    config = dataclasses.replace(preset("tiny"), vision=None, audio=None, mtp=None)
+    rows = compare(config, "fsdp=2,tensor=2,expert=2", lora_rank=lora_rank, micro_batch=8, seq_len=16)
+    plan, xla = rows["arguments"]
+    assert plan == xla > 0
