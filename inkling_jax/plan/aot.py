@@ -4,10 +4,9 @@ each kind (`weights.probe`), and its `memory_analysis()` set beside `training_pl
 
     python -m inkling_jax.plan.aot --preset inkling --mesh fsdp=2,tensor=2,expert=2 --micro-batch 8 --seq-len 256
 
-The arguments (masters, moments, frozen weights, biases) must agree to the byte: both count the same shardings.
-The temporaries are XLA's CPU schedule: a GPU compile of the same program fuses and orders differently (and runs
-the attention and MoE through Pallas kernels, where the CPU runs their reference forms), so its temporaries may
-differ by tens of percent; the plan's activation estimate is meant to be of that order, not exact.
+The arguments (masters, moments, frozen weights, biases, counters) agree to the byte: both count the same shapes
+and shardings. The temporaries do not carry from a CPU compile to a GPU (docs/scale.md says why); `--platform
+gpu` compiles the same step for this host's GPUs instead.
 """
 
 from __future__ import annotations
@@ -78,18 +77,20 @@ def main(argv=None) -> None:
     p.add_argument("--remat", default="full", choices=sorted(REMAT_POLICIES))
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--platform", default="cpu", choices=["cpu", "gpu"],
+                   help="cpu: as many simulated devices as the mesh needs; gpu: this host's GPUs (nothing allocated)")
     args = p.parse_args(argv)
-    count = math.prod(parse_mesh_spec(args.mesh).values())
-    # Simulated CPU devices; read when the backend starts, which nothing above has made it do.
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
-    jax.config.update("jax_platforms", "cpu")
+    if args.platform == "cpu":  # read when the backend starts, which nothing above has made it do
+        count = math.prod(parse_mesh_spec(args.mesh).values())
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+    jax.config.update("jax_platforms", "cuda" if args.platform == "gpu" else "cpu")
     # Text only: jit drops the arguments a step never reads (the media towers, an untrained MTP head).
     config = dataclasses.replace(probe(preset(args.preset))[0], vision=None, audio=None, mtp=None)
     rows = compare(config, args.mesh, lora_rank=args.lora_rank, remat=args.remat, micro_batch=args.micro_batch,
                    seq_len=args.seq_len)
     print(f"`{args.preset}`, one layer per kind ({config.text.num_layers}), text only; mesh {args.mesh}; "
           f"micro-batch {args.micro_batch} x {args.seq_len} tokens; remat {args.remat}; LoRA rank {args.lora_rank}\n")
-    print("| per device, GiB | plan | XLA (CPU compile) |\n|---|---:|---:|")
+    print(f"| per device, GiB | plan | XLA ({args.platform.upper()} compile) |\n|---|---:|---:|")
     for name, (plan, xla) in rows.items():
         print(f"| {name} | {plan / GIB:.3f} | {xla / GIB:.3f} |")
 

@@ -3,11 +3,12 @@ trained weights, AdamW's two fp32 moments, the gradients, the frozen weights in 
 the base model; else the media towers and the MTP head), the MoE selection biases, and the activations a step
 keeps for its backward pass under the chosen rematerialisation.
 
-Weights, masters, moments and gradients are exact (shapes and the rules table's splits). With `fsdp`, each layer's
-weights are gathered whole over it while the layer runs, and its weight gradients exist whole before they are
-reduce-scattered: the largest layer's, twice, in the compute dtype. Activations are an estimate: per token and layer, the tensors each policy keeps (`REMAT_POLICIES`) in the compute dtype, with
-heads and MLP widths split over `tensor` and rows over the batch axes, not the attention scores (the attention
-kernels recompute them), plus one loss chunk's logits and their gradient in fp32. The AOT cross-check
+Weights, masters, moments and gradients are exact (shapes and the rules table's splits). With `fsdp`, each
+layer's weights are gathered whole over it while the layer runs, and its weight gradients exist whole before
+they are reduce-scattered: the largest layer's, twice, in the compute dtype. Activations are an estimate: per
+token and layer, the tensors each policy keeps (`REMAT_POLICIES`) in the compute dtype, with heads and MLP
+widths split over `tensor` and rows over the batch axes, not the attention scores (the attention kernels
+recompute them), plus one loss chunk's logits and their gradient in fp32. The AOT cross-check
 (`inkling_jax.plan.aot`) sets them beside what XLA's compiled step says.
 """
 
