@@ -2,9 +2,10 @@
 
 Either every process is given `--coordinator HOST:PORT --num-processes N --process-id I`, or a cluster launcher
 says so in the environment and no flag is needed: under SLURM (`srun`, one task per host or per GPU) and Open
-MPI (`mpirun`), a job of more than one task joins by itself (`jax.distributed.initialize()`'s own detection);
-`--distributed` asks for that detection elsewhere (Cloud TPU, Kubernetes). A single process, or a launcher's job
-of one task, runs alone as before.
+MPI (`mpirun`), a job of more than one task joins by itself (`jax.distributed.initialize()`'s own detection,
+which gives each task the one GPU of its local rank unless JAX_LOCAL_DEVICE_IDS names more); `--distributed`
+asks for that detection elsewhere (Cloud TPU, Kubernetes). A single process, or a launcher's job of one task,
+runs alone as before.
 
 A process that dies must not leave the others waiting in a collective for ever: the coordination service misses
 its heartbeats for `--heartbeat-timeout` seconds and stops every other process with an error naming the task.
