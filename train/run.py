@@ -127,7 +127,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)  # where an import configured logging first (absl, under orbax), at WARNING
-    distributed.initialize(args)
+    if distributed.initialize(args) and args.devices:
+        raise SystemExit("--devices picks devices of one process; a multi-process mesh spans every process's")
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
