@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
+from train.distributed import host_copy
 
 TARGETS = re.compile(r"^layers\.\d+\.(attn\.w[qkvro]\.kernel|mlp\.(w_gate|w_up|w_down|shared_gate|shared_up|"
                      r"shared_down))$")
@@ -66,9 +67,7 @@ def merge(base: dict, adapters: dict, alpha: float) -> dict:
 
 def save_adapters(path: str, adapters: dict, alpha: float) -> None:
     """Write the adapters (fp32) and their rank and alpha to one safetensors file."""
-    from jax.experimental import multihost_utils
-
-    host = {n: np.asarray(multihost_utils.process_allgather(x, tiled=True)) for n, x in adapters.items()}
+    host = {n: np.asarray(x) for n, x in host_copy(adapters).items()}
     if jax.process_index() == 0:
         write_safetensors(path, host, metadata={"format": FORMAT, "rank": str(rank_of(adapters)),
                                                 "alpha": repr(float(alpha))})

@@ -14,9 +14,11 @@ step, RNG, data position) and continues to `--steps`. Under `--out`: `checkpoint
 (one line per step), `tensorboard/`, and with LoRA `adapters.safetensors`.
 
 Multi-host: run the same command on every host, each with `--coordinator HOST0:PORT --num-processes N
---process-id I` (or `--distributed` alone where `jax.distributed.initialize()` discovers the cluster: SLURM,
-Open MPI, Cloud TPU). The mesh then spans every host's devices, `--out` must be on a filesystem all hosts share,
-and every process reads the same data file and places its own shards of each batch.
+--process-id I`; under SLURM or Open MPI no flag is needed (`train.distributed`, docs/scale.md). The mesh then
+spans every host's devices and `--out` must be on a filesystem all hosts share: every process writes its shards
+of each checkpoint, process 0 commits it and alone writes metrics, TensorBoard, adapters and the export. Every
+process packs the same data file (the rows are a pure function of it) and places only its own rows of each
+batch on its devices.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from inkling_jax.backend import add_backend_flag
 from inkling_jax.config import InklingConfig, load_config, load_generation_config, preset
 from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import make_mesh
-from train import lora
+from train import distributed, lora
 from train.checkpoint import Checkpoints
 from train.data import Batches, byte_tokenizer, file_tokenizer, pack, read_documents
+from train.distributed import add_distributed_flags, check_distributed_flags, host_copy
 from train.evaluate import Evaluator
 from train.export import export
 from train.metrics import MetricsWriter, peak_flops, train_flops_per_token
@@ -94,11 +97,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--export", help="after training, write the (LoRA-merged) model here in the hub layout")
     p.add_argument("--no-tensorboard", action="store_true")
     p.add_argument("--fast-compile", action="store_true", help="lower XLA backend optimisation (small CPU runs)")
-    p.add_argument("--distributed", action="store_true", help="jax.distributed.initialize() (multi-host)")
-    p.add_argument("--coordinator")
-    p.add_argument("--num-processes", type=int)
-    p.add_argument("--process-id", type=int)
+    add_distributed_flags(p)
     args = p.parse_args(argv)
+    check_distributed_flags(p, args)
     if args.batch % args.accum:
         p.error(f"--batch {args.batch} is not a multiple of --accum {args.accum}")
     if args.layers and not args.preset:
@@ -125,8 +126,9 @@ def initial_params(args, config: InklingConfig, trainer: Trainer):
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.distributed or args.coordinator:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    log.setLevel(logging.INFO)  # where an import configured logging first (absl, under orbax), at WARNING
+    if distributed.initialize(args) and args.devices:
+        raise SystemExit("--devices picks devices of one process; a multi-process mesh spans every process's")
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
@@ -203,9 +205,10 @@ def main(argv=None) -> None:
     if trainer.lora:
         lora.save_adapters(os.path.join(args.out, "adapters.safetensors"), state.params, args.lora_alpha)
     if args.export:
-        model = ModelParts(config, jnp.float32).merge(jax.device_get(trainer.model_params(state, frozen)))
-        export(model, args.export, dtype=args.dtype, tokenizer_file=tokenizer_file,
-               generation=load_generation_config(args.model) if args.model else None)
+        flat = host_copy(trainer.model_params(state, frozen))
+        if jax.process_index() == 0:
+            export(ModelParts(config, jnp.float32).merge(flat), args.export, dtype=args.dtype,
+                   tokenizer_file=tokenizer_file, generation=load_generation_config(args.model) if args.model else None)
 
 
 if __name__ == "__main__":

@@ -120,10 +120,14 @@ def pretrained_params(path: str, config: InklingConfig, shardings: Flat, progres
 def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False) -> list[str]:
     """Text weights the optimizer updates (and the MTP head's with `mtp`): all but the selection biases and
     names matching a `freeze` regex."""
-    patterns = [re.compile(f) for f in freeze]
+    return [n for n in parts.paths if is_trainable(n, parts.dtypes[n], freeze, mtp)]
+
+
+def is_trainable(name: str, dtype, freeze: Iterable[str] = (), mtp: bool = False) -> bool:
+    """Whether full fine-tuning updates the weight `name` of this dtype (`trainable_names`)."""
     roots = TEXT_ROOTS + (("mtp",) if mtp else ())
-    return [n for n in parts.paths if n.split(".")[0] in roots and not n.endswith(BIAS_NAME)
-            and jnp.issubdtype(parts.dtypes[n], jnp.floating) and not any(p.search(n) for p in patterns)]
+    return (name.split(".")[0] in roots and not name.endswith(BIAS_NAME) and jnp.issubdtype(dtype, jnp.floating)
+            and not any(re.search(f, name) for f in freeze))
 
 
 def partition(parts: ModelParts, flat: Flat, trainable: Iterable[str]) -> tuple[Flat, Flat, Flat]:

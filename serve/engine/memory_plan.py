@@ -37,24 +37,38 @@ def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: i
     the devices a page's KV heads are split over (tensor parallelism), each holding that share of every page;
     the rest is counted whole, as if every device held all of it. devices: those the cache lives on (default
     the first), sized by the one with the least memory."""
-    cfg, vocab = config, text.unpadded_vocab_size
+    cfg = config
     devices = jax.devices()[:1] if devices is None else devices
     available, block = free_bytes(devices), largest_allocation(devices)
     if available is None:
         return cfg.max_num_seqs * cfg.pages_per_row
     free = min(available, block or available) * cfg.memory_fraction
-    fixed = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
-    fixed -= page_bytes(text, cfg, dtype)
-    page = page_bytes(text, cfg, dtype, kv_shards)
-    per_row = fixed // cfg.num_rows
-    fixed += cfg.snapshots * per_row + cfg.num_rows * vocab * 5  # snapshots; penalty counts and prompt masks
-    fixed += 4 * cfg.rows[-1] * vocab * 4  # one logits row per step row, its softmax and draws, fp32
-    fixed += 2 * max(r * t for r, t in cfg.buckets) * text.hidden_size * 4 * 4  # the widest activations
-    pages = int((free - fixed) // page)
+    fixed = sum(beside_pool_bytes(text, cfg, dtype).values())
+    pages = pages_in(free, text, cfg, dtype, kv_shards)
     log.info("device memory: %.1f GiB free, %.1f GiB of it in one block, x %.2f; %.1f GiB for slots, snapshots and "
              "step buffers; %d pages", available / 2**30, free / cfg.memory_fraction / 2**30, cfg.memory_fraction,
              fixed / 2**30, pages)
     return pages
+
+
+def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype) -> dict[str, int]:
+    """What the engine keeps beside its KV pool, by kind, counted whole (as if every device held all of it):
+    the slots' sliding rings and ShortConv states (with their lengths and page table), the prefix snapshots
+    (a slot's rings and states each), the sampler's per-row state, the largest step's logits (a row each, with
+    its softmax and draws, fp32) and its widest activations."""
+    cfg, vocab = config, text.unpadded_vocab_size
+    slots = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
+    slots -= page_bytes(text, cfg, dtype)
+    return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
+            "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)
+            "step logits": 4 * cfg.rows[-1] * vocab * 4,
+            "step activations": 2 * max(r * t for r, t in cfg.buckets) * text.hidden_size * 4 * 4}
+
+
+def pages_in(budget: float, text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
+    """The KV pages that `budget` bytes per device hold beside `beside_pool_bytes` (the server's sizing rule)."""
+    fixed = sum(beside_pool_bytes(text, config, dtype).values())
+    return int((budget - fixed) // page_bytes(text, config, dtype, kv_shards))
 
 
 def _stats(devices) -> list[dict]:

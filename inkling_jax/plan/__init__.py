@@ -1,0 +1,2 @@
+"""Memory plans: what a model takes on each device of a mesh, serving or training, from shapes alone
+(`python -m inkling_jax.plan`, docs/scale.md)."""

@@ -1,0 +1,121 @@
+"""The memory plan against the arrays it describes: its weights (one probe layer per kind, counted per layer)
+equal a real model's parameter bytes, whole and per device of a mesh of the 8 simulated CPU devices, in plain and
+serving forms; its KV pages, rings and ShortConv states equal an allocated cache's, as the server places them; a
+training plan's masters, moments, frozen weights and biases equal a real `Trainer` state's; the command says
+whether a plan fits and refuses a mesh that does not use the devices; the step compiled ahead of time takes as
+arguments exactly the state the plan counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from inkling_jax import preset
+from inkling_jax.nn.model import InklingModel
+from inkling_jax.parallel.mesh import make_mesh
+from inkling_jax.parallel.placement import shard_model
+from inkling_jax.plan.__main__ import main
+from inkling_jax.plan.aot import compare
+from inkling_jax.plan.serving import serving_plan
+from inkling_jax.plan.training import training_plan
+from inkling_jax.plan.weights import abstract_mesh, bytes_by_kind, kind_of, model_weights
+from inkling_jax.quant import QuantConfig, serving_view
+from serve.engine.config import EngineConfig
+from serve.runner.placement import Placement
+from train.state import seeded_params
+from train.step import StepConfig, Trainer
+
+SIZES = {"fsdp": 2, "tensor": 2, "expert": 2}
+
+
+def device0_bytes(tree) -> int:
+    """Bytes of the shards of `tree`'s arrays that the first device holds."""
+    device = jax.devices()[0]
+    return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+
+def real_by_kind(model, per_device: bool) -> dict[str, int]:
+    out = {}
+    for path, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            x = var.get_value()
+            kind = kind_of(path, x.ndim)
+            out[kind] = out.get(kind, 0) + (device0_bytes(x) if per_device else x.nbytes)
+    return out
+
+
+@pytest.mark.parametrize("name,quant", [("tiny", None), ("inkling-tiny", QuantConfig("fp8", "fp8"))])
+def test_weights_equal_a_real_models_whole_and_per_device(name, quant):
+    config = preset(name)
+    model = InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    if quant is not None:
+        model = serving_view(model, quant, fuse=False)
+    weights = model_weights(config, jnp.bfloat16, quant)
+    assert bytes_by_kind(weights) == real_by_kind(model, per_device=False)
+    assert any(w.count > 1 for w in weights)  # the probe stands for several layers of a kind
+    placed = shard_model(model, make_mesh(SIZES))
+    assert bytes_by_kind(weights, abstract_mesh(SIZES)) == real_by_kind(placed, per_device=True)
+
+
+def test_kv_rings_and_states_equal_an_allocated_cache_as_the_server_places_it():
+    config = preset("tiny")  # sliding layers' 2 KV heads split over tensor=2, the full layer's 1 does not
+    engine = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, chunk_buckets=(1, 16))
+    mesh = make_mesh({"tensor": 2}, jax.devices()[:2])
+    plan = serving_plan(config, abstract_mesh({"tensor": 2}), engine, QuantConfig(), allocator_bytes=2**30,
+                        dtype=jnp.float32)
+    pages = 7
+    placement = Placement(mesh)
+    model = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    make = lambda: model.init_cache(engine.num_rows, engine.max_model_len, page_size=engine.page_size,  # noqa: E731
+                                    num_pages=pages)
+    cache = placement.create(make, placement.cache_shardings(config.text, jax.eval_shape(make)))
+    text = config.text
+    full = [layer for i, layer in enumerate(cache.layers) if not text.is_local(i)]
+    local = [layer for i, layer in enumerate(cache.layers) if text.is_local(i)]
+    assert device0_bytes([(x.k, x.v) for x in full]) == pages * plan.page_bytes
+    assert plan.kv_per_token * engine.page_size == plan.page_bytes
+    assert device0_bytes([(x.k, x.v) for x in local]) == plan.state["sliding rings"]
+    states = [(x.k_conv, x.v_conv, x.attn_conv, x.mlp_conv) for x in cache.layers]
+    assert device0_bytes(states) == plan.state["ShortConv states"]
+    assert device0_bytes((cache.lengths, cache.page_table)) == plan.state["lengths and page table"]
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_training_state_equals_a_real_trainers(lora_rank):
+    config = preset("tiny")
+    mesh = make_mesh(SIZES)
+    trainer = Trainer(config, mesh, StepConfig(compute_dtype="bfloat16", lora_rank=lora_rank),
+                      compiler_options={"xla_backend_optimization_level": 0})
+    state, frozen = trainer.init(seeded_params(config, 0, trainer.param_shardings(), trainer.compiler_options))
+    plan = training_plan(config, abstract_mesh(SIZES), dtype=jnp.bfloat16, lora_rank=lora_rank)
+    assert plan["trained weights: fp32 masters"] == device0_bytes(state.params)
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]  # not the step counters
+    assert plan["AdamW moments (2 x fp32)"] == device0_bytes(moments)
+    assert plan["frozen weights"] == device0_bytes(frozen)
+    assert plan["MoE selection biases (fp32)"] == device0_bytes(state.bias)
+
+
+def test_the_command_says_whether_it_fits_and_refuses_bad_meshes(capsys):
+    serve = ["--preset", "bench", "--devices", "1", "--max-num-seqs", "8", "--max-model-len", "4096"]
+    assert main([*serve, "--device-memory-gib", "140"]) == 0
+    out = capsys.readouterr().out
+    assert "FITS" in out and "| routed experts |" in out
+    assert main([*serve, "--device-memory-gib", "24"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    train = ["--preset", "inkling", "--device-memory-gib", "140", "--train", "--seq-len", "4096"]
+    assert main([*train, "--devices", "8"]) == 1
+    assert main([*train, "--devices", "512", "--mesh", "fsdp=64,expert=8"]) == 0
+    with pytest.raises(SystemExit):
+        main([*serve, "--device-memory-gib", "140", "--devices", "8", "--mesh", "tensor=2,expert=2"])
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_compiled_steps_arguments_are_the_plans_state(lora_rank):
+    """The AOT cross-check (`inkling_jax.plan.aot`) on the tiny preset: what XLA's step takes as arguments, to the
+    byte, is what the plan counts as the trainer's state (the towers and MTP head left out: jit drops them)."""
+    config = dataclasses.replace(preset("tiny"), vision=None, audio=None, mtp=None)
+    rows = compare(config, "fsdp=2,tensor=2,expert=2", lora_rank=lora_rank, micro_batch=8, seq_len=16)
+    plan, xla = rows["arguments"]
+    assert plan == xla > 0
