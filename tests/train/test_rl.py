@@ -1,0 +1,123 @@
+"""`python -m train.rl` on a 2-layer `tiny` model in float32 with the reference kernels, trainer and engine alike.
+
+The tests' task: the reward is the share of ASCII characters in 8-token completions (a random model writes about a
+third; 256 of its 380 ids are bytes, half of them ASCII). Every run has the same engine setup, so the compiled
+engine (`train.rl.rollout`) and policy step (`train.rl.step`) serve them all.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from train import lora
+from train.rl import command
+from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from train.rl.tasks import write_tasks
+
+STEPS = 30
+TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "rollout_s", "train_s"}
+
+
+def ascii_share(prompt: str, completion: str, **fields) -> float:
+    return sum(c.isascii() for c in completion) / 8
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("rl") / "digits.jsonl")
+    write_tasks(path, "digits", 32)
+    return path
+
+
+def run(prompts, out, *extra):
+    command.main(["--preset", "tiny", "--layers", "2", "--prompts", prompts, "--reward", f"{__name__}:ascii_share",
+                  "--out", str(out), "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "8",
+                  "--lr", "3e-2", "--backend", "reference,moe=dense", *extra])
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+@pytest.fixture(scope="module")
+def long_run(prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("long")
+    return out, run(prompts, out, "--steps", str(STEPS))
+
+
+def test_reward_rises_and_rollouts_match_the_trainer(long_run):
+    out, rows = long_run
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    rewards = [r["reward_mean"] for r in rows]
+    assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.1, rewards
+    for r in rows:
+        # The engine (fused projections, paged cache) and the trainer compute the same float32 function: the
+        # sampled tokens' logprobs agree to float rounding, at every step, so every sync reached the engine.
+        assert 0 <= r["logprob_abs_diff_mean"] <= r["logprob_abs_diff_max"] < 1e-5
+        assert abs(r["mismatch_kl"]) < 1e-6
+        assert r["clip_fraction"] == 0.0  # the ratios are within float rounding of 1, far inside the clip
+        assert 0 < r["entropy"] <= np.log(380) + 1e-4 and 1 <= r["response_len_mean"] <= 8
+        assert all(r[k] > 0 for k in TIMING)
+    assert os.listdir(out / "tensorboard") and os.listdir(out / "checkpoints")
+
+
+def test_a_resumed_run_continues_with_the_same_metrics(prompts, long_run, tmp_path):
+    first = run(prompts, tmp_path, "--steps", "3")
+    resumed = run(prompts, tmp_path, "--steps", "6")
+    assert [r["step"] for r in resumed] == list(range(1, 7))
+    for got, want in zip(resumed, long_run[1][:6]):
+        assert {k: v for k, v in got.items() if k not in TIMING} == {k: v for k, v in want.items() if k not in TIMING}
+    assert resumed[:3] == first
+
+
+def test_lora_trains_only_adapters_and_the_engine_samples_with_them(prompts, tmp_path):
+    rows = run(prompts, tmp_path, "--steps", "2", "--lora-rank", "4", "--loss", "dr_grpo", "--kl-coef", "0.1")
+    adapters, alpha = lora.load_adapters(str(tmp_path / "adapters.safetensors"))
+    assert alpha == 32.0 and adapters
+    assert all(n.endswith((lora.A, lora.B)) for n in adapters)
+    assert any(np.abs(x).max() > 0 for n, x in adapters.items() if n.endswith(lora.B))  # B started at 0
+    # Step 2 sampled with the adapters of step 1 (B != 0): the engine's merged view matches the trainer's.
+    assert rows[1]["logprob_abs_diff_max"] < 1e-5 and rows[1]["kl_to_initial"] > 0
+
+
+def test_mismatch_metrics_and_losses():
+    mask = np.array([[1.0, 1.0, 0.0]], np.float32)
+    trainer = np.array([[-1.0, -2.0, -9.0]], np.float32)
+    rollout = np.array([[-1.5, -2.0, 0.0]], np.float32)
+    m = {k: float(v) for k, v in mismatch_metrics(trainer, rollout, mask).items()}
+    assert m["logprob_abs_diff_max"] == 0.5 and m["logprob_abs_diff_mean"] == 0.25
+    assert np.isclose(m["mismatch_kl"], (np.exp(0.5) - 0.5 - 1) / 2)
+    rewards = np.array([[0.0, 1.0, 1.0, 2.0]])
+    assert np.allclose(group_advantages(rewards, "dr_grpo"), [[-1, 0, 0, 1]])
+    assert np.allclose(group_advantages(rewards, "grpo"), [[-1, 0, 0, 1]] / np.std(rewards), atol=1e-5)
+    logp, old = np.log([[0.5, 0.5]]), np.log([[0.25, 0.5]])  # ratio 2 on the first token, 1 on the second
+    loss, extra = policy_loss(LossConfig("grpo", 0.2), logp, old, np.array([1.0]), np.ones((1, 2), np.float32))
+    assert np.isclose(float(loss), -(1.2 + 1.0) / 2) and float(extra["clip_fraction"]) == 0.5
+
+
+def test_help_and_bad_input(prompts, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        command.parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--preset", "--model", "--prompts", "--reward", "--steps", "--out", "--group-size",
+                 "--prompts-per-step", "--max-new-tokens", "--temperature", "--lr", "--loss", "--kl-coef",
+                 "--lora-rank", "--seed"):
+        assert flag in text
+    base = ["--preset", "tiny", "--prompts", prompts, "--reward", "m:f", "--steps", "1", "--out", str(tmp_path)]
+    for extra, message in ((["--group-size", "1"], "--group-size must be >= 2"),
+                           (["--temperature", "0"], "--temperature must be in (0, 2]"),
+                           (["--loss", "ppo"], "invalid choice"), (["--layers", "1", "--model", "x"], "not allowed")):
+        with pytest.raises(SystemExit) as exit_:
+            command.parse_args(base + extra)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        command.parse_args([*base[:3], str(tmp_path / "missing.jsonl"), *base[4:]])
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="MODULE:FUNCTION"):
+        command.main([*base[:5], "no_colon", *base[6:]])
+    image = tmp_path / "image.jsonl"
+    image.write_text(json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}) + "\n")
+    with pytest.raises(ValueError, match="vision-language RL is not yet available"):
+        command.main([*base[:3], str(image), *base[4:]])
