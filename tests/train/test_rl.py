@@ -8,15 +8,23 @@ engine (`train.rl.rollout`) and policy step (`train.rl.step`) serve them all.
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
+from inkling_jax import preset
+from inkling_jax.parallel.mesh import make_mesh
 from train import lora
-from train.rl import command
+from train.checkpoint import Checkpoints
+from train.rl import command, rollout
 from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
 from train.rl.tasks import write_tasks
+from train.run import first_layers
+from train.state import seeded_params
+from train.step import StepConfig, Trainer
 
 STEPS = 30
+CONFIG = first_layers(preset("tiny"), 2)
 TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "rollout_s", "train_s"}
 
 
@@ -73,11 +81,39 @@ def test_a_resumed_run_continues_with_the_same_metrics(prompts, long_run, tmp_pa
 def test_lora_trains_only_adapters_and_the_engine_samples_with_them(prompts, tmp_path):
     rows = run(prompts, tmp_path, "--steps", "2", "--lora-rank", "4", "--loss", "dr_grpo", "--kl-coef", "0.1")
     adapters, alpha = lora.load_adapters(str(tmp_path / "adapters.safetensors"))
-    assert alpha == 32.0 and adapters
-    assert all(n.endswith((lora.A, lora.B)) for n in adapters)
-    assert any(np.abs(x).max() > 0 for n, x in adapters.items() if n.endswith(lora.B))  # B started at 0
-    # Step 2 sampled with the adapters of step 1 (B != 0): the engine's merged view matches the trainer's.
-    assert rows[1]["logprob_abs_diff_max"] < 1e-5 and rows[1]["kl_to_initial"] > 0
+    assert alpha == 32.0 and adapters and any(np.abs(x).max() > 0 for n, x in adapters.items() if n.endswith(lora.B))
+    # The checkpoint's trained parameters are the adapters alone; the model they give differs from the initial one
+    # only in the adapted weights.
+    trainer = Trainer(CONFIG, make_mesh(None, jax.devices()[:1]), StepConfig(compute_dtype="float32", lora_rank=4))
+    initial, frozen = trainer.init(seeded_params(CONFIG, 0, trainer.param_shardings()), 0)
+    checkpoints = Checkpoints(str(tmp_path / "checkpoints"), save_every=1, keep=1)
+    state = checkpoints.restore_latest(trainer.abstract_state(initial), {})[0]
+    checkpoints.close()
+    assert set(state.params) == set(adapters)
+    before, after = (jax.device_get(trainer.model_params(s, frozen)) for s in (initial, state))
+    changed = {n for n in before if not np.array_equal(before[n], after[n])}
+    assert changed and changed <= set(lora.target_names(trainer.parts.shapes))
+    # Step 2 sampled with step 1's adapters: the engine's logprobs match the trainer's, which have moved away from
+    # the initial policy by far more than that (k3 ~ d^2 / 2 for a log ratio d).
+    assert rows[1]["logprob_abs_diff_max"] < 1e-5 < 0.1 * np.sqrt(2 * rows[1]["kl_to_initial"])
+
+
+def test_gspo_at_another_temperature(prompts, tmp_path):
+    rows = run(prompts, tmp_path, "--steps", "2", "--loss", "gspo", "--temperature", "0.7")
+    for r in rows:
+        assert 0 <= r["clip_fraction"] <= 1 and np.isfinite(r["loss"]) and r["logprob_abs_diff_max"] < 1e-5
+    assert rows[1]["clip_fraction"] == 0.0  # the old policy is the trainer's own: ratios of exactly 1
+
+
+def test_the_engine_refuses_parameters_of_another_shape(long_run):
+    engine = next(iter(rollout._ENGINES.values()))  # the runs' engine
+    leaves = list(engine.runner.params)
+    wrong = list(leaves)
+    wrong[0] = leaves[0][..., :1]
+    with pytest.raises(ValueError, match="does not replace"):
+        engine.update_params(wrong)
+    with pytest.raises(ValueError, match="parameter arrays for a view of"):
+        engine.update_params(leaves[:-1])
 
 
 def test_mismatch_metrics_and_losses():

@@ -36,8 +36,7 @@ from train.rl.losses import DEFAULT_CLIP, LOSSES, LossConfig, group_advantages
 from train.rl.prompts import load_reward, read_prompts, score
 from train.rl.rollout import Rollouts, engine_config
 from train.rl.step import PolicyTrainer
-from train.run import first_layers
-from train.state import pretrained_params, seeded_params
+from train.run import first_layers, initial_params
 from train.step import StepConfig, Trainer
 
 log = logging.getLogger("train.rl")
@@ -139,24 +138,17 @@ def main(argv=None) -> None:
                                  backend=args.backend),
                       OptimConfig(learning_rate=args.lr, warmup_steps=0, total_steps=max(args.steps, 1),
                                   min_lr_ratio=1.0, weight_decay=0.0))
-    shardings = trainer.param_shardings()
-    params = (seeded_params(config, args.seed, shardings) if args.preset
-              else pretrained_params(args.model, config, shardings))
-    state, frozen = trainer.init(params, args.seed)
-    del params
+    state, frozen = trainer.init(initial_params(args, config, trainer), args.seed)
     policy = PolicyTrainer(trainer, LossConfig(args.loss, args.clip_eps, args.kl_coef, args.max_new_tokens),
                            args.temperature)
     reference = policy.reference_params(state, frozen)
     record = {"prompts": os.path.abspath(args.prompts), "reward": args.reward, "seed": args.seed,
               "group_size": args.group_size, "prompts_per_step": args.prompts_per_step, "loss": args.loss}
     checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), save_every=args.save_every, keep=args.keep)
-    start = checkpoints.latest_step() or 0
-    if start:
-        state, saved = checkpoints.restore(start, trainer.abstract_state(state))
-        changed = {k: (saved.get(k), v) for k, v in record.items() if saved.get(k) != v}
-        if changed:
-            log.warning("resuming with different settings (saved, now): %s", changed)
-        log.info("resumed from step %d", start)
+    start = 0
+    restored = checkpoints.restore_latest(trainer.abstract_state(state), record)
+    if restored:
+        state, start = restored[0], restored[1]["step"]
 
     rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
                                                               args.max_new_tokens))
