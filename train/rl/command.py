@@ -45,7 +45,8 @@ ROW_MULTIPLE = 16  # the trainer's rows are padded to a multiple of this: one co
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.rl", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: routing "
+                                "replay, a batch-invariant mode, vision-language prompts, several processes.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model directory in the hub layout (its tokenizer.json encodes prompts)")
     src.add_argument("--preset", help="a named configuration with seeded random weights (tiny, inkling-tiny, ...) "
@@ -53,28 +54,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", required=True, help='JSONL: {"prompt": "..."} or {"messages": [...]} per line; '
                    "other fields go to the reward as keyword arguments")
     p.add_argument("--reward", required=True, help="MODULE:FUNCTION, f(prompt, completion, **fields) -> float "
-                   "(built-in: train.rl.tasks:exact_match, :final_number, :answer_prefix)")
+                   "(built-in: train.rl.tasks:exact_match, :final_number, :answer_prefix, :charset_share)")
     p.add_argument("--steps", type=int, required=True, help="policy updates to reach")
     p.add_argument("--out", required=True, help="run directory: metrics, TensorBoard, checkpoints, adapters")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G), the advantages' group")
-    p.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step (P); a step trains on P x G")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="longest completion (the EOS counts)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, in (0, 2]")
-    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (constant)")
+    p.add_argument("--group-size", type=int, default=8,
+                   help="completions per prompt (G), the advantages' group (default 8)")
+    p.add_argument("--prompts-per-step", type=int, default=4,
+                   help="prompts per step (P, default 4); a step trains on P x G")
+    p.add_argument("--max-new-tokens", type=int, default=32,
+                   help="longest completion in tokens, the EOS included (default 32)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, in (0, 2] (default 1)")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, constant (default 1e-5)")
     p.add_argument("--loss", choices=LOSSES, default="grpo", help="grpo: token-level clipped ratio, std-normalised "
-                   "advantages; dr_grpo: no std, sum over tokens / constant; gspo: sequence-level ratio")
+                   "advantages (default); dr_grpo: no std, sum over tokens / constant; gspo: sequence-level ratio")
     p.add_argument("--clip-eps", type=float, help="clip range of the ratio (default: 0.2; gspo 3e-4)")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL to the initial policy (0: off)")
-    p.add_argument("--lora-rank", type=int, default=0, help="train LoRA adapters of this rank only (0: all weights)")
-    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--kl-coef", type=float, default=0.0,
+                   help="weight of the k3 KL to the initial policy (default 0: off)")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="train LoRA adapters of this rank only (default 0: all weights)")
+    p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale alpha (the update is alpha / rank "
+                   "x A @ B; default 32)")
     p.add_argument("--dtype", help="compute dtype of trainer and engine (default: float32 on CPU, else bfloat16; "
                    "master weights and optimizer are fp32)")
     add_backend_flag(p)
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
-    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (and after the last)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
-    p.add_argument("--seed", type=int, default=0, help="weights of a preset, prompt order and sampling")
-    p.add_argument("--no-tensorboard", action="store_true")
+    p.add_argument("--save-every", type=int, default=50,
+                   help="checkpoint every N steps and after the last (default 50)")
+    p.add_argument("--keep", type=int, default=3, help="checkpoints to keep (default 3)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds a preset's weights, the prompts' order and the sampling (default 0)")
+    p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs (metrics.jsonl only)")
     args = p.parse_args(argv)
     checks = [(args.steps >= 0, "--steps must be >= 0"), (args.group_size >= 2, "--group-size must be >= 2 (the "
               "advantages compare completions of one prompt)"), (args.prompts_per_step >= 1,
@@ -152,6 +161,9 @@ def main(argv=None) -> None:
 
     rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
                                                               args.max_new_tokens))
+    log.info("%d prompts; a step: %d prompts x %d completions of up to %d tokens, trainer rows [%d, %d]; from step "
+             "%d to %d", len(prompts), args.prompts_per_step, args.group_size, args.max_new_tokens,
+             args.prompts_per_step * args.group_size, seq_len, start, args.steps)
     writer = MetricsWriter(args.out, tensorboard=not args.no_tensorboard)
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl")
     for step in bar:
