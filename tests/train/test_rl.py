@@ -18,6 +18,10 @@ from train import lora
 from train.checkpoint import Checkpoints
 from train.rl import command, rollout
 from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from serve.http.chat import ChatFormat
+from serve.http.tokenizer import ByteTokenizer
+from train.rl import tasks
+from train.rl.prompts import load_reward, read_prompts, score
 from train.rl.tasks import write_tasks
 from train.run import first_layers
 from train.state import seeded_params
@@ -157,3 +161,40 @@ def test_help_and_bad_input(prompts, tmp_path, capsys):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}) + "\n")
     with pytest.raises(ValueError, match="vision-language RL is not yet available"):
         command.main([*base[:3], str(image), *base[4:]])
+
+
+def test_prompts_rewards_and_tasks(tmp_path):
+    tokenizer = ByteTokenizer()
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "2+2="}]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n\n"
+                    + json.dumps({"messages": messages, "answer": "4", "level": 3}) + "\n")
+    text, chat = read_prompts(str(path), tokenizer, 380)
+    assert text.ids == tuple(b"1+1=") and text.text == "1+1=" and text.fields == {"answer": "2"}
+    assert chat.ids == tuple(ChatFormat(tokenizer).render(messages)) and chat.text == "2+2="
+    assert chat.fields == {"answer": "4", "level": 3}
+    assert score(load_reward("train.rl.tasks:final_number"), chat, "so it is 4") == 1.0
+    assert score(load_reward("train.rl.tasks:exact_match"), chat, " 4\n") == 1.0
+    with pytest.raises(ValueError, match="not a finite number"):
+        score(lambda prompt, completion, **fields: float("nan"), chat, "")
+    with pytest.raises(ValueError, match="has no function"):
+        load_reward("train.rl.tasks:nothing")
+    for bad, message in (({"text": "x"}, "exactly one of"), ({"prompt": ""}, "non-empty string"),
+                         ({"prompt": "\u0101"}, None)):
+        path.write_text(json.dumps(bad) + "\n")
+        if message is None:  # two bytes, both in the vocabulary: fine
+            assert len(read_prompts(str(path), tokenizer, 380)[0].ids) == 2
+            continue
+        with pytest.raises(ValueError, match=message):
+            read_prompts(str(path), tokenizer, 380)
+    rng = np.random.default_rng(0)
+    for task in tasks.TASKS:
+        fields = tasks.make_task(task, rng)
+        prompt = fields.pop("prompt")
+        if task == "digits":
+            assert tasks.charset_share(prompt, "12a4", **fields) == 0.75
+        else:
+            assert tasks.exact_match(prompt, fields["answer"], **fields) == 1.0
+            assert tasks.answer_prefix(prompt, fields["answer"][:1] + "#", **fields) == 1 / len(fields["answer"])
+    assert tasks.final_number("", "19 or 20", answer="20") == 1.0 and tasks.final_number("", "none", answer=1) == 0.0

@@ -133,6 +133,7 @@ def step_plan(seed: int, step: int, num_prompts: int, per_step: int) -> tuple[np
 def main(argv=None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log.setLevel(logging.INFO)  # where an import configured logging first (basicConfig then does nothing)
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
