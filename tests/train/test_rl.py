@@ -9,18 +9,20 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from inkling_jax import preset
 from inkling_jax.parallel.mesh import make_mesh
-from train import lora
-from train.checkpoint import Checkpoints
-from train.rl import command, rollout
-from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatFormat
 from serve.http.tokenizer import ByteTokenizer
-from train.rl import tasks
+from serve.offline import generate
+from train import lora
+from train.checkpoint import Checkpoints
+from train.rl import command, rollout, tasks
+from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
 from train.rl.prompts import load_reward, read_prompts, score
 from train.rl.tasks import write_tasks
 from train.run import first_layers
@@ -118,6 +120,25 @@ def test_the_engine_refuses_parameters_of_another_shape(long_run):
         engine.update_params(wrong)
     with pytest.raises(ValueError, match="parameter arrays for a view of"):
         engine.update_params(leaves[:-1])
+
+
+def test_new_parameters_reach_the_engine_and_empty_its_prefix_cache(long_run):
+    engine = next(iter(rollout._ENGINES.values()))  # the runs' engine
+    hits = lambda: engine.metrics.registry.get_sample_value("inkling_prefix_cache_hit_tokens_total")  # noqa: E731
+    prompt = list(range(40, 60))  # a full page and a bit: a second request reuses the page
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0)
+    leaves = list(engine.runner.params)
+    first = generate(engine, [prompt], params)[0]
+    before = hits()
+    assert generate(engine, [prompt], params)[0].logprobs == pytest.approx(first.logprobs, abs=1e-6)
+    assert hits() > before
+    engine.update_params([x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x for x in leaves])
+    before = hits()
+    other = generate(engine, [prompt], params)[0]
+    assert hits() == before  # computed afresh under the new weights, not from the old weights' pages
+    assert np.abs(np.subtract(other.logprobs, first.logprobs)).max() > 1e-3
+    engine.update_params(leaves)
+    assert generate(engine, [prompt], params)[0].logprobs == pytest.approx(first.logprobs, abs=1e-6)
 
 
 def test_mismatch_metrics_and_losses():
