@@ -168,10 +168,14 @@ def test_help_and_bad_input(prompts, tmp_path, capsys):
     base = ["--preset", "tiny", "--prompts", prompts, "--reward", "m:f", "--steps", "1", "--out", str(tmp_path)]
     for extra, message in ((["--group-size", "1"], "--group-size must be >= 2"),
                            (["--temperature", "0"], "--temperature must be in (0, 2]"),
-                           (["--loss", "ppo"], "invalid choice"), (["--layers", "1", "--model", "x"], "not allowed")):
+                           (["--loss", "ppo"], "invalid choice"),
+                           (["--model", "x"], "not allowed with argument --preset")):
         with pytest.raises(SystemExit) as exit_:
             command.parse_args(base + extra)
         assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        command.parse_args(["--model", str(tmp_path), *base[2:], "--layers", "1"])
+    assert exit_.value.code == 2 and "--layers works with --preset only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         command.parse_args([*base[:3], str(tmp_path / "missing.jsonl"), *base[4:]])
     assert "no such file" in capsys.readouterr().err

@@ -44,15 +44,15 @@ class RolloutRecorder(TokenRecorder):
 
 
 def engine_config(sequences: int, max_prompt: int, max_new_tokens: int) -> EngineConfig:
-    """Room for every sequence of a step at once (up to MAX_CONCURRENCY), one row bucket (all rows: the
-    sequences of a step start together), prefill chunks up to the longest prompt."""
+    """Room for every sequence of a step at once (up to MAX_CONCURRENCY running, the rest queued), one row bucket
+    (all rows: the sequences of a step start together), prefill chunks up to the longest prompt."""
     seqs = min(sequences, MAX_CONCURRENCY)
     max_len = -(-(max_prompt + max_new_tokens + 1) // PAGE_SIZE) * PAGE_SIZE
     chunks = (1,) + tuple(c for c in (16, 64, 256) if c < max_prompt) + (
         next((c for c in (16, 64, 256) if c >= max_prompt), 256),)
     return EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=PAGE_SIZE, chunk_buckets=chunks,
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
-                        num_pages=seqs * (max_len // PAGE_SIZE) + 1)
+                        num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256))
 
 
 class Rollouts:
