@@ -155,10 +155,9 @@ def main(argv=None) -> None:
     record = {"prompts": os.path.abspath(args.prompts), "reward": args.reward, "seed": args.seed,
               "group_size": args.group_size, "prompts_per_step": args.prompts_per_step, "loss": args.loss}
     checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), save_every=args.save_every, keep=args.keep)
-    start = 0
     restored = checkpoints.restore_latest(trainer.abstract_state(state), record)
-    if restored:
-        state, start = restored[0], restored[1]["step"]
+    state = restored[0] if restored else state
+    start = int(state.step)
 
     rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
                                                               args.max_new_tokens))
@@ -190,7 +189,7 @@ def main(argv=None) -> None:
                        weight_sync_s=rollouts.sync(state, frozen), rollout_s=rollout_s, train_s=train_s)
         writer.write(step + 1, metrics)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{float(metrics['mismatch_kl']):.1e}")
-        checkpoints.save(step + 1, state, {**record, "step": step + 1}, force=step + 1 == args.steps)
+        checkpoints.save(step + 1, state, record, force=step + 1 == args.steps)
     checkpoints.close()
     writer.close()
     if trainer.lora:

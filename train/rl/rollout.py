@@ -28,6 +28,7 @@ from train.state import Flat, TrainState
 from train.step import Trainer
 
 PAGE_SIZE = 16
+CHUNKS = (16, 64, 256)  # prefill chunk sizes the rollout engine may compile
 MAX_CONCURRENCY = 64
 # Started engines by their setup: a second run in the process (a test, a resumed run) reuses one, compiled.
 _ENGINES: dict = {}
@@ -48,8 +49,8 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int) -> Engin
     (all rows: the sequences of a step start together), prefill chunks up to the longest prompt."""
     seqs = min(sequences, MAX_CONCURRENCY)
     max_len = -(-(max_prompt + max_new_tokens + 1) // PAGE_SIZE) * PAGE_SIZE
-    chunks = (1,) + tuple(c for c in (16, 64, 256) if c < max_prompt) + (
-        next((c for c in (16, 64, 256) if c >= max_prompt), 256),)
+    top = next((c for c in CHUNKS if c >= max_prompt), CHUNKS[-1])  # longer prompts prefill in several chunks
+    chunks = (1,) + tuple(c for c in CHUNKS if c <= top)
     return EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=PAGE_SIZE, chunk_buckets=chunks,
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
                         num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256))
@@ -60,8 +61,7 @@ class Rollouts:
         self.trainer = trainer
         key = (trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config)
         self.engine = _ENGINES.get(key)
-        fresh = self.engine is None
-        if fresh:
+        if self.engine is None:
             model = trainer.parts.merge(trainer.model_params(state, frozen))
             self.engine = Engine(model, config, eos_token_id=trainer.config.eos_token_id)
             self.engine.start()
@@ -69,8 +69,10 @@ class Rollouts:
         placement, fuse = self.engine.runner.placement, config.fuse_projections
         self._view = jax.jit(lambda s, f: flat_params(placement.model_view(
             trainer.parts.merge(trainer.model_params(s, f)), fuse))[0])
-        if not fresh:  # an engine of an earlier run: bring it to this run's weights
-            self.sync(state, frozen)
+        # The engine's weights always come from this program: an engine of an earlier run gets this run's, and a
+        # new one replaces its eager view's (LoRA's merge may round differently there), so that a resumed run
+        # samples exactly what an uninterrupted one did.
+        self.sync(state, frozen)
 
     def sync(self, state: TrainState, frozen: Flat) -> float:
         """Give the engine the weights of `state`; returns the seconds it took (the view's arrays computed and
