@@ -109,15 +109,15 @@ def policy_batch(prompts: list[tuple[int, ...]], completions: list, advantages: 
     batch = {k: np.zeros((rows, seq_len), np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
     batch["rollout_logprobs"] = np.zeros((rows, seq_len), np.float32)
     group = rows // len(prompts)
-    for row, done in enumerate(completions):
+    for row, completion in enumerate(completions):
         prompt = prompts[row // group]
-        ids = list(prompt) + done.token_ids
+        ids = list(prompt) + completion.token_ids
         n, start = len(ids), len(prompt)
         batch["input_ids"][row, :n] = ids
         batch["segment_ids"][row, :n] = 1
         batch["positions"][row, :n] = np.arange(n)
         batch["loss_mask"][row, start:n] = 1
-        batch["rollout_logprobs"][row, start - 1:n - 1] = done.logprobs  # at the position that predicts the token
+        batch["rollout_logprobs"][row, start - 1:n - 1] = completion.logprobs  # where its token is predicted
     batch["advantages"] = advantages.reshape(-1).astype(np.float32)
     return batch
 
@@ -172,8 +172,8 @@ def main(argv=None) -> None:
         groups = rollouts.generate([prompts[i].ids for i in chosen], seeds, args.group_size, args.max_new_tokens,
                                    args.temperature)
         rollout_s = time.perf_counter() - began
-        completions = [done for group in groups for done in group]
-        rewards = np.asarray([[score(reward, prompts[i], tokenizer.decode(done.token_ids)) for done in group]
+        completions = [c for group in groups for c in group]
+        rewards = np.asarray([[score(reward, prompts[i], tokenizer.decode(c.token_ids)) for c in group]
                               for i, group in zip(chosen, groups)], np.float64)
         batch = policy_batch([prompts[i].ids for i in chosen], completions, group_advantages(rewards, args.loss),
                              seq_len)
@@ -183,7 +183,7 @@ def main(argv=None) -> None:
         train_s = time.perf_counter() - began
         generated = int(metrics.pop("completion_tokens"))
         metrics.update(reward_mean=rewards.mean(), reward_std=rewards.std(),
-                       response_len_mean=np.mean([len(done.token_ids) for done in completions]),
+                       response_len_mean=np.mean([len(c.token_ids) for c in completions]),
                        rollout_tokens_per_s=generated / rollout_s,
                        train_tokens_per_s=int(batch["segment_ids"].sum()) / train_s,
                        weight_sync_s=rollouts.sync(state, frozen), rollout_s=rollout_s, train_s=train_s)
