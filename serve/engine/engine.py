@@ -190,7 +190,7 @@ class Engine:
         with self._lock:
             pending, self._new_params = self._new_params, None
         if pending is not None:
-            self.runner.params = list(pending[0])
+            self.runner.swap_params(pending[0])
             self._new_state()
             pending[1].set()
 

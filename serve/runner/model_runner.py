@@ -111,6 +111,12 @@ class ModelRunner:
                 raise ValueError(f"parameter {i}: {new.shape} {new.dtype} on {new.sharding} does not replace "
                                  f"{old.shape} {old.dtype} on {old.sharding}")
 
+    def swap_params(self, leaves: list) -> None:
+        """Run with `leaves` (`check_params`) from the next step on; the view is rebuilt around them, so the old
+        arrays are freed once nothing else holds them."""
+        self.params = list(leaves)
+        self.model = self.programs.merge(self.params)
+
     def _constrain_cache(self, cache):
         if self.cache_shardings is None:
             return cache
