@@ -23,7 +23,7 @@ from train import lora
 from train.checkpoint import Checkpoints
 from train.rl import command, rollout, tasks
 from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
-from train.rl.prompts import load_reward, read_prompts, score
+from train.rl.prompts import completion_text, load_reward, read_prompts, score
 from train.rl.tasks import write_tasks
 from train.run import first_layers
 from train.state import seeded_params
@@ -198,7 +198,12 @@ def test_prompts_rewards_and_tasks(tmp_path):
     text, chat = read_prompts(str(path), tokenizer, 380)
     assert text.ids == tuple(b"1+1=") and text.text == "1+1=" and text.fields == {"answer": "2"}
     assert chat.ids == tuple(ChatFormat(tokenizer).render(messages)) and chat.text == "2+2="
-    assert chat.fields == {"answer": "4", "level": 3}
+    assert chat.fields == {"answer": "4", "level": 3} and chat.chat and not text.chat
+    chat_format = ChatFormat(tokenizer)
+    answer = [chat_format.ids["<|message_model|>"], chat_format.reasoning_start, *b"hmm, 5?",
+              chat_format.ids["<|content_text|>"], *b"4", chat_format.ids["<|content_model_end_sampling|>"]]
+    assert completion_text(chat, answer, tokenizer, chat_format) == "4"  # the answer, without the reasoning
+    assert completion_text(text, [*b"2", 257], tokenizer, None) == "2"  # the EOS has no text
     assert score(load_reward("train.rl.tasks:final_number"), chat, "so it is 4") == 1.0
     assert score(load_reward("train.rl.tasks:exact_match"), chat, " 4\n") == 1.0
     with pytest.raises(ValueError, match="not a finite number"):

@@ -27,13 +27,14 @@ from tqdm.auto import tqdm
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.config import load_config, preset
 from inkling_jax.parallel.mesh import make_mesh
+from serve.http.chat import ChatFormat
 from serve.http.tokenizer import ByteTokenizer, load_tokenizer
 from train import lora
 from train.checkpoint import Checkpoints
 from train.metrics import MetricsWriter
 from train.optim import OptimConfig
 from train.rl.losses import DEFAULT_CLIP, LOSSES, LossConfig, group_advantages
-from train.rl.prompts import load_reward, read_prompts, score
+from train.rl.prompts import completion_text, load_reward, read_prompts, score
 from train.rl.rollout import Rollouts, engine_config
 from train.rl.step import PolicyTrainer
 from train.run import first_layers, initial_params
@@ -139,6 +140,7 @@ def main(argv=None) -> None:
         config = first_layers(config, args.layers)
     tokenizer = ByteTokenizer() if args.preset else load_tokenizer(args.model)
     prompts = read_prompts(args.prompts, tokenizer, config.text.unpadded_vocab_size)
+    chat = ChatFormat(tokenizer) if any(p.chat for p in prompts) else None
     reward = load_reward(args.reward)
     max_prompt = max(len(p.ids) for p in prompts)
     seq_len = -(-(max_prompt + args.max_new_tokens) // ROW_MULTIPLE) * ROW_MULTIPLE
@@ -173,8 +175,8 @@ def main(argv=None) -> None:
                                    args.temperature)
         rollout_s = time.perf_counter() - began
         completions = [c for group in groups for c in group]
-        rewards = np.asarray([[score(reward, prompts[i], tokenizer.decode(c.token_ids)) for c in group]
-                              for i, group in zip(chosen, groups)], np.float64)
+        rewards = np.asarray([[score(reward, prompts[i], completion_text(prompts[i], c.token_ids, tokenizer, chat))
+                               for c in group] for i, group in zip(chosen, groups)], np.float64)
         batch = policy_batch([prompts[i].ids for i in chosen], completions, group_advantages(rewards, args.loss),
                              seq_len)
         began = time.perf_counter()

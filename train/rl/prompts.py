@@ -6,7 +6,8 @@ assistant's turn opened). Every other field of a line is passed to the reward as
 audio content parts are not taken yet (vision-language RL is a later stage).
 
 `--reward MODULE:FUNCTION`: `f(prompt: str, completion: str, **fields) -> float`, imported from the Python path;
-`prompt` is the line's text (for messages, the last message's text), `completion` the decoded completion.
+`prompt` is the line's text (for messages, the last message's text), `completion` the decoded completion (special
+tokens left out); for messages, its answer alone: the content that the chat API returns, without the reasoning.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib
 import json
 from typing import Callable
 
-from serve.http.chat import ChatError, ChatFormat
+from serve.http.chat import ChatError, ChatFormat, ChatOutput
 from serve.http.tokenizer import Tokenizer
 
 Reward = Callable[..., float]
@@ -27,6 +28,7 @@ class Prompt:
     ids: tuple[int, ...]  # what the engine is given
     text: str  # what the reward is given
     fields: dict  # the line's other fields, the reward's keyword arguments
+    chat: bool  # given as messages (rendered by the chat format)
 
 
 def _message_text(message: dict) -> str:
@@ -79,7 +81,7 @@ def read_prompts(path: str, tokenizer: Tokenizer, vocab_size: int) -> list[Promp
             if not ids or max(ids) >= vocab_size:
                 raise ValueError(f"{where}: the prompt encodes to no tokens or to ids outside the model's "
                                  f"vocabulary of {vocab_size}")
-            prompts.append(Prompt(tuple(ids), text, fields))
+            prompts.append(Prompt(tuple(ids), text, fields, "messages" in row))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts
@@ -98,6 +100,15 @@ def load_reward(spec: str) -> Reward:
     if not callable(function):
         raise ValueError(f"--reward {spec!r}: {module_name} has no function {function_name}")
     return function
+
+
+def completion_text(prompt: Prompt, token_ids: list[int], tokenizer: Tokenizer, chat: ChatFormat | None) -> str:
+    """What the reward reads of a completion (module doc); `chat`: the chat format, for prompts given as messages."""
+    if not prompt.chat:
+        return tokenizer.decode(token_ids)
+    output = ChatOutput(chat)
+    deltas = [delta for token in token_ids for delta in output.feed(token)] + output.finish()
+    return "".join(delta.text for delta in deltas if delta.channel == "content")
 
 
 def score(reward: Reward, prompt: Prompt, completion: str) -> float:
