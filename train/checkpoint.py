@@ -5,11 +5,14 @@ keeping the last K. Works with orbax-checkpoint 0.12.x; restores onto any mesh (
 
 from __future__ import annotations
 
+import logging
 import os
 
 import orbax.checkpoint as ocp
 
 from train.state import TrainState
+
+log = logging.getLogger(__name__)
 
 
 class Checkpoints:
@@ -32,6 +35,19 @@ class Checkpoints:
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target.to_dict()), record=ocp.args.JsonRestore())
         out = self.manager.restore(step, args=args)
         return TrainState.from_dict(out["state"]), dict(out["record"])
+
+    def restore_latest(self, target: TrainState, record: dict) -> tuple[TrainState, dict] | None:
+        """(state, saved record) of the newest checkpoint, warning about the entries of `record` (this run's
+        settings) that differ from the saved ones; None when there is no checkpoint."""
+        step = self.latest_step()
+        if not step:
+            return None
+        state, saved = self.restore(step, target)
+        changed = {k: (saved.get(k), v) for k, v in record.items() if saved.get(k) != v}
+        if changed:
+            log.warning("resuming with different settings (saved, now): %s", changed)
+        log.info("resuming from checkpoint %d", step)
+        return state, saved
 
     def close(self) -> None:
         """Wait for saves in flight, then release the manager."""

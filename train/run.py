@@ -156,14 +156,11 @@ def main(argv=None) -> None:
     adapters = lora.load_adapters(args.adapters)[0] if args.adapters else None
     state, frozen = trainer.init(initial_params(args, config, trainer), args.seed, adapters)
     checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), save_every=args.save_every, keep=args.keep)
-    start = checkpoints.latest_step() or 0
-    if start:
-        state, saved = checkpoints.restore(start, trainer.abstract_state(state))
-        changed = {k: (saved.get(k), v) for k, v in record.items() if saved.get(k) != v}
-        if changed:
-            log.warning("resuming with different settings (saved, now): %s", changed)
+    start = 0
+    restored = checkpoints.restore_latest(trainer.abstract_state(state), record)
+    if restored:
+        state, saved = restored
         start = saved["data_position"]
-        log.info("resumed from step %d", start)
 
     writer = MetricsWriter(args.out, tensorboard=not args.no_tensorboard)
     baselines = evaluator.baselines(rows, config.text.unpadded_vocab_size) if evaluator else {}

@@ -66,6 +66,7 @@ class Engine:
         self._built = 0  # programs built on the engine thread, as last counted into the metrics
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._new_params: tuple[list, threading.Event] | None = None  # (leaves, done): applied once idle
 
     def _new_state(self) -> None:
         self.blocks = BlockManager(self.runner.num_pages, self.config.page_size, self.config.snapshots)
@@ -134,6 +135,18 @@ class Engine:
             self._cancel_all = True
         self._wake.set()
 
+    def update_params(self, leaves: list, timeout: float = 600.0) -> None:
+        """New arrays for the serving view's parameters (`runner.params`: the same shapes, dtypes and shardings, so
+        nothing recompiles), swapped in by the engine thread once no sequence runs (RL weight sync,
+        `train.rl.rollout`). The prefix cache starts empty: its pages hold the old weights' keys and values."""
+        self.runner.check_params(leaves)
+        done = threading.Event()
+        with self._lock:
+            self._new_params = (leaves, done)
+        self._wake.set()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the engine did not become idle within {timeout}s to take new parameters")
+
     def shutdown(self, drain_seconds: float = 10.0) -> None:
         """`drain`, then stop the engine thread."""
         self.drain(drain_seconds)
@@ -154,6 +167,7 @@ class Engine:
                 return
             if self.scheduler.idle:
                 self._inflight = None  # every sequence of a run still in flight has ended
+                self._swap_params()
                 self._report()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
@@ -175,6 +189,14 @@ class Engine:
                     return
                 self._new_state()
             self._update_gauges()
+
+    def _swap_params(self) -> None:
+        with self._lock:
+            pending, self._new_params = self._new_params, None
+        if pending is not None:
+            self.runner.swap_params(pending[0])
+            self._new_state()
+            pending[1].set()
 
     def _fail_requests(self) -> None:
         self._unreported, self._inflight = [], None

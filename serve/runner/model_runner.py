@@ -102,6 +102,23 @@ class ModelRunner:
         self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
                                                          jnp.zeros((cfg.num_rows, self.vocab), bool)))
 
+    def check_params(self, leaves: list) -> None:
+        """Raises unless `leaves` can replace `params` without a recompilation: as many arrays, each of the same
+        shape, dtype and sharding."""
+        if len(leaves) != len(self.params):
+            raise ValueError(f"{len(leaves)} parameter arrays for a view of {len(self.params)}")
+        for i, (new, old) in enumerate(zip(leaves, self.params)):
+            if (new.shape, new.dtype) != (old.shape, old.dtype) or not new.sharding.is_equivalent_to(
+                    old.sharding, old.ndim):
+                raise ValueError(f"parameter {i}: {new.shape} {new.dtype} on {new.sharding} does not replace "
+                                 f"{old.shape} {old.dtype} on {old.sharding}")
+
+    def swap_params(self, leaves: list) -> None:
+        """Run with `leaves` (`check_params`) from the next step on; the view is rebuilt around them, so the old
+        arrays are freed once nothing else holds them."""
+        self.params = list(leaves)
+        self.model = self.programs.merge(self.params)
+
     def _constrain_cache(self, cache):
         if self.cache_shardings is None:
             return cache

@@ -1,0 +1,3 @@
+from train.rl.command import main
+
+main()

@@ -1,0 +1,95 @@
+"""Rollouts by the serving engine in the same process, and the weight sync that keeps it on the current policy.
+
+The engine runs its own serving view of the model (`Placement.model_view`: fused projections), built from the
+trainer's parameters; the trainer's arrays and model objects are never changed by it. After each update
+`sync` rebuilds the view's parameter arrays from the new state in one jitted program (the same shapes, dtypes and
+shardings, so the engine's compiled steps are reused) and hands them to `Engine.update_params`: no disk, no
+host copy. With LoRA only the adapters changed: the program merges them into the base weights it reads.
+
+Each prompt's G completions are one engine request with its own seed (from the run's seed, the step and the
+prompt's place), so a rerun samples the same tokens; all P requests run concurrently under continuous batching.
+Every sampled token's logprob is recorded, the EOS that ends a completion included.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import jax
+
+from inkling_jax.generate import flat_params
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.outputs import Sample
+from serve.engine.sampling_params import SamplingParams
+from serve.offline import Generated, TokenRecorder, generate
+from train.state import Flat, TrainState
+from train.step import Trainer
+
+PAGE_SIZE = 16
+CHUNKS = (16, 64, 256)  # prefill chunk sizes the rollout engine may compile
+MAX_CONCURRENCY = 64
+# Started engines by their setup: a second run in the process (a test, a resumed run) reuses one, compiled.
+_ENGINES: dict = {}
+
+
+class RolloutRecorder(TokenRecorder):
+    """Keeps the EOS (or stop id) that ends a completion, with its logprob: the policy chose it too."""
+
+    def finish(self, stop: Sample | None = None) -> list:
+        if stop is not None:
+            self.result.token_ids.append(stop.token_id)
+            self.result.logprobs.append(stop.logprob)
+        return []
+
+
+def engine_config(sequences: int, max_prompt: int, max_new_tokens: int) -> EngineConfig:
+    """Room for every sequence of a step at once (up to MAX_CONCURRENCY running, the rest queued), one row bucket
+    (all rows: the sequences of a step start together), prefill chunks up to the longest prompt."""
+    seqs = min(sequences, MAX_CONCURRENCY)
+    max_len = -(-(max_prompt + max_new_tokens + 1) // PAGE_SIZE) * PAGE_SIZE
+    top = next((c for c in CHUNKS if c >= max_prompt), CHUNKS[-1])  # longer prompts prefill in several chunks
+    chunks = (1,) + tuple(c for c in CHUNKS if c <= top)
+    return EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=PAGE_SIZE, chunk_buckets=chunks,
+                        row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
+                        num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256))
+
+
+class Rollouts:
+    def __init__(self, trainer: Trainer, state: TrainState, frozen: Flat, config: EngineConfig):
+        self.trainer = trainer
+        key = (trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config)
+        self.engine = _ENGINES.get(key)
+        if self.engine is None:
+            model = trainer.parts.merge(trainer.model_params(state, frozen))
+            self.engine = Engine(model, config, eos_token_id=trainer.config.eos_token_id)
+            self.engine.start()
+            _ENGINES[key] = self.engine
+        placement, fuse = self.engine.runner.placement, config.fuse_projections
+        self._view = jax.jit(lambda s, f: flat_params(placement.model_view(
+            trainer.parts.merge(trainer.model_params(s, f)), fuse))[0])
+        # The engine's weights always come from this program: an engine of an earlier run gets this run's, and a
+        # new one replaces its eager view's (LoRA's merge may round differently there), so that a resumed run
+        # samples exactly what an uninterrupted one did.
+        self.sync(state, frozen)
+
+    def sync(self, state: TrainState, frozen: Flat) -> float:
+        """Give the engine the weights of `state`; returns the seconds it took (the view's arrays computed and
+        swapped in)."""
+        began = time.perf_counter()
+        leaves = jax.block_until_ready(self._view(state, frozen))
+        self.engine.update_params(leaves)
+        return time.perf_counter() - began
+
+    def generate(self, prompts: list[tuple[int, ...]], seeds: list[int], group: int, max_new_tokens: int,
+                 temperature: float) -> list[list[Generated]]:
+        """For each prompt, `group` completions with their logprobs."""
+        def one(prompt, seed):
+            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0)
+            return generate(self.engine, [list(prompt)], params, n=group, recorder=RolloutRecorder)
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(one, prompts, seeds))
+
+
