@@ -33,6 +33,7 @@ from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
 from serve.engine.sequence import Sequence
+from serve.runner.drafters import OracleDrafter
 from serve.runner.model_runner import ModelRunner
 from serve.runner.placement import Placement
 
@@ -41,11 +42,13 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
-                 metrics: Metrics | None = None, placement: Placement | None = None):
+                 metrics: Metrics | None = None, placement: Placement | None = None,
+                 oracle: OracleDrafter | None = None):
+        """oracle: the drafter of speculative method "oracle" (`serve.runner.drafters`; tests, benchmarks)."""
         self.config = config
         self.eos_token_id = eos_token_id
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(model, config, placement)
+        self.runner = ModelRunner(model, config, placement, oracle, on_round=self.metrics.record_round)
         self._new_state()
         self._lock = threading.Lock()
         self._wake = threading.Event()

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax.generate import flat_params
+from inkling_jax.nn.cache import init_cache
 from inkling_jax.nn.model import InklingModel
 from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
@@ -28,19 +29,31 @@ from serve.engine.outputs import Sample
 from serve.engine.scheduler import Chunk
 from serve.runner import cache_rows
 from serve.runner.compilation import compile_options
+from serve.runner.drafters import OracleDrafter, fill_drafts
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.sampler import read_samples, unpack_samples
+from serve.runner.speculative import SpeculativePrograms, cache_layout, check_speculative
 from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
 
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None):
+    def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None,
+                 oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None):
+        """oracle: the drafter of `SpeculativeConfig` method "oracle" (required by it, refused by the others).
+        on_round(verified, accepted): called for every row of every speculative round collected."""
         self.config = config
         self.placement = placement or Placement()
         self.placement.check(model.config.text)
-        self.text = model.config.text
+        spec = config.speculative
+        if spec is not None:
+            check_speculative(model.config, spec)
+        if (oracle is not None) != (spec is not None and spec.method == "oracle"):
+            raise ValueError("an oracle drafter goes with speculative method 'oracle', and only with it")
+        self.oracle = oracle
+        self.on_round = on_round
+        self.text = cache_layout(model.config, spec)  # the cache's layers: the trunk's (and the MTP depths')
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuses_projections
         log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
@@ -53,8 +66,11 @@ class ModelRunner:
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
-        self.programs = StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row,
-                                     self._constrain_cache, self._whole)
+        programs = (StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache,
+                                 self._whole)) if spec is None else SpeculativePrograms(
+            merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole,
+            config=model.config, speculative=spec)
+        self.programs = programs
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
@@ -72,8 +88,8 @@ class ModelRunner:
         self.cache = self.snapshots = None  # the old ones go first
 
         def cache():
-            return self.model.init_cache(cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size,
-                                         num_pages=self.num_pages)
+            return init_cache(self.text, cfg.num_rows, cfg.max_model_len + cfg.lookahead, self.model.dtype,
+                              page_size=cfg.page_size, num_pages=self.num_pages)
 
         def snapshots():
             return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)
@@ -119,10 +135,12 @@ class ModelRunner:
         step_out = {"decode": None, "prefill": None, "scoring": None}
         if self.cache_shardings is not None:
             replicated = self.placement.replicated()
-            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
-                        "prefill": (self.cache_shardings, replicated, replicated),
-                        "scoring": (self.cache_shardings, replicated, replicated, replicated)}
-        decode = jit(self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
+            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
+            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated) + drafts,
+                        "prefill": (self.cache_shardings, replicated, replicated) + drafts,
+                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts}
+        # With speculative decoding a decode step is a round, `K + 1` tokens per row.
+        decode = jit(self.programs.round if self.speculative else self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
                      donate_argnums=(1, 2))
         prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
                       donate_argnums=(1, 2))
@@ -131,9 +149,9 @@ class ModelRunner:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
             for full in (False, True):  # a program per sampler kind (see `sampler.sample`)
-                if chunk > 1:
-                    lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
-                                                               gather=gather, full=full)
+                if chunk > 1 or self.speculative:
+                    lowered[rows, chunk, full] = (prefill if chunk > 1 else decode).lower(
+                        self.params, self.cache, self.penalties, inputs, gather=gather, full=full)
                 else:
                     lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
                                                               self._step_index[0], self._no_tokens[rows],
@@ -190,8 +208,8 @@ class ModelRunner:
         of a program on a GPU (loading its kernels) does not land in a request's time to first token."""
         for (rows, chunk, _), program in self._steps.items():
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
-            if chunk > 1:
-                self.cache, self.penalties, _ = program(self.params, self.cache, self.penalties, inputs)
+            if chunk > 1 or self.speculative:
+                self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
         rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
@@ -245,21 +263,30 @@ class ModelRunner:
 
     def collect(self, dispatched: list) -> dict[int, list[Sample]]:
         """Wait for a dispatched step; returns seq_id -> the chunk's `steps` Samples (with the request's
-        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens."""
+        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens; a speculative
+        round's, as many as the row emitted. Drafts go to their sequences (`Sequence.drafts`), and each round's
+        acceptance to `Sequence.accepted` and `on_round`."""
         results = {}
-        for group, outs, _, _ in dispatched:
+        for group, outs, _, _, drafted in dispatched:
             host = unpack_samples(np.concatenate(jax.device_get(outs)))
+            emitted, drafts, verified = (None, None, None) if drafted is None else jax.device_get(drafted)
             for chunk, row in zip(group, self._row_index(group)):
-                if chunk.samples:
-                    num_top = chunk.seq.params.logprobs or 0
-                    results[chunk.seq.seq_id] = read_samples(host, row, chunk.samples, num_top)
+                seq, count = chunk.seq, chunk.samples
+                if drafts is not None and count:
+                    seq.drafts = drafts[row].tolist()
+                if emitted is not None and count:
+                    count = int(emitted[row])
+                    seq.accepted.append((int(verified[row]), count - 1))
+                    self.on_round(int(verified[row]), count - 1)
+                if count:
+                    results[seq.seq_id] = read_samples(host, row, count, seq.params.logprobs or 0)
         return results
 
     def collect_prompt_logprobs(self, dispatched: list) -> dict[int, list[Sample]]:
         """seq_id -> the Samples of the prompt tokens each scoring chunk of a dispatched step predicts (with the
         request's `prompt_logprobs` most likely tokens), in order."""
         results = {}
-        for group, _, _, scored in dispatched:
+        for group, _, _, scored, _ in dispatched:
             if scored is not None:
                 host = np.asarray(jax.device_get(scored))
                 for chunk, row in zip(group, self._row_index(group)):
@@ -290,23 +317,30 @@ class ModelRunner:
 
     def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple:
         """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
-        [1, rows, 2 + 2K], `sampler.pack_samples`), a decode run's last tokens and the prompt logprobs of a
-        scoring prefill (`prompt_logprobs.score`; else None)."""
+        [1, rows, 2 + 2K], `sampler.pack_samples`; a round's [K + 1, rows, ...]), a decode run's last tokens, the
+        prompt logprobs of a scoring prefill (`prompt_logprobs.score`; else None), and where the program drafts,
+        (tokens each row emitted (None: its samples), the drafts, drafts each row verified) (else None)."""
         rows, chunk = self._shape(group)
-        inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
+        host_inputs = self._inputs(group, rows, chunk)
+        inputs = self.placement.put(pack(host_inputs))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
-            self.cache, self.penalties, out, scored = self._scoring(self.params, self.cache, self.penalties, inputs,
-                                                                    targets)
+            self.cache, self.penalties, out, scored, *drafts = self._scoring(self.params, self.cache, self.penalties,
+                                                                             inputs, targets)
             on_queued()
-            return [out], None, scored
+            return [out], None, scored, (None, drafts[0], None) if drafts else None
         full = any(c.seq.params.needs_full_sampler for c in group)
         program = self._steps[rows, chunk, full]
         if chunk > 1:
-            self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
+            self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
-            return [out], None, None
-        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None
+            return [out], None, None, (None, drafts[0], None) if drafts else None
+        if self.speculative:
+            self.cache, self.penalties, out, emitted, drafts = program(self.params, self.cache, self.penalties,
+                                                                       inputs)
+            on_queued()
+            return [out], None, None, (emitted, drafts, host_inputs.n_new - 1)
+        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None):
@@ -324,5 +358,14 @@ class ModelRunner:
         return outs, previous
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
+        """A step's host inputs; a speculative round's (decode chunks) with each row's drafts after its token."""
         media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
-        return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)
+        index = self._row_index(group) if group else []
+        if not self.speculative or chunk > 1:
+            return step_inputs(self.config, group, index, rows, chunk, media)
+        width = self.config.speculative.num_draft_tokens + 1
+        return fill_drafts(self.config, step_inputs(self.config, group, index, rows, width), group, index, self.oracle)
+
+    @property
+    def speculative(self) -> bool:
+        return self.config.speculative is not None

@@ -1,0 +1,169 @@
+"""Speculative decoding on the device: the programs of an engine whose decode steps verify drafted tokens.
+
+A round, for every running row at cached length L whose last sampled token t0 is not yet in the cache:
+
+1. verify: the target extends [t0, d1 .. dK] (the row's drafts; `n_new` = 1 + the drafts it may use) in one
+   chunk over the paged cache, the ShortConv inputs kept (`keep_conv_inputs`) and the ring slots it overwrites
+   saved (`rollback`);
+2. accept: position j's target token g_j is sampled as a plain decode step would sample it (the row's parameters
+   at output index + j, penalties counting the drafts before j); a greedy row keeps the longest prefix of drafts
+   with d_{j+1} == g_j, a = its length, and emits g_0 .. g_a: the accepted drafts and the target's own next
+   token. A sampling row keeps no draft (a = 0), so its one token per round is drawn exactly as without
+   speculation;
+3. commit: the cache keeps t0, d1 .. da (length L + a + 1), the ShortConv states after them, and the ring slots
+   past them restored;
+4. draft (method "mtp"): every MTP depth runs over the kept positions with the trunk's hidden states and the
+   tokens after them (g_0 .. g_a), so its cache advances with the trunk's (`MTPHead.extend`); depth 0's output at
+   the last kept position drafts d'1, and the chain feeds each step's hidden state and token to the next
+   position (step j through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length are
+   undone as the verify's are: its ring slots restored, its ShortConv states not kept.
+
+A prefill chunk drafts the same way after its sample (`_draft`). Drafts go back to the host with the samples and
+return as the next round's input (`serve.runner.drafters`), so the host reads every round (one round per call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from inkling_jax.config import InklingConfig, TextConfig
+from serve.engine.config import SpeculativeConfig
+from serve.runner.rollback import keep_conv_prefix, restore_ring_slots, ring_slots
+from serve.runner.sampler import pack_samples, sample
+from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepPrograms, unpack
+
+
+def cache_layout(config: InklingConfig, speculative: SpeculativeConfig | None) -> TextConfig:
+    """The text config whose layers are the cache's: the trunk's, then with method "mtp" one per MTP depth (local
+    where the depth is), so that the cache helpers (`cache_rows`, `memory_plan`, shardings) cover the depths."""
+    text = config.text
+    if speculative is None or speculative.method != "mtp":
+        return text
+    depths = config.mtp.num_layers
+    return dataclasses.replace(text, num_layers=text.num_layers + depths, local_layer_ids=text.local_layer_ids + tuple(
+        text.num_layers + k for k in config.mtp.local_layer_ids))
+
+
+def check_speculative(config: InklingConfig, speculative: SpeculativeConfig) -> None:
+    """A clear error for a model the method cannot serve."""
+    k = speculative.num_draft_tokens
+    if speculative.method == "mtp" and config.mtp is None:
+        raise ValueError("speculative method 'mtp' needs a model with an MTP head (config.mtp is None)")
+    if config.text.local_layer_ids and k + 1 > config.text.sliding_window:
+        raise ValueError(f"{k} draft tokens: a verify of {k + 1} tokens must fit the sliding window "
+                         f"({config.text.sliding_window})")
+
+
+class SpeculativePrograms(StepPrograms):
+    def __init__(self, *args, config: InklingConfig, speculative: SpeculativeConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_drafts = speculative.num_draft_tokens
+        self.trunk_layers = config.text.num_layers
+        layout = cache_layout(config, speculative)
+        self.local = tuple(layout.is_local(i) for i in range(layout.num_layers))
+        self.history = config.text.conv_kernel_size - 1
+        self.drafts_with_mtp = speculative.method == "mtp"
+
+    def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool, full: bool):
+        """One round (module docstring) over ids [R, K + 1]. Returns (cache, penalties, samples [K + 1, R, 2 + 2N]
+        (`sampler.pack_samples` per position), emitted [R] (tokens each row emits: accepted drafts + 1; 0 for
+        padding rows), drafts [R, K])."""
+        model = self.merge(param_leaves)
+        inp = unpack(packed, self.pages_per_row)
+        sub = self._rows_in(cache, inp, gather)
+        rows, width = inp.ids.shape
+        positions = inp.lengths[:, None] + jnp.arange(width)[None, :]
+        trunk, drafter = self._split(sub)
+        saved = ring_slots(trunk, self.local, positions)
+        hidden, trunk = model.extend_hidden(inp.ids, trunk, inp.n_new, keep_conv_inputs=True)
+        out, counts = self._sample_positions(model.logits(hidden), penalties, inp, full)
+        active = inp.steps > 0
+        agree = (inp.ids[:, 1:] == out.tokens[:, :-1]) & (jnp.arange(width - 1)[None, :] < inp.n_new[:, None] - 1)
+        accepted = jnp.where(inp.params.temperature == 0, jnp.sum(jnp.cumprod(agree, axis=1), axis=1), 0)
+        kept = jnp.where(active, accepted + 1, 0)
+        trunk = keep_conv_prefix(trunk, kept, self.history)
+        trunk = restore_ring_slots(trunk, positions, saved, jnp.arange(width)[None, :] >= kept[:, None])
+        trunk = trunk.replace(lengths=inp.lengths + kept)
+        counts = counts.at[inp.rows[:, None], out.tokens].add(
+            ((jnp.arange(width)[None, :] < kept[:, None]) & inp.params.uses_penalties[:, None]).astype(jnp.int32),
+            mode="drop")
+        drafts = jnp.zeros((rows, self.num_drafts), jnp.int32)
+        if self.drafts_with_mtp:
+            drafter, drafts = self._mtp_drafts(model, drafter.replace(lengths=inp.lengths), hidden, out.tokens, kept,
+                                               active)
+        cache = self._rows_out(cache, inp, self._join(trunk, drafter), gather)
+        samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
+                               .reshape(rows, width, -1), 1, 0)
+        return cache, penalties.replace(counts=counts), samples, kept, drafts
+
+    def _draft(self, model, inp: StepInputs, hidden, sub, tokens):
+        """After a prefill chunk: the MTP depths over the chunk (the token after its last position: the row's
+        sample where it ends the known tokens, else the next prompt token), then the drafts after it."""
+        rows = inp.ids.shape[0]
+        if not self.drafts_with_mtp:
+            return sub, jnp.zeros((rows, self.num_drafts), jnp.int32)
+        trunk, drafter = self._split(sub)
+        last = jnp.maximum(inp.n_new - 1, 0)
+        after = jnp.where(inp.steps > 0, tokens, jnp.maximum(inp.next_token, 0))
+        next_ids = jnp.concatenate([inp.ids[:, 1:], jnp.zeros((rows, 1), jnp.int32)], axis=1)
+        next_ids = next_ids.at[jnp.arange(rows), last].set(after)
+        drafter, drafts = self._mtp_drafts(model, drafter.replace(lengths=inp.lengths), hidden, next_ids, inp.n_new,
+                                           inp.steps > 0)
+        return self._join(trunk, drafter), drafts
+
+    def _mtp_drafts(self, model, drafter, hidden, next_ids, kept, active):
+        """The MTP depths' cache `drafter` (at the trunk's old lengths) advanced over the `kept` positions of a
+        chunk whose trunk hidden states are `hidden [R, T, H]` and next tokens `next_ids [R, T]`; and K drafts
+        after the last kept position, chained on the rows where `active` holds (the others write nothing)."""
+        rows = hidden.shape[0]
+        embed = model.embed_tokens
+        depth_hidden, drafter = model.mtp.extend(hidden, next_ids, embed, drafter, kept)
+        h = depth_hidden[0][jnp.arange(rows), jnp.maximum(kept - 1, 0)]
+        token = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
+        drafts, chain = [token], drafter
+        chain_positions = drafter.lengths[:, None] + jnp.arange(self.num_drafts - 1)[None, :]
+        saved = ring_slots(drafter, self.local[self.trunk_layers:], chain_positions)
+        depths = len(drafter.layers)
+        for j in range(1, self.num_drafts):
+            h, chain = model.mtp.step(min(j, depths - 1), h, token, embed, chain, active)
+            token = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
+            drafts.append(token)
+        # The chain's K/V entries past the length are left (never read) except in rings, which are restored; its
+        # ShortConv states and lengths are not kept.
+        layers = tuple(kept_layer.replace(k=chained.k, v=chained.v)
+                       for kept_layer, chained in zip(drafter.layers, chain.layers))
+        drafter = restore_ring_slots(drafter.replace(layers=layers), chain_positions, saved,
+                                     jnp.ones(chain_positions.shape, bool))
+        return drafter, jnp.stack(drafts, axis=1)
+
+    def _sample_positions(self, logits, penalties: PenaltyState, inp: StepInputs, full: bool):
+        """The target's token at every position j of the verify [R, T, V], sampled as the plain decode step of
+        output index + j would be: penalties count the drafts before j (the tokens emitted before it if they are
+        accepted). Returns (Sampled of [R, T(, N)] arrays, penalty counts as they were)."""
+        rows, width, vocab = logits.shape
+        spread = lambda x: jnp.repeat(x, width, axis=0)  # noqa: E731  [R, ...] -> [R * T, ...]
+        params = jax.tree.map(spread, inp.params)
+        params = params.replace(index=params.index + jnp.tile(jnp.arange(width, dtype=jnp.int32), rows))
+        flat = logits.reshape(rows * width, vocab)
+        if not full:
+            out = sample(flat, params, None, None, self.num_top, full=False)
+        else:
+            take = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
+            drafted = jax.nn.one_hot(inp.ids[:, 1:], vocab, dtype=jnp.int32).cumsum(axis=1)
+            before = jnp.concatenate([jnp.zeros((rows, 1, vocab), jnp.int32), drafted], axis=1)
+            counts = take(penalties.counts)[:, None] + before * inp.params.uses_penalties[:, None, None]
+            out = sample(self.whole(flat), params, counts.reshape(rows * width, vocab),
+                         spread(take(penalties.prompt_mask)), self.num_top)
+        return jax.tree.map(lambda x: x.reshape(rows, width, *x.shape[1:]), out), penalties.counts
+
+    def _split(self, cache):
+        """(the trunk's cache, the MTP depths' cache): views of one cache, sharing lengths and pages."""
+        layers = cache.layers
+        return cache.replace(layers=layers[:self.trunk_layers]), cache.replace(layers=layers[self.trunk_layers:])
+
+    @staticmethod
+    def _join(trunk, drafter):
+        return trunk.replace(layers=trunk.layers + drafter.layers)
