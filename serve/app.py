@@ -25,7 +25,7 @@ import jax
 
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.config.generation import SAMPLING_FIELDS
-from serve.engine.config import EngineConfig
+from serve.engine.config import MAX_DRAFT_TOKENS, EngineConfig, SpeculativeConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatError, ChatFormat
@@ -35,8 +35,10 @@ from serve.http.routes import MAX_BODY_BYTES, Service
 from serve.http.server import Server, serving_app
 from serve.http.tokenizer import load_tokenizer
 from serve.runner.placement import MeshError, Placement
+from serve.runner.speculative import check_speculative
 
 log = logging.getLogger("serve")
+DEFAULT_DRAFT_TOKENS = 3
 
 
 def number(kind, low, high=None):
@@ -89,6 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--decode-steps", type=number(int, 1), default=8, help="decode steps queued on the device before the host "
       "reads their tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: "
       "one token at a time)")
+    a("--speculative-algorithm", choices=["mtp"], help="speculative decoding: mtp drafts with the model's MTP head "
+      "and verifies the drafts in one step per round; greedy requests keep the longest agreeing prefix (outputs "
+      "are those of plain decoding), sampled ones one token per round as without it (default: off)")
+    a("--speculative-num-draft-tokens", type=number(int, 1, MAX_DRAFT_TOKENS),
+      help=f"tokens drafted per round, with --speculative-algorithm (default {DEFAULT_DRAFT_TOKENS}; below the "
+      "sliding window)")
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device). Checked against "
       "the model's config before the weights load")
@@ -135,6 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
         p.error(str(exc))
+    if args.speculative_num_draft_tokens and not args.speculative_algorithm:
+        p.error("--speculative-num-draft-tokens needs --speculative-algorithm")
     for flag in ("max_prompt_tokens", "max_tokens"):
         if (getattr(args, flag) or 0) >= args.max_model_len:
             p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
@@ -156,7 +166,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
         prefix_caching=not args.no_prefix_caching, fuse_projections=not args.no_fuse_projections,
-        num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps)
+        num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps,
+        speculative=SpeculativeConfig(args.speculative_algorithm,
+                                      args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)
+        if args.speculative_algorithm else None)
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -175,6 +188,11 @@ def build_service(args: argparse.Namespace) -> Service:
     placement.check(model_config.text, dense_precision=args.dense_precision)
     tokenizer = load_tokenizer(directory)
     config = engine_config(args)
+    if config.speculative is not None:
+        try:
+            check_speculative(model_config, config.speculative)
+        except ValueError as exc:
+            raise SystemExit(f"--speculative-algorithm {args.speculative_algorithm}: {exc}") from None
     generation = GenerationConfig() if directory is None else load_generation_config(directory)
     quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     if directory is not None:

@@ -88,8 +88,8 @@ class Scheduler:
         """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
         `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens and the context length, with
         the pages for them reserved. None where a multi-token run is not wanted (speculative decoding, whose
-        rounds the host reads one by one; a prefill chunk, an ended sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be admitted meanwhile)
-        or the free pages do not cover it."""
+        rounds the host reads one by one; a prefill chunk, an ended sequence, a row with nothing left, a waiting
+        sequence, or new `mail`, that could be admitted meanwhile) or the free pages do not cover it."""
         cfg, blocks = self.config, self.blocks
         steps = min(decode_steps, cfg.decode_steps)
         admissible = (self.waiting or mail) and self.free_slots

@@ -11,6 +11,7 @@ program, or where a chunk computes prompt logprobs, as the one prefill program t
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import time
@@ -34,14 +35,15 @@ from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.sampler import read_samples, unpack_samples
 from serve.runner.speculative import SpeculativePrograms, cache_layout, check_speculative
-from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
+from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, init_penalties, pack, step_inputs
 
 log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None,
                  oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None):
-        """oracle: the drafter of `SpeculativeConfig` method "oracle" (required by it, refused by the others).
+        """oracle: the drafter of `SpeculativeConfig` method "oracle"; with "mtp", its proposals replace the head's
+        drafts while the head's state is kept as usual (tests of that state under chosen acceptance).
         on_round(verified, accepted): called for every row of every speculative round collected."""
         self.config = config
         self.placement = placement or Placement()
@@ -49,8 +51,8 @@ class ModelRunner:
         spec = config.speculative
         if spec is not None:
             check_speculative(model.config, spec)
-        if (oracle is not None) != (spec is not None and spec.method == "oracle"):
-            raise ValueError("an oracle drafter goes with speculative method 'oracle', and only with it")
+        if oracle is not None and spec is None or oracle is None and spec is not None and spec.method == "oracle":
+            raise ValueError("speculative method 'oracle' needs an oracle drafter, and one needs speculation")
         self.oracle = oracle
         self.on_round = on_round
         self.text = cache_layout(model.config, spec)  # the cache's layers: the trunk's (and the MTP depths')
@@ -140,8 +142,8 @@ class ModelRunner:
                         "prefill": (self.cache_shardings, replicated, replicated) + drafts,
                         "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts}
         # With speculative decoding a decode step is a round, `K + 1` tokens per row.
-        decode = jit(self.programs.round if self.speculative else self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
-                     donate_argnums=(1, 2))
+        decode = jit(self.programs.round if self.speculative else self.programs.decode,
+                     out_shardings=step_out["decode"], static_argnames=("gather", "full"), donate_argnums=(1, 2))
         prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
                       donate_argnums=(1, 2))
         lowered = {}
@@ -164,12 +166,14 @@ class ModelRunner:
             self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows, full=True)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
-        lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
+        lowered["init_penalties"] = jit(init_penalties, donate_argnums=0).lower(
             self.penalties, scalar, tokens, scalar)
         if self.config.snapshots:
-            lowered["save"] = jit(self._save_fn, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
+            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshot,
+                                                                      cache_rows.restore_snapshot))
+            lowered["save"] = jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
                 self.cache, self.snapshots, scalar, scalar)
-            lowered["restore"] = jit(self._restore_fn, out_shardings=self.cache_shardings, donate_argnums=0).lower(
+            lowered["restore"] = jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
                 self.cache, self.snapshots, scalar, scalar)
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
@@ -216,23 +220,6 @@ class ModelRunner:
         self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties, *self.placement.put(
             (pack(self._inputs([], rows, chunk)), np.full((rows, chunk), -1, np.int32))))
         jax.block_until_ready(self.cache)
-
-    def _init_penalties_fn(self, penalties: PenaltyState, row, tokens, num_prompt):
-        """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt`
-        are its prompt."""
-        position = jnp.arange(tokens.shape[0])
-        index = jnp.where(tokens >= 0, tokens, self.vocab)  # padding: out of range, dropped
-        counts = jnp.zeros((self.vocab,), jnp.int32).at[index].add((position >= num_prompt).astype(jnp.int32),
-                                                                    mode="drop")
-        in_prompt = jnp.zeros((self.vocab,), bool).at[jnp.where(position < num_prompt, index, self.vocab)].set(
-            True, mode="drop")
-        return PenaltyState(penalties.counts.at[row].set(counts), penalties.prompt_mask.at[row].set(in_prompt))
-
-    def _save_fn(self, cache, snapshots, row, snapshot):
-        return cache_rows.save_snapshot(self.text, cache, snapshots, row, snapshot)
-
-    def _restore_fn(self, cache, snapshots, row, snapshot):
-        return cache_rows.restore_snapshot(self.text, cache, snapshots, row, snapshot)
 
     # ------------------------------------------------------------------------------------------------------
     # Execution

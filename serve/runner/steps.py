@@ -85,13 +85,25 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
                                         for name, dtype in INT_FIELDS.items()})
     return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
                       lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
-                      steps=column["steps"], next_token=column["next_token"], params=params, media=packed.media, is_media=packed.is_media)
+                      steps=column["steps"], next_token=column["next_token"], params=params, media=packed.media,
+                      is_media=packed.is_media)
 
 
 @struct.dataclass
 class PenaltyState:
     counts: jax.Array  # [rows, V] int32: output tokens so far
     prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt
+
+
+def init_penalties(penalties: PenaltyState, row, tokens, num_prompt) -> PenaltyState:
+    """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt` are its
+    prompt."""
+    vocab = penalties.counts.shape[1]
+    position = jnp.arange(tokens.shape[0])
+    index = jnp.where(tokens >= 0, tokens, vocab)  # padding: out of range, dropped
+    counts = jnp.zeros((vocab,), jnp.int32).at[index].add((position >= num_prompt).astype(jnp.int32), mode="drop")
+    in_prompt = jnp.zeros((vocab,), bool).at[jnp.where(position < num_prompt, index, vocab)].set(True, mode="drop")
+    return PenaltyState(penalties.counts.at[row].set(counts), penalties.prompt_mask.at[row].set(in_prompt))
 
 
 class StepPrograms:
