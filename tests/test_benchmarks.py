@@ -14,7 +14,8 @@ from benchmarks import timing
 
 # runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
-@pytest.mark.parametrize("name", ["model", "serving", "training", "kernels", "moe", "conversion", "timing"])
+@pytest.mark.parametrize("name", ["model", "serving", "speculative", "training", "kernels", "moe",
+                                  "conversion", "timing"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:
