@@ -92,8 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "reads their tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: "
       "one token at a time)")
     a("--speculative-algorithm", choices=["mtp"], help="speculative decoding: mtp drafts with the model's MTP head "
-      "and verifies the drafts in one step per round; greedy requests keep the longest agreeing prefix (outputs "
-      "are those of plain decoding), sampled ones one token per round as without it (default: off)")
+      "and verifies the drafts in one step per round; greedy requests keep the longest agreeing prefix, sampled "
+      "ones accept by rejection sampling, so outputs are distributed as plain decoding's (default: off)")
     a("--speculative-num-draft-tokens", type=number(int, 1, MAX_DRAFT_TOKENS),
       help=f"tokens drafted per round, with --speculative-algorithm (default {DEFAULT_DRAFT_TOKENS}; below the "
       "sliding window)")

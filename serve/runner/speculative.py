@@ -5,11 +5,11 @@ A round, for every running row at cached length L whose last sampled token t0 is
 1. verify: the target extends [t0, d1 .. dK] (the row's drafts; `n_new` = 1 + the drafts it may use) in one
    chunk over the paged cache, the ShortConv inputs kept (`keep_conv_inputs`) and the ring slots it overwrites
    saved (`rollback`);
-2. accept: position j's target token g_j is sampled as a plain decode step would sample it (the row's parameters
-   at output index + j, penalties counting the drafts before j); a greedy row keeps the longest prefix of drafts
-   with d_{j+1} == g_j, a = its length, and emits g_0 .. g_a: the accepted drafts and the target's own next
-   token. A sampling row keeps no draft (a = 0), so its one token per round is drawn exactly as without
-   speculation;
+2. accept (`rejection.verify`): position j's logits give the target's distribution after d1 .. dj as the plain
+   sampler would draw from it (the row's parameters at output index + j, penalties counting the drafts before
+   j). A greedy row keeps the longest prefix of drafts with d_{j+1} == argmax; a sampling row keeps each draft
+   with the target's probability of it and draws the token after its last kept draft from the residual, so the
+   output is distributed exactly as plain sampling's. a = drafts kept; the row emits them and one more token;
 3. commit: the cache keeps t0, d1 .. da (length L + a + 1), the ShortConv states after them, and the ring slots
    past them restored;
 4. draft (method "mtp"): every MTP depth runs over the kept positions with the trunk's hidden states and the
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from inkling_jax.config import InklingConfig, TextConfig
 from serve.engine.config import SpeculativeConfig
 from serve.runner.rollback import keep_conv_prefix, restore_ring_slots, ring_slots
-from serve.runner.sampler import pack_samples, sample
+from serve.runner.rejection import verify
+from serve.runner.sampler import pack_samples
 from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepPrograms, unpack
 
 
@@ -79,15 +80,16 @@ class SpeculativePrograms(StepPrograms):
         trunk, drafter = self._split(sub)
         saved = ring_slots(trunk, self.local, positions)
         hidden, trunk = model.extend_hidden(inp.ids, trunk, inp.n_new, keep_conv_inputs=True)
-        out, counts = self._sample_positions(model.logits(hidden), penalties, inp, full)
+        take = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
+        logits = model.logits(hidden)
+        out, accepted = verify(self.whole(logits) if full else logits, inp.ids, inp.n_new, inp.params,
+                               take(penalties.counts), take(penalties.prompt_mask), self.num_top, full)
         active = inp.steps > 0
-        agree = (inp.ids[:, 1:] == out.tokens[:, :-1]) & (jnp.arange(width - 1)[None, :] < inp.n_new[:, None] - 1)
-        accepted = jnp.where(inp.params.temperature == 0, jnp.sum(jnp.cumprod(agree, axis=1), axis=1), 0)
         kept = jnp.where(active, accepted + 1, 0)
         trunk = keep_conv_prefix(trunk, kept, self.history)
         trunk = restore_ring_slots(trunk, positions, saved, jnp.arange(width)[None, :] >= kept[:, None])
         trunk = trunk.replace(lengths=inp.lengths + kept)
-        counts = counts.at[inp.rows[:, None], out.tokens].add(
+        counts = penalties.counts.at[inp.rows[:, None], out.tokens].add(
             ((jnp.arange(width)[None, :] < kept[:, None]) & inp.params.uses_penalties[:, None]).astype(jnp.int32),
             mode="drop")
         drafts = jnp.zeros((rows, self.num_drafts), jnp.int32)
@@ -138,26 +140,6 @@ class SpeculativePrograms(StepPrograms):
         drafter = restore_ring_slots(drafter.replace(layers=layers), chain_positions, saved,
                                      jnp.ones(chain_positions.shape, bool))
         return drafter, jnp.stack(drafts, axis=1)
-
-    def _sample_positions(self, logits, penalties: PenaltyState, inp: StepInputs, full: bool):
-        """The target's token at every position j of the verify [R, T, V], sampled as the plain decode step of
-        output index + j would be: penalties count the drafts before j (the tokens emitted before it if they are
-        accepted). Returns (Sampled of [R, T(, N)] arrays, penalty counts as they were)."""
-        rows, width, vocab = logits.shape
-        spread = lambda x: jnp.repeat(x, width, axis=0)  # noqa: E731  [R, ...] -> [R * T, ...]
-        params = jax.tree.map(spread, inp.params)
-        params = params.replace(index=params.index + jnp.tile(jnp.arange(width, dtype=jnp.int32), rows))
-        flat = logits.reshape(rows * width, vocab)
-        if not full:
-            out = sample(flat, params, None, None, self.num_top, full=False)
-        else:
-            take = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-            drafted = jax.nn.one_hot(inp.ids[:, 1:], vocab, dtype=jnp.int32).cumsum(axis=1)
-            before = jnp.concatenate([jnp.zeros((rows, 1, vocab), jnp.int32), drafted], axis=1)
-            counts = take(penalties.counts)[:, None] + before * inp.params.uses_penalties[:, None, None]
-            out = sample(self.whole(flat), params, counts.reshape(rows * width, vocab),
-                         spread(take(penalties.prompt_mask)), self.num_top)
-        return jax.tree.map(lambda x: x.reshape(rows, width, *x.shape[1:]), out), penalties.counts
 
     def _split(self, cache):
         """(the trunk's cache, the MTP depths' cache): views of one cache, sharing lengths and pages."""

@@ -116,6 +116,21 @@ def test_stops_max_tokens_n_and_logprobs(forced, model, greedy):
     np.testing.assert_allclose(short[0].logprobs, logprobs[np.arange(6), expected[:6]], rtol=1e-4, atol=1e-4)
 
 
+def test_seeded_sampling_is_reproducible_and_accepts_likely_drafts(forced, greedy):
+    """Rejection sampling in the engine (its distribution: tests/serve/runner/test_rejection.py): a seeded request
+    gives the same tokens twice, penalties and filters included; at a temperature so low that the target's
+    distribution is a point mass the oracle's drafts (the greedy tokens) are accepted, and the output is the
+    greedy one."""
+    params = greedy_params(temperature=0.9, top_p=0.95, frequency_penalty=0.2, seed=11, logprobs=1)
+    first = generate(forced, PROMPTS[:2], params, n=2)
+    again = generate(forced, PROMPTS[:2], params, n=2)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]
+    assert all(len(r.token_ids) == NEW for r in first)
+    cold = generate(forced, PROMPTS, greedy_params(temperature=1e-4, seed=5))
+    assert [r.token_ids for r in cold] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
+    assert {a for r in cold for _, a in r.speculative_rounds} == set(range(5))
+
+
 def _row_state(engine, slot: int, length: int) -> dict[str, np.ndarray]:
     """Every state the cache holds for a row of `length` tokens, by kind: the K/V of positions < length in
     full-attention pages, the ring slots of the window's positions, the ShortConv states; the MTP depths' apart."""
