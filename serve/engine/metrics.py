@@ -33,21 +33,19 @@ class Metrics:
         self.preemptions = Counter("inkling_preemptions", "Sequences preempted for recompute", registry=r)
         self.requests = Counter("inkling_requests", "Finished sequences by reason", ["finish_reason"], registry=r)
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
-        self.draft_tokens = Counter("inkling_spec_draft_tokens", "Speculative decoding: drafted tokens verified",
-                                    registry=r)
-        self.accepted_tokens = Counter("inkling_spec_accepted_tokens", "Speculative decoding: drafted tokens "
-                                       "accepted", registry=r)
-        self.rounds = Counter("inkling_spec_rounds", "Speculative decoding: rounds (one per row and verify)",
-                              registry=r)
-        self.position_drafts = Counter("inkling_spec_position_draft_tokens", "Speculative decoding: rounds that "
-                                       "verified a draft at this position (1 = the first draft)", ["position"],
-                                       registry=r)
-        self.position_accepted = Counter("inkling_spec_position_accepted_tokens", "Speculative decoding: rounds "
-                                         "that accepted the draft at this position", ["position"], registry=r)
-        self.acceptance_length = Gauge("inkling_spec_mean_acceptance_length", "Speculative decoding: tokens "
-                                       "emitted per round (accepted drafts + 1), mean so far", registry=r)
-        self.position_rate = Gauge("inkling_spec_position_acceptance_rate", "Speculative decoding: accepted / "
-                                   "verified drafts at this position so far", ["position"], registry=r)
+        spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731
+                                                      list(labels), registry=r)
+        self.draft_tokens = spec(Counter, "draft_tokens", "drafted tokens verified")
+        self.accepted_tokens = spec(Counter, "accepted_tokens", "drafted tokens accepted")
+        self.rounds = spec(Counter, "rounds", "rounds (one per row and verify)")
+        self.position_drafts = spec(Counter, "position_draft_tokens", "rounds that verified a draft at this position "
+                                    "(1 = the first draft)", "position")
+        self.position_accepted = spec(Counter, "position_accepted_tokens", "rounds that accepted the draft at this "
+                                      "position", "position")
+        self.acceptance_length = spec(Gauge, "mean_acceptance_length", "tokens emitted per round (accepted drafts "
+                                      "+ 1), mean so far")
+        self.position_rate = spec(Gauge, "position_acceptance_rate", "accepted / verified drafts at this position "
+                                  "so far", "position")
         self._queried = self._hits = 0
         self._rounds = self._emitted = 0
         self._verified, self._accepted = collections.Counter(), collections.Counter()  # position -> rounds
