@@ -91,9 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--decode-steps", type=number(int, 1), default=8, help="decode steps queued on the device before the host "
       "reads their tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: "
       "one token at a time)")
-    a("--speculative-algorithm", choices=["mtp"], help="speculative decoding: mtp drafts with the model's MTP head "
-      "and verifies the drafts in one step per round; greedy requests keep the longest agreeing prefix, sampled "
-      "ones accept by rejection sampling, so outputs are distributed as plain decoding's (default: off)")
+    a("--speculative-algorithm", choices=["mtp", "draft"], help="speculative decoding: mtp drafts with the model's "
+      "MTP head, draft with --speculative-draft-model; the model verifies the drafts in one step per round, greedy "
+      "requests keeping the longest agreeing prefix, sampled ones accepting by rejection sampling, so outputs are "
+      "distributed as plain decoding's (default: off)")
+    a("--speculative-draft-model", help="with --speculative-algorithm draft: a smaller Inkling checkpoint "
+      "directory with the model's tokenizer")
     a("--speculative-num-draft-tokens", type=number(int, 1, MAX_DRAFT_TOKENS),
       help=f"tokens drafted per round, with --speculative-algorithm (default {DEFAULT_DRAFT_TOKENS}; below the "
       "sliding window)")
@@ -145,6 +148,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if args.speculative_num_draft_tokens and not args.speculative_algorithm:
         p.error("--speculative-num-draft-tokens needs --speculative-algorithm")
+    if bool(args.speculative_draft_model) != (args.speculative_algorithm == "draft"):
+        p.error("--speculative-algorithm draft and --speculative-draft-model go together")
+    if args.speculative_draft_model and args.mesh:
+        p.error("--speculative-algorithm draft does not run on a --mesh")
     for flag in ("max_prompt_tokens", "max_tokens"):
         if (getattr(args, flag) or 0) >= args.max_model_len:
             p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
@@ -188,11 +195,14 @@ def build_service(args: argparse.Namespace) -> Service:
     placement.check(model_config.text, dense_precision=args.dense_precision)
     tokenizer = load_tokenizer(directory)
     config = engine_config(args)
-    if config.speculative is not None:
-        try:
-            check_speculative(model_config, config.speculative)
-        except ValueError as exc:
-            raise SystemExit(f"--speculative-algorithm {args.speculative_algorithm}: {exc}") from None
+    draft_dir = args.speculative_draft_model
+    draft_config = None if draft_dir is None else load_config(draft_dir)
+    try:
+        check_speculative(model_config, config.speculative, draft_config)
+        if draft_dir is not None and tokenizer_file(draft_dir) != tokenizer_file(directory):
+            raise ValueError(f"{draft_dir}'s tokenizer.json is not the model's")
+    except ValueError as exc:
+        raise SystemExit(f"--speculative-algorithm {args.speculative_algorithm}: {exc}") from None
     generation = GenerationConfig() if directory is None else load_generation_config(directory)
     quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     if directory is not None:
@@ -219,7 +229,9 @@ def build_service(args: argparse.Namespace) -> Service:
     # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
     # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
     model = placement.model_view(model, config.fuse_projections)
-    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)
+    draft = None if draft_dir is None else load_pretrained(draft_dir, dtype=dtype, config=draft_config, quant=quant,
+                                                           backend=args.backend)
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement, draft_model=draft)
     media = (MediaEncoder(model, args.max_image_pixels) if model.vision is not None or model.audio is not None
              else None)
     try:
@@ -235,6 +247,15 @@ def build_service(args: argparse.Namespace) -> Service:
                    max_n=args.max_n, api_key=args.api_key, chat=chat,
                    sampling_defaults=sampling_defaults(generation), max_body_bytes=int(args.max_body_mb * 2**20),
                    allowed_hosts=None if args.api_key or not is_loopback(args.host) else local_host_names(args.host))
+
+
+def tokenizer_file(directory: str | None) -> bytes | None:
+    """A model directory's tokenizer.json, as bytes (None: no directory, or none there)."""
+    path = None if directory is None else os.path.join(directory, "tokenizer.json")
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def sampling_defaults(generation) -> SamplingParams:

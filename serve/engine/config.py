@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 
-SPECULATIVE_METHODS = ("mtp", "oracle")
+SPECULATIVE_METHODS = ("mtp", "draft", "oracle")
 MAX_DRAFT_TOKENS = 8  # Inkling's MTP head has 8 depths
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: every decode step verifies `num_draft_tokens` drafted tokens per row (`serve.runner.
-    speculative`). method "mtp": the model's MTP head drafts them; "oracle": a host table of the tokens to propose
+    speculative`). method "mtp": the model's MTP head drafts them; "draft": a smaller Inkling with the same
+    vocabulary (the engine's `draft_model`); "oracle": a host table of the tokens to propose
     (`serve.runner.drafters.OracleDrafter`; tests and benchmarks, it knows the target's output in advance)."""
 
     method: str

@@ -43,12 +43,14 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
                  metrics: Metrics | None = None, placement: Placement | None = None,
-                 oracle: OracleDrafter | None = None):
-        """oracle: the drafter of speculative method "oracle" (`serve.runner.drafters`; tests, benchmarks)."""
+                 oracle: OracleDrafter | None = None, draft_model: InklingModel | None = None):
+        """oracle, draft_model: the drafters of speculative methods "oracle" (`serve.runner.drafters`; tests,
+        benchmarks) and "draft"."""
         self.config = config
         self.eos_token_id = eos_token_id
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(model, config, placement, oracle, on_round=self.metrics.record_round)
+        self.runner = ModelRunner(model, config, placement, oracle, on_round=self.metrics.record_round,
+                                  draft_model=draft_model)
         self._new_state()
         self._lock = threading.Lock()
         self._wake = threading.Event()

@@ -20,9 +20,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from inkling_jax.generate import flat_params
-from inkling_jax.nn.cache import init_cache
 from inkling_jax.nn.model import InklingModel
 from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
@@ -34,45 +34,44 @@ from serve.runner.drafters import OracleDrafter, fill_drafts
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.sampler import read_samples, unpack_samples
-from serve.runner.speculative import SpeculativePrograms, cache_layout, check_speculative
+from serve.runner.speculative import (SpeculativePrograms, cache_layout, check_speculative, drafter_layers,
+                                     init_serving_cache)
 from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, init_penalties, pack, step_inputs
 
 log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None,
-                 oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None):
+                 oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None,
+                 draft_model: InklingModel | None = None):
         """oracle: the drafter of `SpeculativeConfig` method "oracle"; with "mtp", its proposals replace the head's
         drafts while the head's state is kept as usual (tests of that state under chosen acceptance).
-        on_round(verified, accepted): called for every row of every speculative round collected."""
+        on_round(verified, accepted): called for every row of every speculative round collected. draft_model: the
+        drafter of method "draft" (the runner builds its view as it does the model's)."""
         self.config = config
         self.placement = placement or Placement()
         self.placement.check(model.config.text)
-        spec = config.speculative
-        if spec is not None:
-            check_speculative(model.config, spec)
-        if oracle is not None and spec is None or oracle is None and spec is not None and spec.method == "oracle":
-            raise ValueError("speculative method 'oracle' needs an oracle drafter, and one needs speculation")
-        self.oracle = oracle
-        self.on_round = on_round
-        self.text = cache_layout(model.config, spec)  # the cache's layers: the trunk's (and the MTP depths')
+        spec, draft_config = config.speculative, None if draft_model is None else draft_model.config
+        check_speculative(model.config, spec, draft_config, oracle is not None)
+        self.oracle, self.on_round = oracle, on_round
+        self.drafter = drafter_layers(model.config, spec, draft_config)
+        self.text = cache_layout(model.config.text, self.drafter)  # the cache's layers: the model's, the drafter's
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuses_projections
         log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is
-        self.params, merge = flat_params(self.model)
+        self.draft = None if draft_model is None else self.placement.model_view(draft_model, config.fuse_projections)
+        self.params, merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(
             self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens")
         self.reset()
-        programs = (StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache,
-                                 self._whole)) if spec is None else SpeculativePrograms(
-            merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole,
-            config=model.config, speculative=spec)
-        self.programs = programs
+        shared = (merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole)
+        self.programs = StepPrograms(*shared) if spec is None else SpeculativePrograms(
+            *shared, config=model.config, speculative=spec, drafter=self.drafter)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
@@ -90,8 +89,9 @@ class ModelRunner:
         self.cache = self.snapshots = None  # the old ones go first
 
         def cache():
-            return init_cache(self.text, cfg.num_rows, cfg.max_model_len + cfg.lookahead, self.model.dtype,
-                              page_size=cfg.page_size, num_pages=self.num_pages)
+            return init_serving_cache(self.model.config.text, self.drafter, cfg.num_rows, cfg.max_model_len +
+                                      cfg.lookahead, self.model.dtype, page_size=cfg.page_size,
+                                      num_pages=self.num_pages)
 
         def snapshots():
             return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)

@@ -18,8 +18,11 @@ A round, for every running row at cached length L whose last sampled token t0 is
    position (step j through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length are
    undone as the verify's are: its ring slots restored, its ShortConv states not kept.
 
-A prefill chunk drafts the same way after its sample (`_draft`). Drafts go back to the host with the samples and
-return as the next round's input (`serve.runner.drafters`), so the host reads every round (one round per call).
+Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
+kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, undone past the length as the MTP
+chain is. A prefill chunk drafts the same way after its sample (`_draft`). Drafts go back to the host with the
+samples and return as the next round's input (`serve.runner.drafters`), so the host reads every round (one round
+per device call).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from inkling_jax.config import InklingConfig, TextConfig
+from inkling_jax.nn.cache import Cache, init_cache
 from serve.engine.config import SpeculativeConfig
 from serve.runner.rollback import keep_conv_prefix, restore_ring_slots, ring_slots
 from serve.runner.rejection import verify
@@ -37,36 +41,69 @@ from serve.runner.sampler import pack_samples
 from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepPrograms, unpack
 
 
-def cache_layout(config: InklingConfig, speculative: SpeculativeConfig | None) -> TextConfig:
-    """The text config whose layers are the cache's: the trunk's, then with method "mtp" one per MTP depth (local
-    where the depth is), so that the cache helpers (`cache_rows`, `memory_plan`, shardings) cover the depths."""
-    text = config.text
-    if speculative is None or speculative.method != "mtp":
-        return text
-    depths = config.mtp.num_layers
-    return dataclasses.replace(text, num_layers=text.num_layers + depths, local_layer_ids=text.local_layer_ids + tuple(
-        text.num_layers + k for k in config.mtp.local_layer_ids))
+def drafter_layers(config: InklingConfig, speculative: SpeculativeConfig | None,
+                   draft: InklingConfig | None = None) -> TextConfig | None:
+    """The text config of the layers whose cache the drafter keeps beside the target's: the MTP depths (the
+    trunk's attention shapes, local where the depth is), the draft model's layers, or None."""
+    if speculative is None or speculative.method == "oracle":
+        return None
+    if speculative.method == "draft":
+        return draft.text
+    return dataclasses.replace(config.text, num_layers=config.mtp.num_layers, dense_layer_ids=(),
+                               local_layer_ids=config.mtp.local_layer_ids)
 
 
-def check_speculative(config: InklingConfig, speculative: SpeculativeConfig) -> None:
-    """A clear error for a model the method cannot serve."""
+def cache_layout(target: TextConfig, drafter: TextConfig | None) -> TextConfig:
+    """A text config whose layers are the cache's, for what reads only which layers are local (`cache_rows`,
+    shardings, the memory plan): the target's, then the drafter's."""
+    if drafter is None:
+        return target
+    return dataclasses.replace(target, num_layers=target.num_layers + drafter.num_layers,
+                               local_layer_ids=target.local_layer_ids + tuple(
+                                   target.num_layers + i for i in drafter.local_layer_ids))
+
+
+def init_serving_cache(target: TextConfig, drafter: TextConfig | None, *args, **kwargs) -> Cache:
+    """`init_cache` of the target with the drafter's layers appended (same rows, lengths and page table)."""
+    cache = init_cache(target, *args, **kwargs)
+    return cache if drafter is None else cache.replace(layers=cache.layers + init_cache(drafter, *args,
+                                                                                         **kwargs).layers)
+
+
+def check_speculative(config: InklingConfig, speculative: SpeculativeConfig | None,
+                      draft: InklingConfig | None = None, oracle: bool = False) -> None:
+    """A clear error for drafters that do not go with the method, and for a model (and draft model) the method
+    cannot serve."""
+    method = None if speculative is None else speculative.method
+    if (method == "draft") != (draft is not None) or (method == "oracle" and not oracle) or (method is None and oracle):
+        raise ValueError(f"speculative method {method}: a draft model goes with method 'draft' and an oracle "
+                         "drafter with 'oracle' or 'mtp'; 'draft' and 'oracle' need theirs")
+    if speculative is None:
+        return
     k = speculative.num_draft_tokens
     if speculative.method == "mtp" and config.mtp is None:
         raise ValueError("speculative method 'mtp' needs a model with an MTP head (config.mtp is None)")
-    if config.text.local_layer_ids and k + 1 > config.text.sliding_window:
-        raise ValueError(f"{k} draft tokens: a verify of {k + 1} tokens must fit the sliding window "
-                         f"({config.text.sliding_window})")
+    for text in (config.text,) if draft is None else (config.text, draft.text):
+        if text.local_layer_ids and k + 1 > text.sliding_window:
+            raise ValueError(f"{k} draft tokens: a verify of {k + 1} tokens must fit the sliding window "
+                             f"({text.sliding_window})")
+    if draft is not None and draft.text.unpadded_vocab_size != config.text.unpadded_vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft.text.unpadded_vocab_size}) is not the model's "
+                         f"({config.text.unpadded_vocab_size})")
 
 
 class SpeculativePrograms(StepPrograms):
-    def __init__(self, *args, config: InklingConfig, speculative: SpeculativeConfig, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, merge, *args, config: InklingConfig, speculative: SpeculativeConfig,
+                 drafter: TextConfig | None, **kwargs):
+        """merge: parameter leaves -> the target model, or with method "draft" -> [target, draft model]."""
+        self.method = speculative.method
+        super().__init__((lambda leaves: merge(leaves)[0]) if self.method == "draft" else merge, *args, **kwargs)
+        self.merge_draft = lambda leaves: merge(leaves)[1]  # noqa: E731  (method "draft" only)
         self.num_drafts = speculative.num_draft_tokens
         self.trunk_layers = config.text.num_layers
-        layout = cache_layout(config, speculative)
+        layout = cache_layout(config.text, drafter)
         self.local = tuple(layout.is_local(i) for i in range(layout.num_layers))
         self.history = config.text.conv_kernel_size - 1
-        self.drafts_with_mtp = speculative.method == "mtp"
 
     def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool, full: bool):
         """One round (module docstring) over ids [R, K + 1]. Returns (cache, penalties, samples [K + 1, R, 2 + 2N]
@@ -93,28 +130,51 @@ class SpeculativePrograms(StepPrograms):
             ((jnp.arange(width)[None, :] < kept[:, None]) & inp.params.uses_penalties[:, None]).astype(jnp.int32),
             mode="drop")
         drafts = jnp.zeros((rows, self.num_drafts), jnp.int32)
-        if self.drafts_with_mtp:
+        if self.method == "mtp":
             drafter, drafts = self._mtp_drafts(model, drafter.replace(lengths=inp.lengths), hidden, out.tokens, kept,
                                                active)
+        elif self.method == "draft":
+            after = out.tokens[jnp.arange(rows), jnp.maximum(kept - 1, 0)]  # the token the round emits last
+            drafter, drafts = self._model_drafts(self.merge_draft(param_leaves), drafter.replace(lengths=inp.lengths),
+                                                 inp.ids, kept, after, active)
         cache = self._rows_out(cache, inp, self._join(trunk, drafter), gather)
         samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
                                .reshape(rows, width, -1), 1, 0)
         return cache, penalties.replace(counts=counts), samples, kept, drafts
 
-    def _draft(self, model, inp: StepInputs, hidden, sub, tokens):
-        """After a prefill chunk: the MTP depths over the chunk (the token after its last position: the row's
-        sample where it ends the known tokens, else the next prompt token), then the drafts after it."""
+    def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):
+        """After a prefill chunk: the drafter over the chunk (the MTP depths read the token after each position:
+        after the last, the row's sample where it ends the known tokens, else the next prompt token), then the
+        drafts after the row's sample."""
         rows = inp.ids.shape[0]
-        if not self.drafts_with_mtp:
+        if self.method == "oracle":
             return sub, jnp.zeros((rows, self.num_drafts), jnp.int32)
         trunk, drafter = self._split(sub)
+        drafter, sampling = drafter.replace(lengths=inp.lengths), inp.steps > 0
+        if self.method == "draft":
+            drafter, drafts = self._model_drafts(self.merge_draft(param_leaves), drafter, inp.ids, inp.n_new, tokens,
+                                                 sampling)
+            return self._join(trunk, drafter), drafts
         last = jnp.maximum(inp.n_new - 1, 0)
-        after = jnp.where(inp.steps > 0, tokens, jnp.maximum(inp.next_token, 0))
+        after = jnp.where(sampling, tokens, jnp.maximum(inp.next_token, 0))
         next_ids = jnp.concatenate([inp.ids[:, 1:], jnp.zeros((rows, 1), jnp.int32)], axis=1)
         next_ids = next_ids.at[jnp.arange(rows), last].set(after)
-        drafter, drafts = self._mtp_drafts(model, drafter.replace(lengths=inp.lengths), hidden, next_ids, inp.n_new,
-                                           inp.steps > 0)
+        drafter, drafts = self._mtp_drafts(model, drafter, hidden, next_ids, inp.n_new, sampling)
         return self._join(trunk, drafter), drafts
+
+    def _model_drafts(self, draft, drafter, ids, kept, token, active):
+        """The draft model's cache `drafter` (at the trunk's old lengths) advanced over the first `kept [R]` tokens
+        of ids [R, T]; and K drafts after `token [R]` (each row's next token), chained on the rows where `active`
+        holds (the others write nothing)."""
+        _, drafter = draft.extend_hidden(ids, drafter, kept)
+        chain_positions = drafter.lengths[:, None] + jnp.arange(self.num_drafts)[None, :]
+        saved = ring_slots(drafter, self.local[self.trunk_layers:], chain_positions)
+        chain, drafts, first = drafter, [], jnp.zeros_like(kept)
+        for _ in range(self.num_drafts):
+            logits, chain = draft.extend(token[:, None], chain, active.astype(jnp.int32), logits_at=first)
+            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            drafts.append(token)
+        return self._undo_chain(drafter, chain, chain_positions, saved), jnp.stack(drafts, axis=1)
 
     def _mtp_drafts(self, model, drafter, hidden, next_ids, kept, active):
         """The MTP depths' cache `drafter` (at the trunk's old lengths) advanced over the `kept` positions of a
@@ -133,13 +193,15 @@ class SpeculativePrograms(StepPrograms):
             h, chain = model.mtp.step(min(j, depths - 1), h, token, embed, chain, active)
             token = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
             drafts.append(token)
-        # The chain's K/V entries past the length are left (never read) except in rings, which are restored; its
-        # ShortConv states and lengths are not kept.
-        layers = tuple(kept_layer.replace(k=chained.k, v=chained.v)
-                       for kept_layer, chained in zip(drafter.layers, chain.layers))
-        drafter = restore_ring_slots(drafter.replace(layers=layers), chain_positions, saved,
-                                     jnp.ones(chain_positions.shape, bool))
-        return drafter, jnp.stack(drafts, axis=1)
+        return self._undo_chain(drafter, chain, chain_positions, saved), jnp.stack(drafts, axis=1)
+
+    @staticmethod
+    def _undo_chain(kept, chain, positions, saved):
+        """The drafter's cache `kept` after a draft chain wrote `chain` past its length at `positions [R, S]`: the
+        chain's K/V entries stay (never read once the length passes them) except in rings, which get their `saved`
+        slots back; its ShortConv states and lengths are not kept."""
+        layers = tuple(layer.replace(k=chained.k, v=chained.v) for layer, chained in zip(kept.layers, chain.layers))
+        return restore_ring_slots(kept.replace(layers=layers), positions, saved, jnp.ones(positions.shape, bool))
 
     def _split(self, cache):
         """(the trunk's cache, the MTP depths' cache): views of one cache, sharing lengths and pages."""

@@ -136,14 +136,14 @@ class StepPrograms:
             every = model.logits(hidden)
             logits = every[jnp.arange(every.shape[0]), last]
         out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
-        sub, drafts = self._draft(model, inp, hidden, sub, out.tokens)
+        sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
         outputs = cache, penalties.replace(counts=counts), pack_samples(out)[None]
         if targets is not None:
             outputs += (prompt_logprobs.score(every, targets, self.num_top),)
         return outputs if drafts is None else (*outputs, drafts)
 
-    def _draft(self, model, inp: StepInputs, hidden, sub, tokens):
+    def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):
         """(sub, drafts or None) after a prefill chunk: speculative programs draft the tokens after each row's
         sample here (`serve.runner.speculative`); plain ones have nothing to do."""
         return sub, None

@@ -58,6 +58,8 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--speculative-num-draft-tokens", "9"], "--speculative-num-draft-tokens: must be in [1, 8]"),
     (["--speculative-algorithm", "eagle"], "--speculative-algorithm: invalid choice"),
     (["--speculative-num-draft-tokens", "2"], "--speculative-num-draft-tokens needs --speculative-algorithm"),
+    (["--speculative-algorithm", "draft"], "--speculative-algorithm draft and --speculative-draft-model go together"),
+    (["--speculative-draft-model", "/x"], "--speculative-algorithm draft and --speculative-draft-model go together"),
 ])
 def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):

@@ -40,9 +40,9 @@ def greedy(model):
     return {tuple(p): greedy_tokens(model, p, NEW + 8) for p in PROMPTS}
 
 
-def start(model, method, k, oracle=None, **changes):
+def start(model, method, k, oracle=None, draft_model=None, **changes):
     engine = Engine(model, EngineConfig(**{**ENGINE, **changes}, speculative=SpeculativeConfig(method, k)),
-                    eos_token_id=CONFIG.eos_token_id, oracle=oracle)
+                    eos_token_id=CONFIG.eos_token_id, oracle=oracle, draft_model=draft_model)
     engine.start()
     return engine
 
@@ -62,11 +62,10 @@ def forced(model, greedy):
 
 
 def test_mtp_drafts_give_the_greedy_tokens(model, greedy):
-    engine = start(model, "mtp", 1)  # the head's own (random: mostly rejected) drafts, the prefix cache on
+    engine = start(model, "mtp", 1)  # the head's own (random: mostly rejected) drafts
     try:
-        for _ in range(2):  # the second time from the prefix cache
-            results = generate(engine, PROMPTS, greedy_params())
-            assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
+        results = generate(engine, PROMPTS, greedy_params())
+        assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
         rounds = [r for result in results for r in result.speculative_rounds]
         assert rounds and all(verified <= 1 for verified, _ in rounds)
         metrics = engine.metrics.render().decode()
@@ -133,7 +132,8 @@ def test_seeded_sampling_is_reproducible_and_accepts_likely_drafts(forced, greed
 
 def _row_state(engine, slot: int, length: int) -> dict[str, np.ndarray]:
     """Every state the cache holds for a row of `length` tokens, by kind: the K/V of positions < length in
-    full-attention pages, the ring slots of the window's positions, the ShortConv states; the MTP depths' apart."""
+    full-attention pages, the ring slots of the window's positions, the ShortConv states; the drafter's (MTP
+    depths', draft model's) apart."""
     runner = engine.runner
     cache, layout = runner.cache, runner.text
     trunk = CONFIG.text.num_layers
@@ -141,7 +141,7 @@ def _row_state(engine, slot: int, length: int) -> dict[str, np.ndarray]:
     positions = np.arange(length)
     state = {}
     for i, layer in enumerate(cache.layers):
-        owner = "mtp " if i >= trunk else ""
+        owner = "drafter " if i >= trunk else ""
         for name in ("k", "v"):
             pool = np.asarray(getattr(layer, name))
             if layout.is_local(i):
@@ -156,22 +156,40 @@ def _row_state(engine, slot: int, length: int) -> dict[str, np.ndarray]:
     return state
 
 
-def test_cache_after_forced_rejections_equals_a_plain_prefill(forced, greedy):
-    prompt = PROMPTS[1]
-    expected = greedy[tuple(prompt)]
-    slot = forced.scheduler.free_slots[-1]  # the slot the next admission takes (the engine is idle)
-    generate(forced, [prompt], greedy_params())
-    length = int(forced.runner.cache.lengths[slot])
+def assert_cache_equals_a_plain_prefill(engine, prompt, expected):
+    """After `prompt` decoded speculatively, the row's every state equals that of a prefill of its tokens."""
+    slot = engine.scheduler.free_slots[-1]  # the slot the next admission takes (the engine is idle)
+    generate(engine, [prompt], greedy_params())
+    length = int(engine.runner.cache.lengths[slot])
     assert length == len(prompt) + NEW - 1  # every output but the last is in the cache
-    spec = _row_state(forced, slot, length)
+    spec = _row_state(engine, slot, length)
     # The same tokens prefilled (its one sample is the last output, which the MTP depths' last entry reads).
-    assert forced.scheduler.free_slots[-1] == slot
-    plain = generate(forced, [prompt + expected[:NEW - 1]], greedy_params(max_tokens=1))[0]
-    assert plain.token_ids == [expected[NEW - 1]] and int(forced.runner.cache.lengths[slot]) == length
-    reference = _row_state(forced, slot, length)
-    assert {key.split()[0] for key in spec} == {"ring", "full", "shortconv", "mtp"}
+    assert engine.scheduler.free_slots[-1] == slot
+    plain = generate(engine, [prompt + expected[:NEW - 1]], greedy_params(max_tokens=1))[0]
+    assert plain.token_ids == [expected[NEW - 1]] and int(engine.runner.cache.lengths[slot]) == length
+    reference = _row_state(engine, slot, length)
+    assert {key.split()[0] for key in spec} == {"ring", "full", "shortconv", "drafter"}
     for key in spec:
         np.testing.assert_allclose(spec[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_cache_after_forced_rejections_equals_a_plain_prefill(forced, greedy):
+    assert_cache_equals_a_plain_prefill(forced, PROMPTS[1], greedy[tuple(PROMPTS[1])])
+
+
+def test_a_draft_model_gives_the_greedy_tokens_and_keeps_its_cache_in_step(model, greedy):
+    """The draft model is the target's twin (the same weights): its drafts are the greedy tokens, so rounds
+    accept them; the prefix cache is on (the second pass hits it, snapshots holding the draft's state too)."""
+    engine = start(model, "draft", 3, draft_model=random_model(CONFIG, seed=0, backend=REFERENCE))
+    try:
+        for _ in range(2):
+            results = generate(engine, PROMPTS, greedy_params())
+            assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
+        assert min(r.acceptance.mean_length for r in results) > 3.5
+        assert engine.metrics.prefix_hits._value.get() > 0
+        assert_cache_equals_a_plain_prefill(engine, PROMPTS[1], greedy[tuple(PROMPTS[1])])
+    finally:
+        engine.shutdown(drain_seconds=0)
 
 
 def test_bad_settings_fail_at_start(model):
@@ -184,4 +202,11 @@ def test_bad_settings_fail_at_start(model):
                                 backend=REFERENCE)
     with pytest.raises(ValueError, match="MTP head"):
         Engine(without_head, EngineConfig(**ENGINE, speculative=SpeculativeConfig("mtp", 2)),
+               eos_token_id=CONFIG.eos_token_id)
+    other_vocabulary = random_model(CONFIG.replace(unpadded_vocab_size=300), seed=0, backend=REFERENCE)
+    with pytest.raises(ValueError, match="draft model's vocabulary"):
+        Engine(model, EngineConfig(**ENGINE, speculative=SpeculativeConfig("draft", 2)),
+               eos_token_id=CONFIG.eos_token_id, draft_model=other_vocabulary)
+    with pytest.raises(ValueError, match="need theirs"):
+        Engine(model, EngineConfig(**ENGINE, speculative=SpeculativeConfig("draft", 2)),
                eos_token_id=CONFIG.eos_token_id)
