@@ -117,11 +117,11 @@ def pretrained_params(path: str, config: InklingConfig, shardings: Flat, progres
     return model_params(load_pretrained(path, "float32", config=config, place=place, progress=progress))
 
 
-def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False) -> list[str]:
-    """Text weights the optimizer updates (and the MTP head's with `mtp`): all but the selection biases and
-    names matching a `freeze` regex."""
+def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True) -> list[str]:
+    """Text weights the optimizer updates (none without `text`) and the MTP head's with `mtp`: all but the
+    selection biases and names matching a `freeze` regex."""
     patterns = [re.compile(f) for f in freeze]
-    roots = TEXT_ROOTS + (("mtp",) if mtp else ())
+    roots = (TEXT_ROOTS if text else ()) + (("mtp",) if mtp else ())
     return [n for n in parts.paths if n.split(".")[0] in roots and not n.endswith(BIAS_NAME)
             and jnp.issubdtype(parts.dtypes[n], jnp.floating) and not any(p.search(n) for p in patterns)]
 
