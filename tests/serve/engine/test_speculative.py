@@ -100,7 +100,7 @@ def test_forced_rejections_with_the_head_state_and_preemption(forced, greedy):
     assert {a for _, a in rounds} == set(range(5))  # rows accepted every length from 0 to K
 
 
-def test_stops_max_tokens_n_and_logprobs(forced, model, greedy):
+def test_stops_max_tokens_n_and_logprobs_and_prompt_logprobs(forced, model, greedy):
     prompt = PROMPTS[2]
     expected = greedy[tuple(prompt)]
     stop_at = 5  # inside the round that accepts drafts 4 .. 6 (the oracle is wrong at 7)
@@ -113,6 +113,8 @@ def test_stops_max_tokens_n_and_logprobs(forced, model, greedy):
     logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
     np.testing.assert_allclose(short[0].logprobs, logprobs[np.arange(6), expected[:6]], rtol=1e-4, atol=1e-4)
+    scored = generate(forced, [prompt], greedy_params(max_tokens=6, prompt_logprobs=1))[0]  # the scoring prefill
+    assert scored.token_ids == expected[:6] and len(scored.prompt_logprobs) == len(prompt) - 1
 
 
 def test_seeded_sampling_is_reproducible_and_accepts_likely_drafts(forced, greedy):
