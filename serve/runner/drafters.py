@@ -41,13 +41,29 @@ def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[i
 def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index: list[int],
                 oracle: OracleDrafter | None) -> StepInputs:
     """Round inputs: `inputs` (`step_inputs` of the decode chunks, chunk width K + 1, each row's last token first)
-    with each row's drafts after it, as many as it may still emit after the round's first token."""
+    with each row's drafts after it, as many as it may still emit after the round's first token, and as its
+    `steps` the tokens it may emit in the run (`SpeculativePrograms.round`)."""
     k = inputs.ids.shape[1] - 1
-    ids, n_new = inputs.ids.copy(), inputs.n_new.copy()
+    ids, n_new, steps = inputs.ids.copy(), inputs.n_new.copy(), inputs.steps.copy()
     for chunk, row in zip(group, index):
         seq = chunk.seq
-        room = min(seq.params.max_tokens - seq.num_output, cfg.max_model_len - len(seq)) - 1
-        drafts = proposals(seq, oracle, max(0, min(k, room)))
+        left = min(seq.params.max_tokens - seq.num_output, cfg.max_model_len - len(seq))
+        drafts = proposals(seq, oracle, max(0, min(k, left - 1)))
         ids[row, 1:1 + len(drafts)] = np.asarray(drafts, np.int32)
         n_new[row] = 1 + len(drafts)
-    return inputs.replace(ids=ids, n_new=n_new)
+        steps[row] = min(left, chunk.steps * (k + 1))  # tokens it may emit in its `chunk.steps` rounds
+    return inputs.replace(ids=ids, n_new=n_new, steps=steps)
+
+
+def read_rounds(seq: Sequence, row: int, kept, verified, width: int, on_round) -> list[int]:
+    """Where a row's emitted tokens are in a run's read-out (rounds of `width` = K + 1 positions, each round's
+    first `kept[round][row]` ones); records each of its rounds on the sequence and with on_round(verified,
+    accepted)."""
+    index = []
+    for r, (emitted, checked) in enumerate(zip(kept, verified)):
+        count = int(emitted[row])
+        if count:
+            index += range(r * width, r * width + count)
+            seq.accepted.append((int(checked[row]), count - 1))
+            on_round(int(checked[row]), count - 1)
+    return index

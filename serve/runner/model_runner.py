@@ -30,12 +30,12 @@ from serve.engine.outputs import Sample
 from serve.engine.scheduler import Chunk
 from serve.runner import cache_rows
 from serve.runner.compilation import compile_options
-from serve.runner.drafters import OracleDrafter, fill_drafts
+from serve.runner.drafters import OracleDrafter, fill_drafts, read_rounds
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.sampler import read_samples, unpack_samples
 from serve.runner.speculative import (SpeculativePrograms, cache_layout, check_speculative, drafter_layers,
-                                     init_serving_cache)
+                                     init_serving_cache, no_previous_round)
 from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, init_penalties, pack, step_inputs
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,9 @@ class ModelRunner:
             *shared, config=model.config, speculative=spec, drafter=self.drafter)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
-        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
+        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32) if spec is None else
+                                                    no_previous_round(rows, spec.num_draft_tokens))
+                           for rows in config.rows}
         self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
         self._save = self._restore = self._init_penalties = self._scoring = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
@@ -138,7 +140,7 @@ class ModelRunner:
         if self.cache_shardings is not None:
             replicated = self.placement.replicated()
             drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
-            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated) + drafts,
+            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
                         "prefill": (self.cache_shardings, replicated, replicated) + drafts,
                         "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts}
         # With speculative decoding a decode step is a round, `K + 1` tokens per row.
@@ -151,9 +153,9 @@ class ModelRunner:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
             for full in (False, True):  # a program per sampler kind (see `sampler.sample`)
-                if chunk > 1 or self.speculative:
-                    lowered[rows, chunk, full] = (prefill if chunk > 1 else decode).lower(
-                        self.params, self.cache, self.penalties, inputs, gather=gather, full=full)
+                if chunk > 1:
+                    lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
+                                                               gather=gather, full=full)
                 else:
                     lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
                                                               self._step_index[0], self._no_tokens[rows],
@@ -212,7 +214,7 @@ class ModelRunner:
         of a program on a GPU (loading its kernels) does not land in a request's time to first token."""
         for (rows, chunk, _), program in self._steps.items():
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
-            if chunk > 1 or self.speculative:
+            if chunk > 1:
                 self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
@@ -256,17 +258,18 @@ class ModelRunner:
         results = {}
         for group, outs, _, _, drafted in dispatched:
             host = unpack_samples(np.concatenate(jax.device_get(outs)))
-            emitted, drafts, verified = (None, None, None) if drafted is None else jax.device_get(drafted)
+            kept, drafts, verified = (None, None, None) if drafted is None else jax.device_get(drafted)
             for chunk, row in zip(group, self._row_index(group)):
-                seq, count = chunk.seq, chunk.samples
-                if drafts is not None and count:
+                seq = chunk.seq
+                if not chunk.samples:
+                    continue
+                index = range(chunk.samples)
+                if drafts is not None:
                     seq.drafts = drafts[row].tolist()
-                if emitted is not None and count:
-                    count = int(emitted[row])
-                    seq.accepted.append((int(verified[row]), count - 1))
-                    self.on_round(int(verified[row]), count - 1)
-                if count:
-                    results[seq.seq_id] = read_samples(host, row, count, seq.params.logprobs or 0)
+                if kept is not None:
+                    index = read_rounds(seq, row, kept, verified, len(host.tokens) // len(kept), self.on_round)
+                picked = jax.tree.map(lambda x: x[np.asarray(index, int)], host)
+                results[seq.seq_id] = read_samples(picked, row, len(index), seq.params.logprobs or 0)
         return results
 
     def collect_prompt_logprobs(self, dispatched: list) -> dict[int, list[Sample]]:
@@ -306,10 +309,10 @@ class ModelRunner:
         """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
         [1, rows, 2 + 2K], `sampler.pack_samples`; a round's [K + 1, rows, ...]), a decode run's last tokens, the
         prompt logprobs of a scoring prefill (`prompt_logprobs.score`; else None), and where the program drafts,
-        (tokens each row emitted (None: its samples), the drafts, drafts each row verified) (else None)."""
+        (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row verified)
+        (else None)."""
         rows, chunk = self._shape(group)
-        host_inputs = self._inputs(group, rows, chunk)
-        inputs = self.placement.put(pack(host_inputs))
+        inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
             self.cache, self.penalties, out, scored, *drafts = self._scoring(self.params, self.cache, self.penalties,
@@ -322,11 +325,10 @@ class ModelRunner:
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
             return [out], None, None, (None, drafts[0], None) if drafts else None
-        if self.speculative:
-            self.cache, self.penalties, out, emitted, drafts = program(self.params, self.cache, self.penalties,
-                                                                       inputs)
-            on_queued()
-            return [out], None, None, (emitted, drafts, host_inputs.n_new - 1)
+        if self.speculative:  # a run of rounds; the oracle's proposals reach the first only
+            rounds = 1 if self.oracle is not None else max(c.steps for c in group)
+            outs, carry = self.run_decode(program, rows, inputs, rounds, on_queued)
+            return [o[0] for o in outs], None, None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
         return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,

@@ -20,9 +20,9 @@ A round, for every running row at cached length L whose last sampled token t0 is
 
 Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
 kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, undone past the length as the MTP
-chain is. A prefill chunk drafts the same way after its sample (`_draft`). Drafts go back to the host with the
-samples and return as the next round's input (`serve.runner.drafters`), so the host reads every round (one round
-per device call).
+chain is. A prefill chunk drafts the same way after its sample (`_draft`). A run of rounds (up to the engine's
+decode steps) feeds each round the last token and drafts of the one before on the device; the last drafts go
+back to the host with the samples and return as the next run's input (`serve.runner.drafters`).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.nn.cache import Cache, init_cache
@@ -92,6 +93,11 @@ def check_speculative(config: InklingConfig, speculative: SpeculativeConfig | No
                          f"({config.text.unpadded_vocab_size})")
 
 
+def no_previous_round(rows: int, num_drafts: int) -> tuple:
+    """The carry a run's first round reads (`SpeculativePrograms.round`): no token, no drafts, nothing emitted."""
+    return np.zeros((rows,), np.int32), np.zeros((rows, num_drafts), np.int32), np.zeros((rows,), np.int32)
+
+
 class SpeculativePrograms(StepPrograms):
     def __init__(self, merge, *args, config: InklingConfig, speculative: SpeculativeConfig,
                  drafter: TextConfig | None, **kwargs):
@@ -105,12 +111,21 @@ class SpeculativePrograms(StepPrograms):
         self.local = tuple(layout.is_local(i) for i in range(layout.num_layers))
         self.history = config.text.conv_kernel_size - 1
 
-    def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, *, gather: bool, full: bool):
-        """One round (module docstring) over ids [R, K + 1]. Returns (cache, penalties, samples [K + 1, R, 2 + 2N]
-        (`sampler.pack_samples` per position), emitted [R] (tokens each row emits: accepted drafts + 1; 0 for
-        padding rows), drafts [R, K])."""
+    def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
+              gather: bool, full: bool):
+        """Round `step` (int32 scalar) of a run of rounds over the same inputs (module docstring), ids [R, K + 1].
+        Round 0 verifies the host's ids and n_new; a later one each row's last token and drafts from `previous`,
+        the run's carry (last token [R], drafts [R, K], tokens emitted in the run so far [R]; zeros at round 0).
+        Row r emits at most `steps[r]` tokens in the run. Returns (cache, penalties, (samples [K + 1, R, 2 + 2N]
+        (`sampler.pack_samples` per position), tokens each row emitted [R], drafts it verified [R]), carry)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
+        last, drafted, emitted = previous
+        left = inp.steps - emitted
+        later = jnp.where(left > 0, 1 + jnp.clip(left - 1, 0, self.num_drafts), 0)
+        inp = inp.replace(ids=jnp.where(step == 0, inp.ids, jnp.concatenate([last[:, None], drafted], axis=1)),
+                          n_new=jnp.where(step == 0, inp.n_new, later), lengths=inp.lengths + emitted,
+                          params=inp.params.replace(index=inp.params.index + emitted))
         sub = self._rows_in(cache, inp, gather)
         rows, width = inp.ids.shape
         positions = inp.lengths[:, None] + jnp.arange(width)[None, :]
@@ -121,7 +136,7 @@ class SpeculativePrograms(StepPrograms):
         logits = model.logits(hidden)
         out, accepted = verify(self.whole(logits) if full else logits, inp.ids, inp.n_new, inp.params,
                                take(penalties.counts), take(penalties.prompt_mask), self.num_top, full)
-        active = inp.steps > 0
+        active = left > 0
         kept = jnp.where(active, accepted + 1, 0)
         trunk = keep_conv_prefix(trunk, kept, self.history)
         trunk = restore_ring_slots(trunk, positions, saved, jnp.arange(width)[None, :] >= kept[:, None])
@@ -130,17 +145,18 @@ class SpeculativePrograms(StepPrograms):
             ((jnp.arange(width)[None, :] < kept[:, None]) & inp.params.uses_penalties[:, None]).astype(jnp.int32),
             mode="drop")
         drafts = jnp.zeros((rows, self.num_drafts), jnp.int32)
+        after = out.tokens[jnp.arange(rows), jnp.maximum(kept - 1, 0)]  # the token the round emits last
         if self.method == "mtp":
             drafter, drafts = self._mtp_drafts(model, drafter.replace(lengths=inp.lengths), hidden, out.tokens, kept,
                                                active)
         elif self.method == "draft":
-            after = out.tokens[jnp.arange(rows), jnp.maximum(kept - 1, 0)]  # the token the round emits last
             drafter, drafts = self._model_drafts(self.merge_draft(param_leaves), drafter.replace(lengths=inp.lengths),
                                                  inp.ids, kept, after, active)
         cache = self._rows_out(cache, inp, self._join(trunk, drafter), gather)
         samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
                                .reshape(rows, width, -1), 1, 0)
-        return cache, penalties.replace(counts=counts), samples, kept, drafts
+        carry = (jnp.where(active, after, last), jnp.where(active[:, None], drafts, drafted), emitted + kept)
+        return cache, penalties.replace(counts=counts), (samples, kept, jnp.maximum(inp.n_new - 1, 0)), carry
 
     def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):
         """After a prefill chunk: the drafter over the chunk (the MTP depths read the token after each position:

@@ -68,6 +68,9 @@ def test_mtp_drafts_give_the_greedy_tokens(model, greedy):
         assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
         rounds = [r for result in results for r in result.speculative_rounds]
         assert rounds and all(verified <= 1 for verified, _ in rounds)
+        sampled = greedy_params(temperature=0.9, seed=3)  # several rounds per call, each drawn at its own index
+        assert [r.token_ids for r in generate(engine, PROMPTS, sampled)] == \
+            [r.token_ids for r in generate(engine, PROMPTS, sampled)]
         metrics = engine.metrics.render().decode()
         assert "inkling_spec_mean_acceptance_length" in metrics and 'position="1"' in metrics
     finally:
@@ -181,12 +184,18 @@ def test_cache_after_forced_rejections_equals_a_plain_prefill(forced, greedy):
 
 def test_a_draft_model_gives_the_greedy_tokens_and_keeps_its_cache_in_step(model, greedy):
     """The draft model is the target's twin (the same weights): its drafts are the greedy tokens, so rounds
-    accept them; the prefix cache is on (the second pass hits it, snapshots holding the draft's state too)."""
+    accept them, several rounds per device call; the prefix cache is on (the second pass hits it, snapshots
+    holding the draft's state too)."""
     engine = start(model, "draft", 3, draft_model=random_model(CONFIG, seed=0, backend=REFERENCE))
+    runs = []  # rounds per device call: up to the engine's decode steps (8), each fed the last one's drafts
+    run_decode = engine.runner.run_decode
+    engine.runner.run_decode = lambda program, rows, inputs, steps, *a: runs.append(steps) or run_decode(
+        program, rows, inputs, steps, *a)
     try:
         for _ in range(2):
             results = generate(engine, PROMPTS, greedy_params())
             assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
+        assert max(runs) > 1
         assert min(r.acceptance.mean_length for r in results) > 3.5
         assert engine.metrics.prefix_hits._value.get() > 0
         assert_cache_equals_a_plain_prefill(engine, PROMPTS[1], greedy[tuple(PROMPTS[1])])
