@@ -8,10 +8,10 @@ Throughput (random weights, greedy, EOS ignored, one engine request of `concurre
 - the programs alone at 1, 8 and 32 rows, 128 cached tokens per row: the plain decode step (one token), the
   oracle engine's round (verify K + 1 tokens, accept, roll back) and the MTP engine's round (the same, then the
   head's catch-up and its K-step draft chain), each the median of back-to-back calls;
-- output tok/s at batch 1 and 8: plain decoding (its default of up to `--decode-steps` tokens per device call),
-  the oracle drafter proposing the plain run's own tokens (the upper bound: every draft accepted, unless bf16's
-  verify and decode steps disagree on a near tie) and the random MTP head (acceptance ~0: the round's cost
-  without its gain). Speculative engines read every round on the host (one round per device call).
+- output tok/s at batch 1 and 8: plain decoding (up to `--decode-steps` tokens per device call), the oracle
+  drafter proposing the plain run's own tokens (the upper bound: every draft accepted, unless bf16's verify and
+  decode steps disagree on a near tie; one round per device call, its proposals coming from the host) and the
+  random MTP head (acceptance ~0: the round's cost without its gain; up to `--decode-steps` rounds per call).
 `--acceptance`: the shipped default (float32) continues prompts cut from the held-out chapters
 (`tests/train/data/inkling_tiny_heldout.txt`) greedily, for each K; it reports the mean acceptance length (tokens
 per round) and each draft position's acceptance rate.
@@ -87,15 +87,8 @@ def round_seconds(engine: Engine, num_rows: int) -> float:
     inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
     inputs.ids[:num_rows] = np.random.default_rng(num_rows).integers(0, runner.vocab, (num_rows, width))
     inputs = runner.placement.put(pack(inputs))
-    program = runner._steps[rows, 1, False]
-    if cfg.speculative is None:
-        return median_seconds(lambda: runner.run_decode(program, rows, inputs, 1)[1], trials=5, calls=5)
-
-    def call():
-        runner.cache, runner.penalties, out, *_ = program(runner.params, runner.cache, runner.penalties, inputs)
-        return out
-
-    return median_seconds(call, trials=5, calls=5)
+    program = runner._steps[rows, 1, False]  # one step or one round, as the engine dispatches it
+    return median_seconds(lambda: runner.run_decode(program, rows, inputs, 1)[1], trials=5, calls=5)
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], output_tokens: int):
