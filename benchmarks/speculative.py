@@ -13,8 +13,8 @@ Throughput (random weights, greedy, EOS ignored, one engine request of `concurre
   decode steps disagree on a near tie; one round per device call, its proposals coming from the host) and the
   random MTP head (acceptance ~0: the round's cost without its gain; up to `--decode-steps` rounds per call).
 `--acceptance`: the shipped default (float32) continues prompts cut from the held-out chapters
-(`tests/train/data/inkling_tiny_heldout.txt`) greedily, for each K; it reports the mean acceptance length (tokens
-per round) and each draft position's acceptance rate.
+(`tests/train/data/inkling_tiny_heldout.txt`), greedily or sampled (`--temperature`, `--top-p`), for each K;
+it reports the mean acceptance length (tokens per round) and each draft position's acceptance rate.
 """
 
 import argparse
@@ -58,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8, help="the plain engine's tokens per device call")
     p.add_argument("--prompts", type=int, default=12, help="--acceptance: prompts cut from the held-out text")
+    p.add_argument("--temperature", type=float, default=0.0, help="--acceptance: 0 greedy, else sampled (seeded)")
+    p.add_argument("--top-p", type=float, default=1.0, help="--acceptance: with --temperature")
     p.add_argument("--out", help="directory for speculative.json")
     return p.parse_args(argv)
 
@@ -91,8 +93,9 @@ def round_seconds(engine: Engine, num_rows: int) -> float:
     return median_seconds(lambda: runner.run_decode(program, rows, inputs, 1)[1], trials=5, calls=5)
 
 
-def timed_generate(engine: Engine, prompts: list[list[int]], output_tokens: int):
-    params = SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+def timed_generate(engine: Engine, prompts: list[list[int]], output_tokens: int, **sampling):
+    """Greedy unless `sampling` says otherwise (SamplingParams fields)."""
+    params = SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=output_tokens, ignore_eos=True)
     generate(engine, prompts[:1], dataclasses.replace(params, max_tokens=4))  # first calls of each executable
     start = time.perf_counter()
     results = generate(engine, prompts, params)
@@ -168,7 +171,8 @@ def acceptance(args) -> dict:
                                row_buckets=(1, len(prompts) + 1), max_num_batched_tokens=args.prompt_tokens + 32)
         engine = Engine(model, config, eos_token_id=model.config.eos_token_id)
         engine.start()
-        outputs, seconds = timed_generate(engine, prompts, args.output_tokens)
+        outputs, seconds = timed_generate(engine, prompts, args.output_tokens, temperature=args.temperature,
+                                          top_p=args.top_p, seed=0)
         engine.shutdown(drain_seconds=0)
         found = summarize(r for o in outputs for r in o.speculative_rounds)
         results["runs"].append({"k": k, "rounds": found.rounds, "mean_acceptance_length": found.mean_length,
@@ -177,8 +181,9 @@ def acceptance(args) -> dict:
 
 
 def report_acceptance(args, results) -> None:
+    how = "greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature}, top_p {args.top_p})"
     print(stamp_line(results["stamp"]) + f"; inkling-tiny (float32), {results['prompts']} held-out prompts of "
-          f"{args.prompt_tokens} tokens, {args.output_tokens} greedy tokens each")
+          f"{args.prompt_tokens} tokens, {args.output_tokens} {how} tokens each")
     print("| K | rounds | mean acceptance length | acceptance rate by draft position |")
     print("|---:|---:|---:|---|")
     for r in results["runs"]:
