@@ -25,7 +25,8 @@ import jax
 
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.config.generation import SAMPLING_FIELDS
-from serve.engine.config import MIN_TOKEN_BUDGET, PREFILL_CHUNKS_PER_STEP, EngineConfig, default_token_budget
+from serve.engine.config import (MAX_DRAFT_TOKENS, MIN_TOKEN_BUDGET, PREFILL_CHUNKS_PER_STEP, EngineConfig,
+                                 SpeculativeConfig, default_token_budget)
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatError, ChatFormat
@@ -35,10 +36,12 @@ from serve.http.routes import MAX_BODY_BYTES, Service
 from serve.http.server import Server, serving_app
 from serve.http.tokenizer import load_tokenizer
 from serve.runner.placement import MeshError, Placement
+from serve.runner.speculative import check_speculative
 
 log = logging.getLogger("serve")
 GPU_MAX_NUM_SEQS = 128  # the concurrency serving benchmarks load a GPU server with; the KV pool takes the rest
 CPU_MAX_NUM_SEQS = 8
+DEFAULT_DRAFT_TOKENS = 3
 
 
 def number(kind, low, high=None):
@@ -97,6 +100,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--decode-steps", type=number(int, 1), default=8, help="decode steps queued on the device before the host "
       "reads their tokens: fewer host round-trips; stops are applied afterwards and the extra tokens discarded (1: "
       "one token at a time)")
+    a("--speculative-algorithm", choices=["mtp", "draft"], help="speculative decoding: mtp drafts with the model's "
+      "MTP head, draft with --speculative-draft-model; the model verifies the drafts in one step per round, greedy "
+      "requests keeping the longest agreeing prefix, sampled ones accepting by rejection sampling, so outputs are "
+      "distributed as plain decoding's (default: off)")
+    a("--speculative-draft-model", help="with --speculative-algorithm draft: a smaller Inkling checkpoint "
+      "directory with the model's tokenizer")
+    a("--speculative-num-draft-tokens", type=number(int, 1, MAX_DRAFT_TOKENS),
+      help=f"tokens drafted per round, with --speculative-algorithm (default {DEFAULT_DRAFT_TOKENS}; below the "
+      "sliding window)")
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device). Checked against "
       "the model's config before the weights load")
@@ -149,6 +161,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     except ValueError as exc:
         p.error(str(exc))
+    if args.speculative_num_draft_tokens and not args.speculative_algorithm:
+        p.error("--speculative-num-draft-tokens needs --speculative-algorithm")
+    if bool(args.speculative_draft_model) != (args.speculative_algorithm == "draft"):
+        p.error("--speculative-algorithm draft and --speculative-draft-model go together")
+    if args.speculative_draft_model and args.mesh:
+        p.error("--speculative-algorithm draft does not run on a --mesh")
     for flag in ("max_prompt_tokens", "max_tokens"):
         if (getattr(args, flag) or 0) >= args.max_model_len:
             p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
@@ -174,7 +192,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
         prefix_caching=not args.no_prefix_caching, fuse_projections=not args.no_fuse_projections,
-        num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps)
+        num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps,
+        speculative=SpeculativeConfig(args.speculative_algorithm,
+                                      args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)
+        if args.speculative_algorithm else None)
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -193,6 +214,14 @@ def build_service(args: argparse.Namespace) -> Service:
     placement.check(model_config.text, dense_precision=args.dense_precision)
     tokenizer = load_tokenizer(directory)
     config = engine_config(args)
+    draft_dir = args.speculative_draft_model
+    draft_config = None if draft_dir is None else load_config(draft_dir)
+    try:
+        check_speculative(model_config, config.speculative, draft_config)
+        if draft_dir is not None and tokenizer_file(draft_dir) != tokenizer_file(directory):
+            raise ValueError(f"{draft_dir}'s tokenizer.json is not the model's")
+    except ValueError as exc:
+        raise SystemExit(f"--speculative-algorithm {args.speculative_algorithm}: {exc}") from None
     generation = GenerationConfig() if directory is None else load_generation_config(directory)
     quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
     if directory is not None:
@@ -220,7 +249,9 @@ def build_service(args: argparse.Namespace) -> Service:
     # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
     # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
     model = placement.model_view(model, config.fuse_projections)
-    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement)
+    draft = None if draft_dir is None else load_pretrained(draft_dir, dtype=dtype, config=draft_config, quant=quant,
+                                                           backend=args.backend)
+    engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement, draft_model=draft)
     media = (MediaEncoder(model, args.max_image_pixels) if model.vision is not None or model.audio is not None
              else None)
     try:
@@ -236,6 +267,15 @@ def build_service(args: argparse.Namespace) -> Service:
                    max_n=args.max_n, api_key=args.api_key, chat=chat,
                    sampling_defaults=sampling_defaults(generation), max_body_bytes=int(args.max_body_mb * 2**20),
                    allowed_hosts=None if args.api_key or not is_loopback(args.host) else local_host_names(args.host))
+
+
+def tokenizer_file(directory: str | None) -> bytes | None:
+    """A model directory's tokenizer.json, as bytes (None: no directory, or none there)."""
+    path = None if directory is None else os.path.join(directory, "tokenizer.json")
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def sampling_defaults(generation) -> SamplingParams:

@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import threading
 
+from serve.engine.acceptance import Acceptance, summarize
 from serve.engine.engine import Engine
 from serve.engine.outputs import Output, Sample
 from serve.engine.sampling_params import SamplingParams
@@ -23,6 +24,12 @@ class Generated:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     prompt_logprobs: list[Sample] | None = None  # where asked (`SamplingParams.prompt_logprobs`)
+    speculative_rounds: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (verified, accepted)
+
+    @property
+    def acceptance(self) -> Acceptance:
+        """Speculative decoding's acceptance over this choice's rounds (none without speculation)."""
+        return summarize(self.speculative_rounds)
 
 
 class TokenRecorder:
@@ -67,4 +74,5 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *
     results = [request.parsers[seq.seq_id].result for seq in request.seqs]
     for seq, result in zip(request.seqs, results):
         result.finish_reason, result.prompt_logprobs = last[seq.index].finish_reason, last[seq.index].prompt_logprobs
+        result.speculative_rounds = list(seq.accepted)
     return results

@@ -26,19 +26,33 @@ def cross_entropy_sum(logits_fn, hidden, targets, weights, chunk: int):
     The head runs on `chunk` positions of every row at a time, each chunk rematerialised in the backward
     pass, so full [B, T, vocab] logits never exist at once (they dominate memory at Inkling's vocabulary).
     """
-    batch, length, width = hidden.shape
-    chunk = length if length % chunk else chunk
-    n = length // chunk
-
-    @jax.checkpoint
-    def one(args):
-        h, t, w = args
+    def one(h, t, w):
         logits = logits_fn(h).astype(jnp.float32)
         target_logit = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
         return jnp.sum((jax.nn.logsumexp(logits, axis=-1) - target_logit) * w)
 
+    return _chunked_sum(one, (hidden, targets, weights), chunk)
+
+
+def distillation_sum(logits_fn, hidden, teacher_hidden, weights, chunk: int):
+    """sum over tokens of weights * the cross-entropy from the teacher's distribution (softmax of its logits,
+    held constant) to the student's, in fp32; chunked as `cross_entropy_sum`."""
+    def one(h, teacher, w):
+        student = jax.nn.log_softmax(logits_fn(h).astype(jnp.float32), axis=-1)
+        target = jax.nn.softmax(jax.lax.stop_gradient(logits_fn(teacher)).astype(jnp.float32), axis=-1)
+        return -jnp.sum(jnp.sum(target * student, axis=-1) * w)
+
+    return _chunked_sum(one, (hidden, teacher_hidden, weights), chunk)
+
+
+def _chunked_sum(fn, arrays, chunk: int):
+    """sum of fn(*chunk of every array) over chunks of `chunk` positions of every row ([B, T, ...] arrays; the
+    whole row when chunk does not divide T), each chunk rematerialised in the backward pass."""
+    batch, length = arrays[0].shape[:2]
+    chunk = length if length % chunk else chunk
+    n = length // chunk
     split = lambda x: jnp.moveaxis(x.reshape(batch, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
-    return jnp.sum(jax.lax.map(one, (split(hidden), split(targets), split(weights))))
+    return jnp.sum(jax.lax.map(jax.checkpoint(lambda args: fn(*args)), tuple(split(x) for x in arrays)))
 
 
 def expert_loads(chosen: list, segment_ids, num_experts: int):

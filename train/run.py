@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--freeze", action="append", default=[], help="regex of weights not to train (repeatable)")
     p.add_argument("--mtp-weight", type=float, default=0.0,
                    help="train the MTP head too, on this weight times its mean loss over depths (0: frozen)")
+    p.add_argument("--mtp-distill", action="store_true",
+                   help="train only the MTP head (the model frozen), on the model's own distribution of each "
+                   "depth's token (self-distillation: fit a head to a fine-tuned model); needs --mtp-weight")
     add_backend_flag(p)
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--stop-at", type=int, help="leave after this step (checkpointed), e.g. to fit a job's time "
@@ -137,7 +140,8 @@ def main(argv=None) -> None:
         config, mesh,
         StepConfig(compute_dtype=args.dtype, remat=args.remat, loss_chunk=args.loss_chunk,
                    bias_update_rate=args.bias_update_rate, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                   freeze=tuple(args.freeze), mtp_weight=args.mtp_weight, backend=args.backend),
+                   freeze=tuple(args.freeze), mtp_weight=args.mtp_weight, mtp_distill=args.mtp_distill,
+                   backend=args.backend),
         OptimConfig(learning_rate=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                     min_lr_ratio=args.min_lr_ratio, weight_decay=args.weight_decay, clip_norm=args.clip),
         compiler_options={"xla_backend_optimization_level": 0} if args.fast_compile else None)

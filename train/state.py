@@ -117,15 +117,15 @@ def pretrained_params(path: str, config: InklingConfig, shardings: Flat, progres
     return model_params(load_pretrained(path, "float32", config=config, place=place, progress=progress))
 
 
-def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False) -> list[str]:
-    """Text weights the optimizer updates (and the MTP head's with `mtp`): all but the selection biases and
-    names matching a `freeze` regex."""
-    return [n for n in parts.paths if is_trainable(n, parts.dtypes[n], freeze, mtp)]
+def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True) -> list[str]:
+    """Text weights the optimizer updates (none without `text`) and the MTP head's with `mtp`: all but the
+    selection biases and names matching a `freeze` regex."""
+    return [n for n in parts.paths if is_trainable(n, parts.dtypes[n], freeze, mtp, text)]
 
 
-def is_trainable(name: str, dtype, freeze: Iterable[str] = (), mtp: bool = False) -> bool:
-    """Whether full fine-tuning updates the weight `name` of this dtype (`trainable_names`)."""
-    roots = TEXT_ROOTS + (("mtp",) if mtp else ())
+def is_trainable(name: str, dtype, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True) -> bool:
+    """Whether the optimizer updates the weight `name` of this dtype (`trainable_names`)."""
+    roots = (TEXT_ROOTS if text else ()) + (("mtp",) if mtp else ())
     return (name.split(".")[0] in roots and not name.endswith(BIAS_NAME) and jnp.issubdtype(dtype, jnp.floating)
             and not any(re.search(f, name) for f in freeze))
 

@@ -23,7 +23,7 @@ from inkling_jax.parallel.mesh import check_mesh
 from inkling_jax.parallel.placement import use_mesh
 from inkling_jax.parallel.rules import activation_sharding, constrain
 from train import lora
-from train.loss import cross_entropy_sum, expert_loads, load_balance, next_token_targets
+from train.loss import cross_entropy_sum, distillation_sum, expert_loads, load_balance, next_token_targets
 from train.optim import OptimConfig, make_optimizer, schedule
 from train.state import Flat, ModelParts, Shardings, TrainState, abstract_like, partition, put, trainable_names
 
@@ -44,6 +44,9 @@ class StepConfig:
     freeze: tuple[str, ...] = ()  # regexes of weights kept frozen in full fine-tuning
     # > 0: the MTP head trains too, on this weight times its depths' mean cross-entropy (predicting k + 2 ahead)
     mtp_weight: float = 0.0
+    # the MTP head alone trains (the model frozen), each depth on the frozen model's own distribution of the token
+    # it predicts (self-distillation: a head fitted to the model it drafts for); needs mtp_weight > 0
+    mtp_distill: bool = False
     backend: Backend = Backend()  # the kernels the model runs (`inkling_jax.backend`)
 
 
@@ -56,6 +59,8 @@ class Trainer:
         check_mesh(mesh, config.text)
         if step_config.mtp_weight > 0 and (config.mtp is None or step_config.lora_rank > 0):
             raise ValueError("an MTP loss needs a model with an MTP head, trained in full (not with LoRA)")
+        if step_config.mtp_distill and step_config.mtp_weight <= 0:
+            raise ValueError("MTP self-distillation trains the head on mtp_weight times its loss: give it > 0")
         self.config, self.mesh, self.cfg, self.optim_config = config, mesh, step_config, optim_config
         self.tx, self.schedule = make_optimizer(optim_config), schedule(optim_config)
         self.compiler_options = dict(compiler_options or {})
@@ -88,8 +93,8 @@ class Trainer:
             trained = adapters or lora.init_adapters(self.parts.shapes, self.cfg.lora_rank, jax.random.fold_in(key, 1))
             trained = {n: jnp.asarray(x, jnp.float32) for n, x in trained.items()}
         else:
-            trained, bias, frozen = partition(self.parts, params, trainable_names(self.parts, self.cfg.freeze,
-                                                                                  mtp=self.cfg.mtp_weight > 0))
+            trained, bias, frozen = partition(self.parts, params, trainable_names(
+                self.parts, self.cfg.freeze, mtp=self.cfg.mtp_weight > 0, text=not self.cfg.mtp_distill))
         trained = put(trained, self.shardings.flat(trained))
         opt_shardings = self.shardings.opt_state(self.tx, jax.eval_shape(self.tx.init, trained), trained)
         opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(trained)
@@ -144,8 +149,12 @@ class Trainer:
             mtp = 0.0
             for k, h in enumerate(depths):
                 targets, weights = next_token_targets(mb["input_ids"], mb["segment_ids"], mb["loss_mask"], k + 2)
-                mtp = mtp + cross_entropy_sum(model.logits, constrain(h, self.mesh, "hidden"), targets, weights,
-                                              self.cfg.loss_chunk)
+                h = constrain(h, self.mesh, "hidden")
+                if self.cfg.mtp_distill:  # the teacher of token t + k + 2: the model's own logits at t + k + 1
+                    teacher = jnp.roll(hidden, -(k + 1), axis=1)
+                    mtp = mtp + distillation_sum(model.logits, h, teacher, weights, self.cfg.loss_chunk)
+                else:
+                    mtp = mtp + cross_entropy_sum(model.logits, h, targets, weights, self.cfg.loss_chunk)
             sums["mtp_loss"] = mtp / len(depths)
             objective = objective + self.cfg.mtp_weight * sums["mtp_loss"]
         return objective, (expert_loads(chosen, mb["segment_ids"], self.config.text.num_experts), sums)

@@ -40,12 +40,13 @@ class Attention(nnx.Module):
         self.backend = backend  # which kernels run (`inkling_jax.backend`)
 
     def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
-                 page_table=None, ring_rows=None):
+                 page_table=None, ring_rows=None, keep_conv_inputs: bool = False):
         """u [B, T, hidden] (normed) at `positions [B, T]`.
 
         Without a cache the T tokens attend among themselves (segment ids separate packed sequences).
         With a cache the T tokens continue each row at `positions = lengths + t`; only the first `n_new[b]`
         of them are real (right padding); full layers find their pages through `page_table`.
+        `keep_conv_inputs`: the K and V ShortConv states come back with every input of the chunk (`ShortConv`).
         Returns (output [B, T, hidden], updated cache fields or None).
         """
         batch, seq, _ = u.shape
@@ -54,7 +55,7 @@ class Attention(nnx.Module):
         tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
         if cache is not None and segment_ids is not None:
             raise ValueError("packed segments and a decode cache cannot be combined")
-        if cache is not None and seq == 1 and kernels.fused_decode_prologue(self.backend):
+        if cache is not None and seq == 1 and not keep_conv_inputs and kernels.fused_decode_prologue(self.backend):
             q, _, _, new_k, new_v, k_conv, v_conv = kernels.decode_prologue(
                 q[:, 0], k[:, 0], v[:, 0], self.k_sconv.weight[...], self.v_sconv.weight[...],
                 self.q_norm.weight[...], self.k_norm.weight[...], cache.k_conv, cache.v_conv, cache.k, cache.v,
@@ -63,8 +64,8 @@ class Attention(nnx.Module):
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q[:, None], r, positions, n_new, tau)
             return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
 
-        k, k_conv = self.k_sconv(k, None if cache is None else cache.k_conv, segment_ids, n_new)
-        v, v_conv = self.v_sconv(v, None if cache is None else cache.v_conv, segment_ids, n_new)
+        k, k_conv = self.k_sconv(k, None if cache is None else cache.k_conv, segment_ids, n_new, keep_conv_inputs)
+        v, v_conv = self.v_sconv(v, None if cache is None else cache.v_conv, segment_ids, n_new, keep_conv_inputs)
         q = self.q_norm(q.reshape(batch, seq, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, self.head_dim))
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
@@ -128,7 +129,7 @@ class Attention(nnx.Module):
             key_end = window + n_new
         flat = self._cache_index(cache, page_table, ring_rows, positions, n_new)
         k, v = (pin_heads(self.mesh, (self.num_heads, self.num_kv_heads), a, 2) for a in (k, v))
-        new_k, new_v = _scatter_rows(cache.k, flat, k), _scatter_rows(cache.v, flat, v)
+        new_k, new_v = scatter_rows(cache.k, flat, k), scatter_rows(cache.v, flat, v)
         if seq == 1:  # a decode step: attend straight over the cache
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)
             return out, new_k, new_v
@@ -141,7 +142,7 @@ class Attention(nnx.Module):
         return out, new_k, new_v
 
 
-def _scatter_rows(cache, flat_index, rows):
+def scatter_rows(cache, flat_index, rows):
     """cache [P, S, ...] with rows [B, T, ...] written at flat (p * S + s) indices; negative ones are dropped."""
     flat = cache.reshape(-1, *cache.shape[2:])
     index = jnp.where(flat_index < 0, flat.shape[0], flat_index).reshape(-1)

@@ -26,15 +26,16 @@ class DecoderLayer(nnx.Module):
         self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs, backend=backend)
 
     def __call__(self, x, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
-                 page_table=None, ring_rows=None, expert_ids=None):
-        """Returns (x, updated LayerCache or None, the MoE's expert ids or None)."""
+                 page_table=None, ring_rows=None, expert_ids=None, keep_conv_inputs: bool = False):
+        """Returns (x, updated LayerCache or None, the MoE's expert ids or None). `keep_conv_inputs`: the cache's
+        ShortConv states come back with every input of the chunk (`ShortConv`, speculative verification)."""
         conv = (lambda name: None) if cache is None else (lambda name: getattr(cache, name))
         a, attn_cache = self.attn(self.attn_norm(x), positions, segment_ids=segment_ids, cache=cache, n_new=n_new,
-                                  page_table=page_table, ring_rows=ring_rows)
-        a, attn_conv = self.attn_sconv(a, conv("attn_conv"), segment_ids, n_new)
+                                  page_table=page_table, ring_rows=ring_rows, keep_conv_inputs=keep_conv_inputs)
+        a, attn_conv = self.attn_sconv(a, conv("attn_conv"), segment_ids, n_new, keep_conv_inputs)
         x = x + a
         m, chosen = self.mlp(self.mlp_norm(x), expert_ids)
-        m, mlp_conv = self.mlp_sconv(m, conv("mlp_conv"), segment_ids, n_new)
+        m, mlp_conv = self.mlp_sconv(m, conv("mlp_conv"), segment_ids, n_new, keep_conv_inputs)
         x = x + m
         new_cache = None
         if cache is not None:

@@ -67,7 +67,14 @@ class ShortConv(nnx.Module):
     def history(self) -> int:
         return self.weight.shape[-1] - 1
 
-    def __call__(self, x, state=None, segment_ids=None, lengths=None):
-        """x [B, T, C] -> (y [B, T, C], new_state [B, width - 1, C])."""
-        return kernels.shortconv_prefill(x, self.weight[...], state, backend=self.backend, segment_ids=segment_ids,
-                                         lengths=lengths, mesh=self.mesh, split_channels=self.split_channels)
+    def __call__(self, x, state=None, segment_ids=None, lengths=None, keep_inputs: bool = False):
+        """x [B, T, C] -> (y [B, T, C], new_state [B, width - 1, C]). With `keep_inputs` the returned state is
+        the state followed by every input, [B, width - 1 + T, C]: the state after the first n tokens is its rows
+        n .. n + width - 2 (speculative decoding keeps the state after the accepted tokens only)."""
+        y, new_state = kernels.shortconv_prefill(x, self.weight[...], state, backend=self.backend,
+                                                 segment_ids=segment_ids, lengths=lengths, mesh=self.mesh,
+                                                 split_channels=self.split_channels)
+        if keep_inputs:
+            before = jnp.zeros_like(new_state) if state is None else state.astype(new_state.dtype)
+            new_state = jnp.concatenate([before, x.astype(new_state.dtype)], axis=1)
+        return y, new_state

@@ -119,15 +119,28 @@ class InklingModel(nnx.Module):
         return init_cache(self.config.text, batch, max_len, self.dtype, **kwargs)
 
     def extend(self, input_ids, cache: Cache, n_new=None, pixel_values=None, audio_input_ids=None,
-               audio_input_ids_mask=None, *, embeds=None, logits_at=None):
+               audio_input_ids_mask=None, *, embeds=None, logits_at=None, keep_conv_inputs: bool = False):
         """Append a chunk [B, T] to every row of the cache; returns (logits [B, T, V], cache).
 
         Row b's chunk holds `n_new[b]` real tokens (default T) followed by padding, which is neither cached nor
         counted. T == 1 is a decode step; any T is a prefill chunk (chunked prefill continues a row).
         embeds [B, T, hidden]: input embeddings to use instead of embedding input_ids (media merged by the
         caller). logits_at [B]: apply the head only at that index of each row's chunk; logits are then [B, V]
-        (the head is the largest matmul of a step at Inkling's vocabulary).
+        (the head is the largest matmul of a step at Inkling's vocabulary). keep_conv_inputs: see
+        `extend_hidden`.
         """
+        hidden, cache = self.extend_hidden(input_ids, cache, n_new, pixel_values, audio_input_ids,
+                                           audio_input_ids_mask, embeds=embeds, keep_conv_inputs=keep_conv_inputs)
+        if logits_at is not None:
+            hidden = hidden[jnp.arange(hidden.shape[0]), logits_at]
+        return self.logits(hidden), cache
+
+    def extend_hidden(self, input_ids, cache: Cache, n_new=None, pixel_values=None, audio_input_ids=None,
+                      audio_input_ids_mask=None, *, embeds=None, keep_conv_inputs: bool = False):
+        """`extend`, returning the final-normed hidden states [B, T, hidden] instead of logits (what the MTP
+        head reads). Layer caches past the trunk's (a drafter's, appended by a server) pass through untouched.
+        keep_conv_inputs: the ShortConv states come back with every input of the chunk, [B, width - 1 + T, C]
+        (`ShortConv`), for a caller that keeps fewer than n_new tokens (speculative verification)."""
         batch, seq = input_ids.shape
         if n_new is None:
             n_new = jnp.full((batch,), seq, jnp.int32)
@@ -137,12 +150,10 @@ class InklingModel(nnx.Module):
         new_layers = []
         for layer, layer_cache in zip(self.layers, cache.layers):
             x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table,
-                                    ring_rows=cache.ring_rows)
+                                    ring_rows=cache.ring_rows, keep_conv_inputs=keep_conv_inputs)
             new_layers.append(new_cache)
-        if logits_at is not None:
-            x = x[jnp.arange(batch), logits_at]
-        logits = self.logits(self.norm(x))
-        return logits, cache.replace(lengths=cache.lengths + n_new, layers=tuple(new_layers))
+        layers = tuple(new_layers) + cache.layers[len(new_layers):]
+        return self.norm(x), cache.replace(lengths=cache.lengths + n_new, layers=layers)
 
     # ------------------------------------------------------------------------------------------------------
     # Inputs

@@ -17,6 +17,7 @@ from flax import nnx
 
 from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
+from inkling_jax.nn.cache import Cache, LayerCache
 from inkling_jax.nn.decoder import DecoderLayer  # each depth's block is an ordinary decoder layer
 from inkling_jax.nn.layers import Linear, RMSNorm
 
@@ -31,8 +32,19 @@ class MTPLayer(nnx.Module):
                                   rngs=rngs, backend=backend)
 
     def __call__(self, h_prev, token_embeds, positions, segment_ids=None):
-        z = self.input_proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(token_embeds)], axis=-1))
-        return self.block(z, positions, segment_ids=segment_ids)[0]
+        return self.block(self.inputs(h_prev, token_embeds), positions, segment_ids=segment_ids)[0]
+
+    def inputs(self, h_prev, token_embeds):
+        """The block's input z (hidden first, then the embedding)."""
+        return self.input_proj(jnp.concatenate([self.hidden_norm(h_prev), self.embed_norm(token_embeds)], axis=-1))
+
+    def extend(self, h_prev, token_embeds, cache: Cache, layer_cache: LayerCache, n_new):
+        """The depth over a chunk [B, T] at positions `cache.lengths + t`, with its own `layer_cache` (the page
+        table, ring rows and lengths are `cache`'s). Returns (h [B, T, H], the updated LayerCache)."""
+        positions = cache.lengths[:, None] + jnp.arange(h_prev.shape[1])[None, :]
+        h, new_cache, _ = self.block(self.inputs(h_prev, token_embeds), positions, cache=layer_cache, n_new=n_new,
+                                     page_table=cache.page_table, ring_rows=cache.ring_rows)
+        return h, new_cache
 
 
 class MTPHead(nnx.Module):
@@ -48,6 +60,29 @@ class MTPHead(nnx.Module):
         end of the sequence see token 0 and are meaningless. Returns one logits array [B, T, V] per depth.
         """
         return [head(h) for h in self.hidden_states(trunk_hidden, input_ids, embed)]
+
+    def extend(self, trunk_hidden, next_ids, embed, cache: Cache, n_new):
+        """Serving: every depth over a chunk in step with the trunk, `cache.layers` holding one LayerCache per
+        depth. The entry of every depth at position p is computed from the trunk's hidden state at p and the
+        token at p + 1 (`next_ids [B, T]`), so the depths' caches advance with the trunk's and a rejected draft
+        is undone by not advancing them. Returns (each depth's hidden states [B, T, H], cache)."""
+        token_embeds = embed(next_ids)
+        out, layers = [], []
+        for layer, layer_cache in zip(self.layers, cache.layers):
+            h, new_cache = layer.extend(trunk_hidden, token_embeds, cache, layer_cache, n_new)
+            out.append(h)
+            layers.append(new_cache)
+        return out, cache.replace(lengths=cache.lengths + n_new, layers=tuple(layers))
+
+    def step(self, depth: int, h_prev, ids, embed, cache: Cache, active):
+        """One draft token per row through depth `depth` at position `cache.lengths`: h_prev [B, H] (the trunk's
+        or the previous draft step's output), ids [B] the token after that position; rows where `active` is
+        false write nothing. Returns (h [B, H], cache with that depth's entry written and lengths + active)."""
+        n_new = active.astype(jnp.int32)
+        h, new_cache = self.layers[depth].extend(h_prev[:, None], embed(ids[:, None]), cache, cache.layers[depth],
+                                                 n_new)
+        layers = cache.layers[:depth] + (new_cache,) + cache.layers[depth + 1:]
+        return h[:, 0], cache.replace(lengths=cache.lengths + n_new, layers=layers)
 
     def hidden_states(self, trunk_hidden, input_ids, embed, *, segment_ids=None, positions=None):
         """Each depth's output hidden state [B, T, H] (what the head turns into logits). segment_ids/positions

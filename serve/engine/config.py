@@ -22,6 +22,33 @@ def default_token_budget(max_num_seqs: int, max_chunk: int) -> int:
     return max(MIN_TOKEN_BUDGET, max_num_seqs + PREFILL_CHUNKS_PER_STEP * max_chunk)
 
 
+SPECULATIVE_METHODS = ("mtp", "draft", "oracle")
+MAX_DRAFT_TOKENS = 8  # Inkling's MTP head has 8 depths
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: every decode step verifies `num_draft_tokens` drafted tokens per row (`serve.runner.
+    speculative`). method "mtp": the model's MTP head drafts them; "draft": a smaller Inkling with the same
+    vocabulary (the engine's `draft_model`); "oracle": a host table of the tokens to propose
+    (`serve.runner.drafters.OracleDrafter`; tests and benchmarks, it knows the target's output in advance)."""
+
+    method: str
+    num_draft_tokens: int
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {self.num_draft_tokens}")
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past a row's cached tokens that a step may write: the verify's drafts, then the next drafts'
+        chain (their entries are never read once the row's length passes them, but need pages)."""
+        return 2 * self.num_draft_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 8  # slots: sequences that hold cache rows at once
@@ -38,6 +65,7 @@ class EngineConfig:
     max_logprobs: int = 20
     decode_steps: int = 8  # decode steps queued before the host reads their tokens (it applies stops afterwards)
     fuse_projections: bool = True  # q|k|v|r, MLP gate|up, shared experts as one MLP (placement.model_view)
+    speculative: SpeculativeConfig | None = None  # None: one token per decode step
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -70,8 +98,13 @@ class EngineConfig:
         return self.chunk_buckets[-1]
 
     @property
+    def lookahead(self) -> int:
+        """Positions past its tokens that a step may write for a row (`SpeculativeConfig.lookahead`; else 0)."""
+        return 0 if self.speculative is None else self.speculative.lookahead
+
+    @property
     def pages_per_row(self) -> int:
-        return -(-self.max_model_len // self.page_size)
+        return -(-(self.max_model_len + self.lookahead) // self.page_size)
 
     @property
     def rows(self) -> tuple[int, ...]:

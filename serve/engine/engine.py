@@ -34,6 +34,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
 from serve.engine.sequence import Sequence
 from serve.runner.compilation import compilation_count
+from serve.runner.drafters import OracleDrafter
 from serve.runner.model_runner import ModelRunner
 from serve.runner.placement import Placement
 
@@ -42,11 +43,15 @@ log = logging.getLogger(__name__)
 
 class Engine:
     def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
-                 metrics: Metrics | None = None, placement: Placement | None = None):
+                 metrics: Metrics | None = None, placement: Placement | None = None,
+                 oracle: OracleDrafter | None = None, draft_model: InklingModel | None = None):
+        """oracle, draft_model: the drafters of speculative methods "oracle" (`serve.runner.drafters`; tests,
+        benchmarks) and "draft"."""
         self.config = config
         self.eos_token_id = eos_token_id
         self.metrics = metrics or Metrics()
-        self.runner = ModelRunner(model, config, placement)
+        self.runner = ModelRunner(model, config, placement, oracle, on_round=self.metrics.record_round,
+                                  draft_model=draft_model)
         self._new_state()
         self._lock = threading.Lock()
         self._wake = threading.Event()

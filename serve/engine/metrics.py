@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
@@ -34,7 +36,22 @@ class Metrics:
                                     "serving (compiled or loaded from the compilation cache): 0 unless a step fell "
                                     "outside the shapes compiled at warm-up", registry=r)
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
+        spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731
+                                                      list(labels), registry=r)
+        self.draft_tokens = spec(Counter, "draft_tokens", "drafted tokens verified")
+        self.accepted_tokens = spec(Counter, "accepted_tokens", "drafted tokens accepted")
+        self.rounds = spec(Counter, "rounds", "rounds (one per row and verify)")
+        self.position_drafts = spec(Counter, "position_draft_tokens", "rounds that verified a draft at this position "
+                                    "(1 = the first draft)", "position")
+        self.position_accepted = spec(Counter, "position_accepted_tokens", "rounds that accepted the draft at this "
+                                      "position", "position")
+        self.acceptance_length = spec(Gauge, "mean_acceptance_length", "tokens emitted per round (accepted drafts "
+                                      "+ 1), mean so far")
+        self.position_rate = spec(Gauge, "position_acceptance_rate", "accepted / verified drafts at this position "
+                                  "so far", "position")
         self._queried = self._hits = 0
+        self._rounds = self._emitted = 0
+        self._verified, self._accepted = collections.Counter(), collections.Counter()  # position -> rounds
 
     def record_admission(self, prompt_len: int, hit: int) -> None:
         self.prefix_queried.inc(prompt_len)
@@ -42,6 +59,23 @@ class Metrics:
         self._queried += prompt_len
         self._hits += hit
         self.prefix_hit_rate.set(self._hits / self._queried)
+
+    def record_round(self, verified: int, accepted: int) -> None:
+        """One row's speculative round: `verified` drafts checked, the first `accepted` of them kept."""
+        self.rounds.inc()
+        self.draft_tokens.inc(verified)
+        self.accepted_tokens.inc(accepted)
+        self._rounds += 1
+        self._emitted += accepted + 1
+        self.acceptance_length.set(self._emitted / self._rounds)
+        for position in range(1, verified + 1):
+            label = str(position)
+            self.position_drafts.labels(label).inc()
+            self._verified[position] += 1
+            if position <= accepted:
+                self.position_accepted.labels(label).inc()
+                self._accepted[position] += 1
+            self.position_rate.labels(label).set(self._accepted[position] / self._verified[position])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -69,9 +69,10 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted while making room for an older one
                 continue
             n = self._chunk_size(seq, budget)
-            if n == 0 or not self._fits(chunks, seq, n) or not self._make_room(seq, seq.num_cached + n):
+            end = seq.num_cached + n + self.config.lookahead  # speculative steps write past their tokens
+            if n == 0 or not self._fits(chunks, seq, n) or not self._make_room(seq, end):
                 continue
-            self.blocks.grow(seq, seq.num_cached + n)
+            self.blocks.grow(seq, end)
             chunks.append(Chunk(seq, n, scores=seq.scores_prompt))
             budget -= n
         while self.waiting and self.free_slots and budget > 0:
@@ -86,17 +87,21 @@ class Scheduler:
     def decode_plan(self, chunks: list[Chunk], ahead: list[int], decode_steps: int, mail: bool) -> list[int] | None:
         """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
         `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens and the context length, with
-        the pages for them reserved. None where a multi-token run is not wanted (a prefill chunk, an ended
-        sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be admitted meanwhile)
-        or the free pages do not cover it."""
+        the pages for them reserved; with speculative decoding, rounds (each up to K + 1 tokens). None where a
+        multi-token run is not wanted (a continuation of rounds, a prefill chunk, an ended sequence, a row with
+        nothing left, a waiting sequence, or new `mail`, that could be admitted meanwhile) or the free pages do not
+        cover it."""
         cfg, blocks = self.config, self.blocks
         steps = min(decode_steps, cfg.decode_steps)
         admissible = (self.waiting or mail) and self.free_slots
-        if admissible or any(c.prefill or c.seq.finished for c in chunks):
+        continued = cfg.speculative and any(ahead)  # rounds emit unknown counts: the host reads them first
+        if admissible or continued or any(c.prefill or c.seq.finished for c in chunks):
             return None
         plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
                 for c, a in zip(chunks, ahead)]
-        ends = [c.seq.num_cached + a + n for c, a, n in zip(chunks, ahead, plan)]
+        per_step = 1 if cfg.speculative is None else cfg.speculative.num_draft_tokens + 1  # a round's most tokens
+        ends = [min(c.seq.num_cached + a + n * per_step, cfg.max_model_len) + cfg.lookahead
+                for c, a, n in zip(chunks, ahead, plan)]
         needed = sum(max(0, blocks.blocks_for(end) - len(c.seq.block_ids)) for c, end in zip(chunks, ends))
         if min(plan) < 1 or needed > blocks.num_free:
             return None
@@ -140,12 +145,12 @@ class Scheduler:
         seq.num_cached = hit  # provisional, for the chunk size; `admit` sets it for good
         n = self._chunk_size(seq, budget)
         reclaimed = sum(1 for b in cached if self.blocks.blocks[b].ref_count == 0)
-        needed = self.blocks.blocks_for(hit + n) - len(cached)
+        needed = self.blocks.blocks_for(hit + n + self.config.lookahead) - len(cached)
         if n == 0 or not self._fits(chunks, seq, n) or needed > self.blocks.num_free - reclaimed:
             seq.num_cached = 0
             return None
         self.blocks.admit(seq, cached)
-        self.blocks.grow(seq, hit + n)
+        self.blocks.grow(seq, hit + n + self.config.lookahead)
         seq.slot = self.free_slots.pop()
         seq.status = Status.RUNNING
         seq.prefix_hit = hit

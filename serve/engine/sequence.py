@@ -45,6 +45,8 @@ class Sequence:
         self.media = media  # (prompt positions [M], embeddings [M, hidden]) that replace those tokens, or None
         self.hash_seed = hash_seed  # starts the block-hash chain: prompts with different media never share pages
         self.prompt_logprobs: list[Sample] = []  # of prompt tokens 1, 2, ... as far as computed (where asked)
+        self.drafts: list[int] = []  # speculative decoding: tokens drafted after the last one, for the next round
+        self.accepted: list[tuple[int, int]] = []  # speculative decoding: (drafts verified, accepted) per round
 
     def __len__(self) -> int:
         return len(self.token_ids)

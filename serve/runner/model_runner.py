@@ -11,6 +11,7 @@ program, or where a chunk computes prompt logprobs, as the one prefill program t
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from inkling_jax.generate import flat_params
 from inkling_jax.nn.model import InklingModel
@@ -28,25 +30,39 @@ from serve.engine.outputs import Sample
 from serve.engine.scheduler import Chunk
 from serve.runner import cache_rows
 from serve.runner.compilation import compile_options
+from serve.runner.drafters import OracleDrafter, fill_drafts, read_rounds
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.sampler import read_samples, unpack_samples
-from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
+from serve.runner.speculative import (SpeculativePrograms, cache_layout, check_speculative, drafter_layers,
+                                     init_serving_cache, no_previous_round)
+from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, init_penalties, pack, step_inputs
 
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None):
+    def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None,
+                 oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None,
+                 draft_model: InklingModel | None = None):
+        """oracle: the drafter of `SpeculativeConfig` method "oracle"; with "mtp", its proposals replace the head's
+        drafts while the head's state is kept as usual (tests of that state under chosen acceptance).
+        on_round(verified, accepted): called for every row of every speculative round collected. draft_model: the
+        drafter of method "draft" (the runner builds its view as it does the model's)."""
         self.config = config
         self.placement = placement or Placement()
         self.placement.check(model.config.text)
-        self.text = model.config.text
+        spec, draft_config = config.speculative, None if draft_model is None else draft_model.config
+        check_speculative(model.config, spec, draft_config, oracle is not None)
+        self.oracle, self.on_round = oracle, on_round
+        self.drafter = drafter_layers(model.config, spec, draft_config)
+        self.text = cache_layout(model.config.text, self.drafter)  # the cache's layers: the model's, the drafter's
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuses_projections
         log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is
-        self.params, merge = flat_params(self.model)
+        self.draft = None if draft_model is None else self.placement.model_view(draft_model, config.fuse_projections)
+        self.params, merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(
             self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
@@ -55,11 +71,14 @@ class ModelRunner:
                              f"the {config.max_num_seqs} slots' own state, their snapshots and the step buffers leave "
                              "of the memory: lower --max-num-seqs, --num-snapshots or --max-model-len)")
         self.reset()
-        self.programs = StepPrograms(merge, self.text, config.max_logprobs, config.pages_per_row,
-                                     self._constrain_cache, self._whole)
+        shared = (merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole)
+        self.programs = StepPrograms(*shared) if spec is None else SpeculativePrograms(
+            *shared, config=model.config, speculative=spec, drafter=self.drafter)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
-        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32)) for rows in config.rows}
+        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32) if spec is None else
+                                                    no_previous_round(rows, spec.num_draft_tokens))
+                           for rows in config.rows}
         self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
         self._save = self._restore = self._init_penalties = self._scoring = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
@@ -74,8 +93,9 @@ class ModelRunner:
         self.cache = self.snapshots = None  # the old ones go first
 
         def cache():
-            return self.model.init_cache(cfg.num_rows, cfg.max_model_len, page_size=cfg.page_size,
-                                         num_pages=self.num_pages)
+            return init_serving_cache(self.model.config.text, self.drafter, cfg.num_rows, cfg.max_model_len +
+                                      cfg.lookahead, self.model.dtype, page_size=cfg.page_size,
+                                      num_pages=self.num_pages)
 
         def snapshots():
             return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)
@@ -138,11 +158,13 @@ class ModelRunner:
         step_out = {"decode": None, "prefill": None, "scoring": None}
         if self.cache_shardings is not None:
             replicated = self.placement.replicated()
+            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
             step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
-                        "prefill": (self.cache_shardings, replicated, replicated),
-                        "scoring": (self.cache_shardings, replicated, replicated, replicated)}
-        decode = jit(self.programs.decode, out_shardings=step_out["decode"], static_argnames=("gather", "full"),
-                     donate_argnums=(1, 2))
+                        "prefill": (self.cache_shardings, replicated, replicated) + drafts,
+                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts}
+        # With speculative decoding a decode step is a round, `K + 1` tokens per row.
+        decode = jit(self.programs.round if self.speculative else self.programs.decode,
+                     out_shardings=step_out["decode"], static_argnames=("gather", "full"), donate_argnums=(1, 2))
         prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
                       donate_argnums=(1, 2))
         lowered = {}
@@ -165,12 +187,14 @@ class ModelRunner:
             self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows, full=True)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
-        lowered["init_penalties"] = jit(self._init_penalties_fn, donate_argnums=0).lower(
+        lowered["init_penalties"] = jit(init_penalties, donate_argnums=0).lower(
             self.penalties, scalar, tokens, scalar)
         if self.config.snapshots:
-            lowered["save"] = jit(self._save_fn, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
+            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshot,
+                                                                      cache_rows.restore_snapshot))
+            lowered["save"] = jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
                 self.cache, self.snapshots, scalar, scalar)
-            lowered["restore"] = jit(self._restore_fn, out_shardings=self.cache_shardings, donate_argnums=0).lower(
+            lowered["restore"] = jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
                 self.cache, self.snapshots, scalar, scalar)
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
@@ -210,30 +234,13 @@ class ModelRunner:
         for (rows, chunk, _), program in self._steps.items():
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             if chunk > 1:
-                self.cache, self.penalties, _ = program(self.params, self.cache, self.penalties, inputs)
+                self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
         rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
         self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties, *self.placement.put(
             (pack(self._inputs([], rows, chunk)), np.full((rows, chunk), -1, np.int32))))
         jax.block_until_ready(self.cache)
-
-    def _init_penalties_fn(self, penalties: PenaltyState, row, tokens, num_prompt):
-        """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt`
-        are its prompt."""
-        position = jnp.arange(tokens.shape[0])
-        index = jnp.where(tokens >= 0, tokens, self.vocab)  # padding: out of range, dropped
-        counts = jnp.zeros((self.vocab,), jnp.int32).at[index].add((position >= num_prompt).astype(jnp.int32),
-                                                                    mode="drop")
-        in_prompt = jnp.zeros((self.vocab,), bool).at[jnp.where(position < num_prompt, index, self.vocab)].set(
-            True, mode="drop")
-        return PenaltyState(penalties.counts.at[row].set(counts), penalties.prompt_mask.at[row].set(in_prompt))
-
-    def _save_fn(self, cache, snapshots, row, snapshot):
-        return cache_rows.save_snapshot(self.text, cache, snapshots, row, snapshot)
-
-    def _restore_fn(self, cache, snapshots, row, snapshot):
-        return cache_rows.restore_snapshot(self.text, cache, snapshots, row, snapshot)
 
     # ------------------------------------------------------------------------------------------------------
     # Execution
@@ -264,21 +271,31 @@ class ModelRunner:
 
     def collect(self, dispatched: list) -> dict[int, list[Sample]]:
         """Wait for a dispatched step; returns seq_id -> the chunk's `steps` Samples (with the request's
-        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens."""
+        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens; a speculative
+        round's, as many as the row emitted. Drafts go to their sequences (`Sequence.drafts`), and each round's
+        acceptance to `Sequence.accepted` and `on_round`."""
         results = {}
-        for group, outs, _, _ in dispatched:
+        for group, outs, _, _, drafted in dispatched:
             host = unpack_samples(np.concatenate(jax.device_get(outs)))
+            kept, drafts, verified = (None, None, None) if drafted is None else jax.device_get(drafted)
             for chunk, row in zip(group, self._row_index(group)):
-                if chunk.samples:
-                    num_top = chunk.seq.params.logprobs or 0
-                    results[chunk.seq.seq_id] = read_samples(host, row, chunk.samples, num_top)
+                seq = chunk.seq
+                if not chunk.samples:
+                    continue
+                index = range(chunk.samples)
+                if drafts is not None:
+                    seq.drafts = drafts[row].tolist()
+                if kept is not None:
+                    index = read_rounds(seq, row, kept, verified, len(host.tokens) // len(kept), self.on_round)
+                picked = jax.tree.map(lambda x: x[np.asarray(index, int)], host)
+                results[seq.seq_id] = read_samples(picked, row, len(index), seq.params.logprobs or 0)
         return results
 
     def collect_prompt_logprobs(self, dispatched: list) -> dict[int, list[Sample]]:
         """seq_id -> the Samples of the prompt tokens each scoring chunk of a dispatched step predicts (with the
         request's `prompt_logprobs` most likely tokens), in order."""
         results = {}
-        for group, _, _, scored in dispatched:
+        for group, _, _, scored, _ in dispatched:
             if scored is not None:
                 host = np.asarray(jax.device_get(scored))
                 for chunk, row in zip(group, self._row_index(group)):
@@ -309,23 +326,29 @@ class ModelRunner:
 
     def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple:
         """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
-        [1, rows, 2 + 2K], `sampler.pack_samples`), a decode run's last tokens and the prompt logprobs of a
-        scoring prefill (`prompt_logprobs.score`; else None)."""
+        [1, rows, 2 + 2K], `sampler.pack_samples`; a round's [K + 1, rows, ...]), a decode run's last tokens, the
+        prompt logprobs of a scoring prefill (`prompt_logprobs.score`; else None), and where the program drafts,
+        (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row verified)
+        (else None)."""
         rows, chunk = self._shape(group)
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
-            self.cache, self.penalties, out, scored = self._scoring(self.params, self.cache, self.penalties, inputs,
-                                                                    targets)
+            self.cache, self.penalties, out, scored, *drafts = self._scoring(self.params, self.cache, self.penalties,
+                                                                             inputs, targets)
             on_queued()
-            return [out], None, scored
+            return [out], None, scored, (None, drafts[0], None) if drafts else None
         full = any(c.seq.params.needs_full_sampler for c in group)
         program = self._steps[rows, chunk, full]
         if chunk > 1:
-            self.cache, self.penalties, out = program(self.params, self.cache, self.penalties, inputs)
+            self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
-            return [out], None, None
-        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None
+            return [out], None, None, (None, drafts[0], None) if drafts else None
+        if self.speculative:  # a run of rounds; the oracle's proposals reach the first only
+            rounds = 1 if self.oracle is not None else max(c.steps for c in group)
+            outs, carry = self.run_decode(program, rows, inputs, rounds, on_queued)
+            return [o[0] for o in outs], None, None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
+        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None):
@@ -343,5 +366,14 @@ class ModelRunner:
         return outs, previous
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
+        """A step's host inputs; a speculative round's (decode chunks) with each row's drafts after its token."""
         media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
-        return step_inputs(self.config, group, self._row_index(group) if group else [], rows, chunk, media)
+        index = self._row_index(group) if group else []
+        if not self.speculative or chunk > 1:
+            return step_inputs(self.config, group, index, rows, chunk, media)
+        width = self.config.speculative.num_draft_tokens + 1
+        return fill_drafts(self.config, step_inputs(self.config, group, index, rows, width), group, index, self.oracle)
+
+    @property
+    def speculative(self) -> bool:
+        return self.config.speculative is not None

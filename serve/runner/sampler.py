@@ -99,18 +99,28 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
     once, so that XLA fuses the LM head's epilogue into it (its logprobs are zeros; counts and prompt_mask are
     not read): the common request's decode step skips the penalties' counts and the passes for logprobs and
     min-p (see docs/performance.md)."""
-    rows = logits.shape[0]
     if not full:
-        tokens = _draw(logits.astype(jnp.float32), params, filtered=False)
-        return Sampled(tokens, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_top), jnp.int32),
-                       jnp.zeros((rows, num_top), jnp.float32))
-    # logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V] log-softmax
+        return without_logprobs(_draw(logits.astype(jnp.float32), params, filtered=False), num_top)
     logits = logits.astype(jnp.float32)
+    return with_logprobs(logits, _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=True),
+                         num_top)
+
+
+def with_logprobs(logits, tokens, num_top: int) -> Sampled:
+    """tokens [R] with their logprobs and the `num_top` most likely tokens under the model's own distribution,
+    logits [R, V] float32. logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V]
+    log-softmax."""
     lse = jax.nn.logsumexp(logits, axis=-1)
-    tokens = _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=True)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     top_logits, top_ids = jax.lax.top_k(logits, num_top)
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logits - lse[:, None])
+
+
+def without_logprobs(tokens, num_top: int) -> Sampled:
+    """tokens [R] with zeros for their logprobs (the sampler without `full`)."""
+    rows = tokens.shape[0]
+    return Sampled(tokens, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, num_top), jnp.int32),
+                   jnp.zeros((rows, num_top), jnp.float32))
 
 
 def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
@@ -125,18 +135,31 @@ def _draw(x, params: SamplingBatch, filtered: bool):
     min-p), or for greedy rows (temperature 0) the argmax of x. One argmax serves both (an argmax over [R, V]
     fewer than a greedy argmax beside the draw): greedy rows get no noise, and the filters keep every row's
     largest entry."""
+    x = target_logits(x, params, filtered)
+    noise = jnp.where((params.temperature > 0)[:, None], gumbel_noise(params.seed, params.index, x.shape[-1]), 0.0)
+    return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+
+
+def target_logits(x, params: SamplingBatch, filtered: bool):
+    """The logits whose softmax a sampling row draws from: x / temperature, then (`filtered`) top-k, top-p and
+    min-p as -inf; greedy rows' x as it is (filtered too: the filters keep the largest entry)."""
     sampling = params.temperature > 0
     x = x / jnp.where(sampling, params.temperature, 1.0)[:, None]
     if filtered:
         x = top_k_top_p(x, params.top_k, params.top_p)
         floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
         x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
-    noise = jnp.where(sampling[:, None], gumbel_noise(params.seed, params.index, x.shape[-1]), 0.0)
-    return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
+    return x
 
 
 def gumbel_noise(seed, index, vocab: int):
-    """Standard Gumbel noise [R, vocab] that depends only on each row's (seed, index) and the position.
+    """Standard Gumbel noise [R, vocab] that depends only on each row's (seed, index) and the position
+    (`uniform_noise`)."""
+    return -jnp.log(-jnp.log(uniform_noise(seed, index, vocab)))
+
+
+def uniform_noise(seed, index, vocab: int):
+    """Uniform noise in (0, 1) [R, vocab] that depends only on each row's (seed, index) and the position.
 
     A counter-based hash, not jax.random's threefry (20 rounds per pair of words), which the program computes
     over all of [R, V] for every row, greedy ones included, since it has no branch. A draw needs uniform bits,
@@ -148,8 +171,7 @@ def gumbel_noise(seed, index, vocab: int):
     position = jnp.arange(vocab, dtype=jnp.uint32)[None, :]
     bits = _mix32(_mix32(position ^ row_key) + row_key)
     # 23 bits, so that float32 holds (b + 0.5) exactly: u in (0, 1), both logs finite
-    uniform = ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
-    return -jnp.log(-jnp.log(uniform))
+    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def _mix32(h):

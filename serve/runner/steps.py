@@ -45,17 +45,18 @@ class StepInputs:
     lengths: jax.Array  # [R] tokens already cached
     page_rows: jax.Array  # [R, pages_per_row]
     steps: jax.Array  # [R] tokens the row samples (prefill: 1 if the chunk ends its known tokens, else 0)
+    next_token: jax.Array  # [R] the known token after the chunk, -1 if none (a drafter's MTP head reads it)
     params: SamplingBatch
     media: jax.Array | None = None  # [R, T, hidden] media embeddings (multimodal models' prefill only)
     is_media: jax.Array | None = None  # [R, T] bool: positions that take `media` instead of their token
 
 
-_INT_COLUMNS = ("rows", "n_new", "lengths", "steps")
+_INT_COLUMNS = ("rows", "n_new", "lengths", "steps", "next_token")
 
 
 @struct.dataclass
 class PackedInputs:
-    """StepInputs in a few arrays: ints [R, 7 + T + pages_per_row] (the int columns, the sampler's int fields, the
+    """StepInputs in a few arrays: ints [R, 8 + T + pages_per_row] (the int columns, the sampler's int fields, the
     ids, the page rows), floats [R, 6] (the sampler's float fields), and the media arrays of a multimodal
     prefill."""
     ints: jax.Array
@@ -84,13 +85,25 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
                                         for name, dtype in INT_FIELDS.items()})
     return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
                       lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
-                      steps=column["steps"], params=params, media=packed.media, is_media=packed.is_media)
+                      steps=column["steps"], next_token=column["next_token"], params=params, media=packed.media,
+                      is_media=packed.is_media)
 
 
 @struct.dataclass
 class PenaltyState:
     counts: jax.Array  # [rows, V] int32: output tokens so far
     prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt
+
+
+def init_penalties(penalties: PenaltyState, row, tokens, num_prompt) -> PenaltyState:
+    """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt` are its
+    prompt."""
+    vocab = penalties.counts.shape[1]
+    position = jnp.arange(tokens.shape[0])
+    index = jnp.where(tokens >= 0, tokens, vocab)  # padding: out of range, dropped
+    counts = jnp.zeros((vocab,), jnp.int32).at[index].add((position >= num_prompt).astype(jnp.int32), mode="drop")
+    in_prompt = jnp.zeros((vocab,), bool).at[jnp.where(position < num_prompt, index, vocab)].set(True, mode="drop")
+    return PenaltyState(penalties.counts.at[row].set(counts), penalties.prompt_mask.at[row].set(in_prompt))
 
 
 class StepPrograms:
@@ -106,7 +119,8 @@ class StepPrograms:
     def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, targets=None, *,
                 gather: bool, full: bool):
         """A prefill chunk per row; `full` as in `decode`. With `targets` [R, T] (`prompt_logprobs.prompt_targets`)
-        the head runs at every position, and a fourth output holds their prompt logprobs (`prompt_logprobs.score`)."""
+        the head runs at every position, and a fourth output holds their prompt logprobs (`prompt_logprobs.score`);
+        a drafting program's drafts [R, K] come last (`_draft`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         sub = self._rows_in(cache, inp, gather)
@@ -115,15 +129,24 @@ class StepPrograms:
             tokens = model.embed_tokens(inp.ids)
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         last = jnp.maximum(inp.n_new - 1, 0)
+        hidden, sub = model.extend_hidden(inp.ids, sub, inp.n_new, embeds=embeds)
         if targets is None:
-            logits, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds, logits_at=last)
+            logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
         else:
-            every, sub = model.extend(inp.ids, sub, inp.n_new, embeds=embeds)
+            every = model.logits(hidden)
             logits = every[jnp.arange(every.shape[0]), last]
         out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
+        sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
         outputs = cache, penalties.replace(counts=counts), pack_samples(out)[None]
-        return outputs if targets is None else (*outputs, prompt_logprobs.score(every, targets, self.num_top))
+        if targets is not None:
+            outputs += (prompt_logprobs.score(every, targets, self.num_top),)
+        return outputs if drafts is None else (*outputs, drafts)
+
+    def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):
+        """(sub, drafts or None) after a prefill chunk: speculative programs draft the tokens after each row's
+        sample here (`serve.runner.speculative`); plain ones have nothing to do."""
+        return sub, None
 
     def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
                gather: bool, full: bool):
@@ -175,6 +198,7 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
     cache_row = np.arange(rows, dtype=np.int32) + (0 if every_row else cfg.num_rows)
     ids = np.zeros((rows, chunk), np.int32)
     n_new, lengths, steps = (np.zeros((rows,), np.int32) for _ in range(3))
+    next_token = np.full((rows,), -1, np.int32)
     page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
     params, index_out = [NO_SEQUENCE] * rows, [0] * rows
     media = is_media = None
@@ -187,6 +211,8 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
         start = seq.num_cached + c.ahead
         ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
         n_new[row], lengths[row] = c.num_tokens, start
+        if start + c.num_tokens < len(seq) and not c.ahead:
+            next_token[row] = seq.token_ids[start + c.num_tokens]
         page_rows[row, :len(seq.block_ids)] = seq.block_ids
         steps[row] = c.samples
         params[row], index_out[row] = seq.params, seq.num_output + c.ahead
@@ -195,4 +221,5 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
             inside = (positions >= start) & (positions < start + c.num_tokens)
             media[row, positions[inside] - start] = features[inside]
             is_media[row, positions[inside] - start] = True
-    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, batch_of(params, index_out), media, is_media)
+    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, next_token, batch_of(params, index_out), media,
+                      is_media)

@@ -84,11 +84,25 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--api-key-file", "/dev/null"], "holds no key"),
     (["--preset", "bench"], "--preset needs --random-weights"),
     (["--random-weights", "--preset", "huge"], "--preset: unknown preset 'huge'"),
+    (["--speculative-num-draft-tokens", "9"], "--speculative-num-draft-tokens: must be in [1, 8]"),
+    (["--speculative-algorithm", "eagle"], "--speculative-algorithm: invalid choice"),
+    (["--speculative-num-draft-tokens", "2"], "--speculative-num-draft-tokens needs --speculative-algorithm"),
+    (["--speculative-algorithm", "draft"], "--speculative-algorithm draft and --speculative-draft-model go together"),
+    (["--speculative-draft-model", "/x"], "--speculative-algorithm draft and --speculative-draft-model go together"),
 ])
 def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_speculative_flags_make_the_engine_config_and_a_model_that_cannot_fails_before_loading():
+    config = engine_config(parse_args(["--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "4"]))
+    assert (config.speculative.method, config.speculative.num_draft_tokens) == ("mtp", 4)
+    assert engine_config(parse_args([])).speculative is None
+    with pytest.raises(SystemExit, match="--speculative-algorithm mtp: 8 draft tokens: a verify of 9 tokens must fit "
+                                         "the sliding window"):
+        main(["--random-weights", "--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "8"])
 
 
 def test_the_api_key_can_come_from_a_file(tmp_path, monkeypatch):

@@ -68,3 +68,26 @@ def test_eval_mtp_and_export(tmp_path):
     moved = model_params(trained)
     assert not np.allclose(moved["mtp.layers.0.input_proj.kernel"], start["mtp.layers.0.input_proj.kernel"])
     assert os.path.exists(export / "config.json")
+
+
+def test_mtp_self_distillation_trains_the_head_alone(tmp_path):
+    """--mtp-distill: the exported model's trunk is the initial one, bit for bit; its MTP head moved, and its
+    distillation loss fell."""
+    from inkling_jax import load_pretrained, preset
+    from train.run import first_layers
+    from train.state import model_params, seeded_params
+
+    data = tmp_path / "train.txt"
+    data.write_text("\n\n".join(TEXT * 4))
+    out, export = tmp_path / "run", tmp_path / "export"
+    main(["--preset", "tiny", "--layers", "2", "--data", str(data), "--steps", "4", "--out", str(out),
+          "--export", str(export), "--seq-len", "32", "--batch", "2", "--lr", "1e-2", "--warmup", "0",
+          "--mtp-weight", "1", "--mtp-distill", "--dtype", "float32", "--fast-compile", "--no-tensorboard",
+          "--devices", "1"])
+    with open(out / "metrics.jsonl") as fh:
+        rows = [json.loads(line) for line in fh]
+    assert rows[-1]["mtp_loss"] < rows[0]["mtp_loss"]
+    start, trained = seeded_params(first_layers(preset("tiny"), 2), 0), model_params(load_pretrained(export,
+                                                                                                    progress=False))
+    moved = {name for name in start if not np.array_equal(np.asarray(start[name]), np.asarray(trained[name]))}
+    assert moved and all(name.startswith("mtp.") for name in moved)

@@ -1,0 +1,204 @@
+"""Speculative decoding: what a verify of K + 1 tokens costs against one decode step, what it gives end to end,
+and how often the shipped default model's MTP head is right on natural text.
+
+    python -m benchmarks.speculative                      # an H200: the `bench` preset + a 1-depth MTP head
+    python -m benchmarks.speculative --acceptance         # the shipped inkling-tiny on held-out KJV text (CPU)
+
+Throughput (random weights, greedy, EOS ignored, one engine request of `concurrency` random prompts):
+- the programs alone at 1, 8 and 32 rows, 128 cached tokens per row: the plain decode step (one token), the
+  oracle engine's round (verify K + 1 tokens, accept, roll back) and the MTP engine's round (the same, then the
+  head's catch-up and its K-step draft chain), each the median of back-to-back calls;
+- output tok/s at batch 1 and 8: plain decoding (up to `--decode-steps` tokens per device call), the oracle
+  drafter proposing the plain run's own tokens (the upper bound: every draft accepted, unless bf16's verify and
+  decode steps disagree on a near tie; one round per device call, its proposals coming from the host) and the
+  random MTP head (acceptance ~0: the round's cost without its gain; up to `--decode-steps` rounds per call).
+`--acceptance`: the shipped default (float32) continues prompts cut from the held-out chapters
+(`tests/train/data/inkling_tiny_heldout.txt`), greedily or sampled (`--temperature`, `--top-p`), for each K;
+it reports the mean acceptance length (tokens per round) and each draft position's acceptance rate.
+"""
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.timing import median_seconds, stamp, stamp_line
+from inkling_jax import InklingModel, load_pretrained, preset
+from inkling_jax.assets import default_model_dir
+from inkling_jax.config import MTPConfig
+from serve.engine.acceptance import summarize
+from serve.engine.config import EngineConfig, SpeculativeConfig
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
+from serve.http.tokenizer import load_tokenizer
+from serve.offline import generate
+from serve.random_weights import random_model
+from serve.runner.drafters import OracleDrafter
+from serve.runner.steps import pack
+
+HELDOUT = os.path.join(os.path.dirname(__file__), "..", "tests", "train", "data", "inkling_tiny_heldout.txt")
+ROWS = (1, 8, 32)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--acceptance", action="store_true", help="the shipped default's acceptance on held-out text")
+    p.add_argument("--draft-tokens", default="3", help="K values (throughput; --acceptance default 1,2,3,4)")
+    p.add_argument("--preset", default="bench", help="throughput: the preset, given a random 1-depth MTP head")
+    p.add_argument("--concurrency", default="1,8", help="throughput: batch sizes of the end-to-end runs")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=8, help="the plain engine's tokens per device call")
+    p.add_argument("--prompts", type=int, default=12, help="--acceptance: prompts cut from the held-out text")
+    p.add_argument("--temperature", type=float, default=0.0, help="--acceptance: 0 greedy, else sampled (seeded)")
+    p.add_argument("--top-p", type=float, default=1.0, help="--acceptance: with --temperature")
+    p.add_argument("--out", help="directory for speculative.json")
+    return p.parse_args(argv)
+
+
+def engine_config(args, speculative=None, **changes) -> EngineConfig:
+    """Buckets for 1, 8 and 32 rows (the last the all-rows bucket) and one prompt chunk; pages for every slot at
+    full length (not from free memory: the engines run one after another in one process)."""
+    length = args.prompt_tokens + args.output_tokens + 16
+    return EngineConfig(**{**dict(
+        max_num_seqs=32, max_model_len=length, num_pages=33 * -(-(length + 16) // 16),
+        max_num_batched_tokens=8 * args.prompt_tokens, chunk_buckets=(1, args.prompt_tokens),
+        row_buckets=(1, 8, 33), prefix_caching=False, decode_steps=args.decode_steps, speculative=speculative),
+        **changes})
+
+
+def round_seconds(engine: Engine, num_rows: int) -> float:
+    """Seconds per call of an engine's decode program (plain: one token per row; speculative: a round over its
+    K + 1 tokens per row, every draft accepted or not as the random ids fall) at `num_rows` rows with 128 cached
+    tokens each. Run after the engine thread has stopped: it uses the engine's cache."""
+    runner, cfg = engine.runner, engine.runner.config
+    rows = cfg.row_bucket(num_rows)
+    inputs = runner._inputs([], rows, 1)
+    width = inputs.ids.shape[1]
+    if rows != cfg.num_rows:
+        inputs.rows[:num_rows] = np.arange(num_rows)
+    inputs.lengths[:num_rows], inputs.n_new[:num_rows], inputs.steps[:num_rows] = 128, width, 1
+    inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
+    inputs.ids[:num_rows] = np.random.default_rng(num_rows).integers(0, runner.vocab, (num_rows, width))
+    inputs = runner.placement.put(pack(inputs))
+    program = runner._steps[rows, 1, False]  # one step or one round, as the engine dispatches it
+    return median_seconds(lambda: runner.run_decode(program, rows, inputs, 1)[1], trials=5, calls=5)
+
+
+def timed_generate(engine: Engine, prompts: list[list[int]], output_tokens: int, **sampling):
+    """Greedy unless `sampling` says otherwise (SamplingParams fields)."""
+    params = SamplingParams(**{"temperature": 0.0, **sampling}, max_tokens=output_tokens, ignore_eos=True)
+    generate(engine, prompts[:1], dataclasses.replace(params, max_tokens=4))  # first calls of each executable
+    start = time.perf_counter()
+    results = generate(engine, prompts, params)
+    return results, time.perf_counter() - start
+
+
+def throughput(args) -> dict:
+    gpu = jax.default_backend() == "gpu"
+    config = dataclasses.replace(preset(args.preset), mtp=MTPConfig(num_layers=1, local_layer_ids=(0,)))
+    model = InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)) if gpu else random_model(config)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rng = np.random.default_rng(0)
+    vocab = config.text.unpadded_vocab_size
+    prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(max(levels))]
+    results = {"stamp": stamp(), "rows": {}, "runs": []}
+    plain_outputs = {}
+    kinds = [("plain", None)] + [(method, int(k)) for k in args.draft_tokens.split(",") for method in ("oracle", "mtp")]
+    for method, k in kinds:
+        speculative = None if k is None else SpeculativeConfig(method, k)
+        oracle = OracleDrafter(plain_outputs, vocab=vocab) if method == "oracle" else None
+        engine = Engine(model, engine_config(args, speculative), eos_token_id=config.eos_token_id, oracle=oracle)
+        engine.start()
+        label = method if k is None else f"{method} K={k}"
+        for level in levels:
+            outputs, seconds = timed_generate(engine, prompts[:level], args.output_tokens)
+            if k is None:
+                plain_outputs.update({tuple(p): o.token_ids for p, o in zip(prompts, outputs)})
+            acceptance = summarize(r for o in outputs for r in o.speculative_rounds)
+            results["runs"].append({"engine": label, "concurrency": level, "compile_s": engine.warm_up_seconds,
+                                    "tok_s": level * args.output_tokens / seconds,
+                                    "mean_acceptance_length": acceptance.mean_length,
+                                    "position_rates": acceptance.position_rates})
+        engine.shutdown(drain_seconds=0)
+        results["rows"][label] = {n: 1e3 * round_seconds(engine, n) for n in ROWS}
+        del engine
+        gc.collect()  # the engine's cache and programs, before the next engine allocates its own
+    return results
+
+
+def report_throughput(args, results) -> None:
+    print(stamp_line(results["stamp"]) + f"; preset {args.preset} + 1 random MTP depth, prompt {args.prompt_tokens}, "
+          f"output {args.output_tokens}; plain decoding at {args.decode_steps} steps per call")
+    print("| program | " + " | ".join(f"{n} rows ms" for n in ROWS) + " | " +
+          " | ".join(f"x plain at {n}" for n in ROWS) + " |")
+    print("|---|" + "---:|" * (2 * len(ROWS)))
+    plain = results["rows"]["plain"]
+    for label, ms in results["rows"].items():
+        print(f"| {label} | " + " | ".join(f"{ms[n]:.2f}" for n in ROWS) + " | " +
+              " | ".join(f"{ms[n] / plain[n]:.2f}" for n in ROWS) + " |")
+    print("| engine | concurrency | output tok/s | x plain | mean acceptance length | compile s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    base = {r["concurrency"]: r["tok_s"] for r in results["runs"] if r["engine"] == "plain"}
+    for r in results["runs"]:
+        print(f"| {r['engine']} | {r['concurrency']} | {r['tok_s']:.1f} | {r['tok_s'] / base[r['concurrency']]:.2f} | "
+              f"{r['mean_acceptance_length']:.2f} | {r['compile_s']:.0f} |")
+
+
+def heldout_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens, evenly spaced over the held-out chapters' token stream."""
+    ids = tokenizer.encode(open(HELDOUT).read())
+    starts = np.linspace(0, len(ids) - length - 1, count).astype(int)
+    return [ids[s:s + length] for s in starts]
+
+
+def acceptance(args) -> dict:
+    directory = default_model_dir()
+    model = load_pretrained(directory, dtype="float32", progress=False)
+    prompts = heldout_prompts(load_tokenizer(directory), args.prompts, args.prompt_tokens)
+    ks = [int(k) for k in (args.draft_tokens if args.draft_tokens != "3" else "1,2,3,4").split(",")]
+    results = {"stamp": stamp(), "prompts": len(prompts), "runs": []}
+    for k in ks:
+        config = engine_config(args, SpeculativeConfig("mtp", k), max_num_seqs=len(prompts),
+                               row_buckets=(1, len(prompts) + 1), max_num_batched_tokens=args.prompt_tokens + 32)
+        engine = Engine(model, config, eos_token_id=model.config.eos_token_id)
+        engine.start()
+        outputs, seconds = timed_generate(engine, prompts, args.output_tokens, temperature=args.temperature,
+                                          top_p=args.top_p, seed=0)
+        engine.shutdown(drain_seconds=0)
+        found = summarize(r for o in outputs for r in o.speculative_rounds)
+        results["runs"].append({"k": k, "rounds": found.rounds, "mean_acceptance_length": found.mean_length,
+                                "position_rates": found.position_rates, "seconds": seconds})
+    return results
+
+
+def report_acceptance(args, results) -> None:
+    how = "greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature}, top_p {args.top_p})"
+    print(stamp_line(results["stamp"]) + f"; inkling-tiny (float32), {results['prompts']} held-out prompts of "
+          f"{args.prompt_tokens} tokens, {args.output_tokens} {how} tokens each")
+    print("| K | rounds | mean acceptance length | acceptance rate by draft position |")
+    print("|---:|---:|---:|---|")
+    for r in results["runs"]:
+        print(f"| {r['k']} | {r['rounds']} | {r['mean_acceptance_length']:.3f} | " +
+              ", ".join(f"{x:.3f}" for x in r["position_rates"]) + " |")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    results = acceptance(args) if args.acceptance else throughput(args)
+    (report_acceptance if args.acceptance else report_throughput)(args, results)
+    if args.out:
+        with open(os.path.join(args.out, "speculative.json"), "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

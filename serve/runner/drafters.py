@@ -1,0 +1,69 @@
+"""The host's side of speculative decoding: which drafted tokens each row verifies in the next round.
+
+With the MTP head, a row's drafts come back with its samples (`serve.runner.speculative`) and are kept on the
+sequence until its next round. `OracleDrafter` proposes a known continuation instead, with wrong tokens where
+asked: the upper bound of acceptance (benchmarks), and rounds with chosen rejections (tests).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from serve.engine.config import EngineConfig
+from serve.engine.scheduler import Chunk
+from serve.engine.sequence import Sequence
+from serve.runner.steps import StepInputs
+
+
+class OracleDrafter:
+    """Proposes, for a sequence whose prompt is a key of `continuations`, the next tokens of that continuation
+    (say the target's own greedy output), each replaced by a wrong token where its output index is in
+    `wrong_at`; nothing for other prompts."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong_at: frozenset[int] = frozenset(),
+                 vocab: int = 2):
+        self.continuations = continuations
+        self.wrong_at = wrong_at
+        self.vocab = vocab
+
+    def propose(self, seq: Sequence, count: int) -> list[int]:
+        planned = self.continuations.get(tuple(seq.token_ids[:seq.num_prompt]), [])
+        start = seq.num_output  # the first draft follows the last output token, which the round feeds
+        return [(planned[i] + 1) % self.vocab if i in self.wrong_at else planned[i]
+                for i in range(start, min(start + count, len(planned)))]
+
+
+def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[int]:
+    """The drafts a row verifies next: the oracle's, else those its last step drafted (`Sequence.drafts`)."""
+    return (oracle.propose(seq, count) if oracle is not None else seq.drafts)[:count]
+
+
+def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index: list[int],
+                oracle: OracleDrafter | None) -> StepInputs:
+    """Round inputs: `inputs` (`step_inputs` of the decode chunks, chunk width K + 1, each row's last token first)
+    with each row's drafts after it, as many as it may still emit after the round's first token, and as its
+    `steps` the tokens it may emit in the run (`SpeculativePrograms.round`)."""
+    k = inputs.ids.shape[1] - 1
+    ids, n_new, steps = inputs.ids.copy(), inputs.n_new.copy(), inputs.steps.copy()
+    for chunk, row in zip(group, index):
+        seq = chunk.seq
+        left = min(seq.params.max_tokens - seq.num_output, cfg.max_model_len - len(seq))
+        drafts = proposals(seq, oracle, max(0, min(k, left - 1)))
+        ids[row, 1:1 + len(drafts)] = np.asarray(drafts, np.int32)
+        n_new[row] = 1 + len(drafts)
+        steps[row] = min(left, chunk.steps * (k + 1))  # tokens it may emit in its `chunk.steps` rounds
+    return inputs.replace(ids=ids, n_new=n_new, steps=steps)
+
+
+def read_rounds(seq: Sequence, row: int, kept, verified, width: int, on_round) -> list[int]:
+    """Where a row's emitted tokens are in a run's read-out (rounds of `width` = K + 1 positions, each round's
+    first `kept[round][row]` ones); records each of its rounds on the sequence and with on_round(verified,
+    accepted)."""
+    index = []
+    for r, (emitted, checked) in enumerate(zip(kept, verified)):
+        count = int(emitted[row])
+        if count:
+            index += range(r * width, r * width + count)
+            seq.accepted.append((int(checked[row]), count - 1))
+            on_round(int(checked[row]), count - 1)
+    return index
