@@ -68,7 +68,6 @@ class Engine:
         self._accepting = True
         self._refusal = "the server is shutting down"  # what a request hears once no more are taken
         self._cancel_all = False
-        self._built = 0  # programs built on the engine thread, as last counted into the metrics
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._new_params: tuple[list, threading.Event] | None = None  # (leaves, done): applied once idle
@@ -165,7 +164,7 @@ class Engine:
     # The engine thread
 
     def _loop(self) -> None:
-        self._built = compilation_count(threading.get_ident())
+        self.metrics.count_builds_from(compilation_count(threading.get_ident()))
         while True:
             self._take_mail()
             if self._stop.is_set():
@@ -312,12 +311,7 @@ class Engine:
     def _on_token(self, seq: Sequence, sample: Sample, now: float) -> None:
         request = self._owner[seq.seq_id]
         parser = request.parsers[seq.seq_id]
-        self.metrics.generation_tokens.inc()
-        last = request.last_token.get(seq.seq_id)
-        if last is None:
-            self.metrics.ttft.observe(now - request.arrival)
-        else:
-            self.metrics.itl.observe(now - last)
+        self.metrics.record_token(now, request.arrival, request.last_token.get(seq.seq_id))
         request.last_token[seq.seq_id] = now
         if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text, but of the logprobs
             self._finish(seq, "stop", parser.finish(sample if seq.params.logprobs is not None else None))
@@ -356,12 +350,8 @@ class Engine:
                 self._aborts.append(request.request_id)
 
     def _update_gauges(self) -> None:
-        m = self.metrics
-        m.queued.set(len(self.scheduler.waiting))
-        m.running.set(len(self.scheduler.running))
-        m.cache_usage.set(1.0 - self.blocks.num_free / self.blocks.num_blocks)
-        built = compilation_count(threading.get_ident())
-        m.compilations.inc(built - self._built)
-        self._built = built
+        self.metrics.record_state(len(self.scheduler.waiting), len(self.scheduler.running),
+                                  1.0 - self.blocks.num_free / self.blocks.num_blocks,
+                                  compilation_count(threading.get_ident()))
         with self._lock:
             self._queued = len(self.scheduler.waiting)

@@ -50,6 +50,7 @@ class Metrics:
         self.position_rate = spec(Gauge, "position_acceptance_rate", "accepted / verified drafts at this position "
                                   "so far", "position")
         self._queried = self._hits = 0
+        self._built = 0  # programs built on the engine thread, as last counted
         self._rounds = self._emitted = 0
         self._verified, self._accepted = collections.Counter(), collections.Counter()  # position -> rounds
 
@@ -59,6 +60,26 @@ class Metrics:
         self._queried += prompt_len
         self._hits += hit
         self.prefix_hit_rate.set(self._hits / self._queried)
+
+    def record_token(self, now: float, arrival: float, last: float | None) -> None:
+        """An output token handed out at `now`; `last`: when its sequence's previous one was (None: the first)."""
+        self.generation_tokens.inc()
+        if last is None:
+            self.ttft.observe(now - arrival)
+        else:
+            self.itl.observe(now - last)
+
+    def record_state(self, queued: int, running: int, cache_usage: float, built: int) -> None:
+        """The gauges, and `built`: the programs the engine thread has built so far (compilation_count)."""
+        self.queued.set(queued)
+        self.running.set(running)
+        self.cache_usage.set(cache_usage)
+        self.compilations.inc(built - self._built)
+        self._built = built
+
+    def count_builds_from(self, built: int) -> None:
+        """The engine thread's compilation_count when it starts: what it builds from then on counts."""
+        self._built = built
 
     def record_round(self, verified: int, accepted: int) -> None:
         """One row's speculative round: `verified` drafts checked, the first `accepted` of them kept."""

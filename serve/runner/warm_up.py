@@ -1,0 +1,114 @@
+"""The runner's compilation: every step bucket and helper compiled ahead of time (`warm_up`), the KV pool cut to
+what fits beside the compiled programs' buffers, and each program run once before serving, so that no request
+waits for a compile or a first kernel load. A mixin of `ModelRunner`, whose state it compiles for."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import logging
+import os
+import time
+
+import jax
+import numpy as np
+
+from serve.engine import memory_plan
+from serve.runner import cache_rows
+from serve.runner.compilation import compile_options
+from serve.runner.steps import init_penalties, pack
+
+log = logging.getLogger(__name__)
+
+
+class StepCompilation:
+    def warm_up(self) -> float:
+        """Compile every step bucket and helper; returns the seconds it took."""
+        start = time.perf_counter()
+        jit = self.placement.jit
+        step_out = {"decode": None, "prefill": None, "scoring": None}
+        if self.cache_shardings is not None:
+            replicated = self.placement.replicated()
+            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
+            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
+                        "prefill": (self.cache_shardings, replicated, replicated) + drafts,
+                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts}
+        # With speculative decoding a decode step is a round, `K + 1` tokens per row.
+        decode = jit(self.programs.round if self.speculative else self.programs.decode,
+                     out_shardings=step_out["decode"], static_argnames=("gather", "full"), donate_argnums=(1, 2))
+        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
+                      donate_argnums=(1, 2))
+        lowered = {}
+        for rows, chunk in self.config.buckets:
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
+            gather = rows != self.config.num_rows
+            for full in (False, True):  # a program per sampler kind (see `sampler.sample`)
+                if chunk > 1:
+                    lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
+                                                               gather=gather, full=full)
+                else:
+                    lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
+                                                              self._step_index[0], self._no_tokens[rows],
+                                                              gather=gather, full=full)
+        rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
+        scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"], static_argnames=("gather", "full"),
+                      donate_argnums=(1, 2))
+        lowered["prompt_logprobs"] = scoring.lower(
+            self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
+            self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows, full=True)
+        scalar = self.placement.put(np.int32(0))
+        tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
+        lowered["init_penalties"] = jit(init_penalties, donate_argnums=0).lower(
+            self.penalties, scalar, tokens, scalar)
+        if self.config.snapshots:
+            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshot,
+                                                                      cache_rows.restore_snapshot))
+            lowered["save"] = jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
+                self.cache, self.snapshots, scalar, scalar)
+            lowered["restore"] = jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
+                self.cache, self.snapshots, scalar, scalar)
+        # XLA compiles outside the GIL: the buckets compile side by side.
+        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
+            compiled = dict(zip(lowered, pool.map(lambda key: lowered[key].compile(compile_options(key)), lowered)))
+        pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
+                                           memory_plan.free_bytes(self.placement.device_list),
+                                           self.config.num_pages is not None)
+        if pages != self.num_pages:  # a smaller pool, and the programs again for its shapes
+            self._resize_pool(pages)
+            self.warm_up()
+            return time.perf_counter() - start
+        self._init_penalties = compiled.pop("init_penalties")
+        self._scoring = compiled.pop("prompt_logprobs")
+        self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
+        self._steps = compiled
+        self._run_once()
+        seconds = time.perf_counter() - start
+        log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
+                 len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
+        return seconds
+
+    def page_bytes_per_device(self) -> int:
+        """Bytes of one KV page on each device (its share of the KV heads)."""
+        return memory_plan.page_bytes(self.text, self.config, self.model.dtype, self.placement.kv_shards(self.text))
+
+    def _resize_pool(self, pages: int) -> None:
+        if pages < self.config.pages_per_row:
+            raise ValueError(f"after the step programs' buffers, {pages} pages fit: not one sequence of "
+                             f"{self.config.max_model_len} tokens (lower --max-model-len or the step buckets)")
+        self.num_pages = pages
+        self.penalties = None  # freed, with the cache, before the smaller pool is made
+        self.reset()
+
+    def _run_once(self) -> None:
+        """Runs every step program once on rows that hold nothing (they change no state), so that the first run
+        of a program on a GPU (loading its kernels) does not land in a request's time to first token."""
+        for (rows, chunk, _), program in self._steps.items():
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
+            if chunk > 1:
+                self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
+            else:
+                self.run_decode(program, rows, inputs, 1)
+        rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
+        self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties, *self.placement.put(
+            (pack(self._inputs([], rows, chunk)), np.full((rows, chunk), -1, np.int32))))
+        jax.block_until_ready(self.cache)
