@@ -155,7 +155,7 @@ def test_fsdp_tensor_job_equals_one_process_survives_a_death_and_resumes_exactly
     assert all(resumed[s] == interrupted[s] for s in interrupted)
     steps = [row["step"] for row in rows(out)]
     assert steps[len(interrupted):] == list(range(saved + 1, stop + 1))  # written once, by process 0 alone
-    assert "resumed from step" in log_of(out, 0) and "resumed from step" not in log_of(out, 1)
+    assert "resuming from checkpoint" in log_of(out, 0) and "resuming from checkpoint" not in log_of(out, 1)
 
 
 def test_expert_job_equals_one_process_and_the_coordinators_death_stops_it(tmp_path, corpus):
