@@ -1,0 +1,110 @@
+"""LoRA adapters as a server reads them: what `train.run --lora-rank` writes (`train.lora`'s file, or the directory
+holding it) and PEFT's layout (`adapter_config.json` + `adapter_model.safetensors`), both checked against the
+weights the server adapts. Every tensor is named by its base weight the way `train.lora` names it
+("layers.3.attn.wq.kernel"); PEFT's module names are the hub's (`inkling_jax.checkpoint.loading`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+
+from inkling_jax.checkpoint.safetensors_io import SafetensorsFile
+from train import lora
+
+TRAIN_FILE = "adapters.safetensors"  # the name `train.run` gives its adapters file
+PEFT_CONFIG, PEFT_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+# PEFT module (the hub's name) -> the weights it adapts here. The hub's dense w13 interleaves gate and up by row,
+# so its B [2 * width, r] splits into the gate's and the up's, which share its A.
+_PEFT_MODULE = re.compile(r"^(?:base_model\.model\.)?model\.llm\.layers\.(\d+)\."
+                          r"(attn\.(?:wq_du|wk_dv|wv_dv|wr_du|wo_ud)|mlp\.(?:w13_dn|w2_md))\.lora_([AB])\.weight$")
+_PEFT_TARGETS = {"attn.wq_du": ("attn.wq.kernel",), "attn.wk_dv": ("attn.wk.kernel",),
+                 "attn.wv_dv": ("attn.wv.kernel",), "attn.wr_du": ("attn.wr.kernel",),
+                 "attn.wo_ud": ("attn.wo.kernel",), "mlp.w13_dn": ("mlp.w_gate", "mlp.w_up"),
+                 "mlp.w2_md": ("mlp.w_down",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    name: str
+    rank: int
+    scale: float  # alpha / rank
+    weights: dict[str, tuple[np.ndarray, np.ndarray]]  # base weight -> (A [in, r], B [r, out]), fp32
+
+
+def load_adapter(name: str, path: str, shapes: dict[str, tuple[int, int]], max_rank: int) -> Adapter:
+    """The adapter at `path` (a `train.run` adapters file or its directory, or a PEFT directory), checked against
+    `shapes` (base weight -> (in, out) of every weight this server adapts): an unknown target, a shape that does
+    not fit its base weight or a rank above `max_rank` is a ValueError naming the adapter and the tensor."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, PEFT_CONFIG)):
+            weights, alpha = _read_peft(name, path)
+        elif os.path.exists(os.path.join(path, TRAIN_FILE)):
+            weights, alpha = _read_train(name, os.path.join(path, TRAIN_FILE))
+        else:
+            raise ValueError(f"LoRA adapter {name!r}: {path} holds neither {TRAIN_FILE} nor {PEFT_CONFIG}")
+    elif os.path.isfile(path):
+        weights, alpha = _read_train(name, path)
+    else:
+        raise ValueError(f"LoRA adapter {name!r}: no such file or directory: {path}")
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r}: {path} holds no adapter tensors")
+    ranks = {a.shape[-1] for a, _ in weights.values()}
+    rank = max(ranks)
+    for target, (a, b) in sorted(weights.items()):
+        if target not in shapes:
+            raise ValueError(f"LoRA adapter {name!r}: {target} is not a weight this server adapts "
+                             f"(attention q, k, v, r, o and the dense MLP; experts are not served yet)")
+        fan_in, fan_out = shapes[target]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != fan_in or b.shape[1] != fan_out or a.shape[1] != b.shape[0]:
+            raise ValueError(f"LoRA adapter {name!r}: {target} has A {a.shape} and B {b.shape}; the base weight is "
+                             f"[{fan_in}, {fan_out}], so A must be [{fan_in}, r] and B [r, {fan_out}]")
+        if a.shape[1] != rank:
+            raise ValueError(f"LoRA adapter {name!r}: {target} has rank {a.shape[1]}, the adapter's others {rank}")
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
+    return Adapter(name, rank, alpha / rank, weights)
+
+
+def _read_train(name: str, path: str) -> tuple[dict, float]:
+    try:
+        tensors, alpha = lora.load_adapters(path)
+    except ValueError as e:
+        raise ValueError(f"LoRA adapter {name!r}: {e}") from None
+    targets = {lora.base_name(n) for n in tensors}
+    missing = [t + part for t in targets for part in (lora.A, lora.B) if t + part not in tensors]
+    if missing:
+        raise ValueError(f"LoRA adapter {name!r}: {path} lacks {missing[0]}")
+    return {t: (tensors[t + lora.A].astype(np.float32), tensors[t + lora.B].astype(np.float32))
+            for t in targets}, alpha
+
+
+def _read_peft(name: str, path: str) -> tuple[dict, float]:
+    with open(os.path.join(path, PEFT_CONFIG)) as f:
+        config = json.load(f)
+    if config.get("peft_type", "LORA") != "LORA" or "lora_alpha" not in config or config.get("use_rslora"):
+        raise ValueError(f"LoRA adapter {name!r}: {PEFT_CONFIG} is not a plain LoRA config with lora_alpha "
+                         "(rsLoRA and other PEFT types are not served)")
+    f = SafetensorsFile(os.path.join(path, PEFT_FILE))
+    factors: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    for tensor in f.names:
+        match = _PEFT_MODULE.match(tensor)
+        if match is None:
+            raise ValueError(f"LoRA adapter {name!r}: {tensor} is not a LoRA factor of a module this server adapts "
+                             f"(layers' {', '.join(_PEFT_TARGETS)})")
+        layer, module, part = match.groups()
+        factors.setdefault((layer, module), {})[part] = np.asarray(f.read(tensor), np.float32)
+    weights = {}
+    for (layer, module), pair in factors.items():
+        if set(pair) != {"A", "B"}:
+            lacking = ({"A", "B"} - set(pair)).pop()
+            raise ValueError(f"LoRA adapter {name!r}: layer {layer}'s {module} lacks lora_{lacking}")
+        a, b = pair["A"].T, pair["B"].T  # PEFT holds torch's [r, in] and [out, r]
+        targets = _PEFT_TARGETS[module]
+        parts = [b] if len(targets) == 1 else [b[:, 0::2], b[:, 1::2]]  # w13's rows interleave gate and up
+        weights.update({f"layers.{layer}.{t}": (a, part) for t, part in zip(targets, parts)})
+    return weights, float(config["lora_alpha"])

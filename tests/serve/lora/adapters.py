@@ -1,0 +1,46 @@
+"""Random LoRA adapters for tests, written as `train.run --lora-rank` writes them, and the merged models they
+must serve like (`train.lora.merge`)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from inkling_jax import preset
+from serve.random_weights import random_model
+from tests.backends import REFERENCE
+from train import lora
+from train.state import ModelParts, model_params
+
+# Layer 0 dense, layer 1 an MoE: the experts are not adapted yet, so the adapters leave them alone.
+CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+ATTENTION = ("wq", "wk", "wv", "wr", "wo")
+
+
+def base_model():
+    return random_model(CONFIG, seed=0, backend=REFERENCE)
+
+
+def random_adapters(model, rank: int, seed: int, layers=(0, 1)) -> dict[str, np.ndarray]:
+    """Nonzero A and B on every attention projection of `layers` and the dense MLP of layer 0, in `train.lora`'s
+    names, large enough to change greedy tokens."""
+    flat = model_params(model)
+    rng = np.random.default_rng(seed)
+    targets = [f"layers.{i}.attn.{n}.kernel" for i in layers for n in ATTENTION]
+    targets += [f"layers.0.mlp.{n}" for n in ("w_gate", "w_up", "w_down")] if 0 in layers else []
+    out = {}
+    for name in targets:
+        fan_in, fan_out = flat[name].shape
+        out[name + lora.A] = (rng.standard_normal((fan_in, rank)) / np.sqrt(fan_in)).astype(np.float32)
+        out[name + lora.B] = (rng.standard_normal((rank, fan_out)) * 0.5).astype(np.float32)
+    return out
+
+
+def merged_model(model, adapters: dict[str, np.ndarray], alpha: float):
+    """The base with the adapters merged in (what `train.run --export` writes)."""
+    flat = model_params(model)
+    merged = lora.merge(flat, {n: jnp.asarray(x) for n, x in adapters.items()}, alpha)
+    return ModelParts(CONFIG, jnp.float32, REFERENCE).merge({**flat, **merged})
+
+
+def save(path, adapters: dict[str, np.ndarray], alpha: float) -> str:
+    lora.save_adapters(str(path), {n: jnp.asarray(x) for n, x in adapters.items()}, alpha)
+    return str(path)

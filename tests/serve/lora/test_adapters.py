@@ -1,0 +1,89 @@
+"""Adapters read strictly: `train.run`'s file or its directory, PEFT's layout (the hub's interleaved w13 split
+into gate and up), and a clear error naming the adapter and the tensor for anything that does not fit."""
+
+import json
+
+import numpy as np
+import pytest
+
+from inkling_jax.checkpoint.safetensors_io import write_safetensors
+from serve.lora.adapters import PEFT_CONFIG, PEFT_FILE, load_adapter
+from serve.lora.view import adapted_shapes, lora_view
+from tests.serve.lora.adapters import base_model, random_adapters, save
+from train import lora
+
+HUB = {"wq": "wq_du", "wk": "wk_dv", "wv": "wv_dv", "wr": "wr_du", "wo": "wo_ud"}
+
+
+@pytest.fixture(scope="module")
+def model_and_shapes():
+    model = base_model()
+    return model, adapted_shapes(lora_view(model, slots=2, rank=8))
+
+
+def peft_dir(path, adapters: dict, alpha: float, rank: int):
+    """`adapters` (`train.lora`'s names) written as PEFT would: torch's [r, in] / [out, r], the hub's names, the
+    dense gate and up as one w13 whose B rows interleave them."""
+    tensors = {}
+    for name in {lora.base_name(n) for n in adapters}:
+        layer, module = name.split(".")[1], name.split(".", 2)[2]
+        if module.startswith("attn."):
+            hub = f"attn.{HUB[module.split('.')[1]]}"
+            a, b = adapters[name + lora.A], adapters[name + lora.B]
+        elif module == "mlp.w_down":
+            hub, a, b = "mlp.w2_md", adapters[name + lora.A], adapters[name + lora.B]
+        elif module == "mlp.w_gate":
+            gate, up = (adapters[f"layers.{layer}.mlp.{m}{lora.B}"] for m in ("w_gate", "w_up"))
+            hub, a, b = "mlp.w13_dn", adapters[name + lora.A], np.stack([gate, up], axis=-1).reshape(rank, -1)
+        else:
+            continue  # w_up travels with w_gate
+        prefix = f"base_model.model.model.llm.layers.{layer}.{hub}"
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a.T.copy(), b.T.copy()
+    path.mkdir()
+    write_safetensors(str(path / PEFT_FILE), tensors)
+    (path / PEFT_CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha}))
+    return str(path)
+
+
+def test_train_file_directory_and_peft_read_alike(model_and_shapes, tmp_path):
+    model, shapes = model_and_shapes
+    adapters = random_adapters(model, 4, seed=1)
+    # PEFT's w13 shares one A between gate and up
+    adapters["layers.0.mlp.w_up" + lora.A] = adapters["layers.0.mlp.w_gate" + lora.A]
+    (tmp_path / "run").mkdir()
+    file = save(tmp_path / "run" / "adapters.safetensors", adapters, 8.0)
+    read = [load_adapter("x", p, shapes, max_rank=8)
+            for p in (file, str(tmp_path / "run"), peft_dir(tmp_path / "peft", adapters, 8.0, 4))]
+    for adapter in read:
+        assert (adapter.rank, adapter.scale) == (4, 2.0)
+        assert sorted(adapter.weights) == sorted({lora.base_name(n) for n in adapters})
+        for name, (a, b) in adapter.weights.items():
+            np.testing.assert_array_equal(a, adapters[name + lora.A], err_msg=name)
+            np.testing.assert_array_equal(b, adapters[name + lora.B], err_msg=name)
+
+
+def test_strict_errors_name_the_adapter_and_tensor(model_and_shapes, tmp_path):
+    model, shapes = model_and_shapes
+    adapters = random_adapters(model, 4, seed=2)
+    with pytest.raises(ValueError, match=r"'big': rank 4 is above --max-lora-rank 2"):
+        load_adapter("big", save(tmp_path / "a.safetensors", adapters, 8.0), shapes, max_rank=2)
+
+    wrong = dict(adapters)
+    wrong["layers.1.attn.wk.kernel" + lora.A] = np.ones((7, 4), np.float32)
+    with pytest.raises(ValueError, match=r"'bad': layers\.1\.attn\.wk\.kernel has A \(7, 4\).*base weight is"):
+        load_adapter("bad", save(tmp_path / "b.safetensors", wrong, 8.0), shapes, max_rank=8)
+
+    experts = dict(adapters)  # a `train.run` target this server does not adapt yet
+    experts["layers.1.mlp.w_gate" + lora.A] = np.ones((2, 64, 4), np.float32)
+    experts["layers.1.mlp.w_gate" + lora.B] = np.ones((2, 4, 64), np.float32)
+    with pytest.raises(ValueError, match=r"'moe': layers\.1\.mlp\.w_gate is not a weight this server adapts"):
+        load_adapter("moe", save(tmp_path / "c.safetensors", experts, 8.0), shapes, max_rank=8)
+
+    peft = peft_dir(tmp_path / "peft", adapters, 8.0, 4)
+    tensors = {"base_model.model.model.llm.layers.1.mlp.gate.lora_A.weight": np.ones((4, 64), np.float32)}
+    write_safetensors(f"{peft}/{PEFT_FILE}", tensors)
+    with pytest.raises(ValueError, match=r"'peft': .*layers\.1\.mlp\.gate\.lora_A\.weight is not a LoRA factor"):
+        load_adapter("peft", peft, shapes, max_rank=8)
+
+    with pytest.raises(ValueError, match=r"'none': .* holds neither adapters\.safetensors nor"):
+        load_adapter("none", str(tmp_path), shapes, max_rank=8)

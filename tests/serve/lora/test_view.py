@@ -1,0 +1,46 @@
+"""One call of the adapted view over rows of different adapters gives each row what the model with that
+adapter merged in gives it, and base rows exactly what the plain serving view gives; fused and separate
+projections alike."""
+
+import numpy as np
+import pytest
+
+from inkling_jax.quant.view import serving_view
+from serve.lora.adapters import load_adapter
+from serve.lora.view import adapted_shapes, lora_view, route, write_slot
+from tests.serve.lora.adapters import base_model, merged_model, random_adapters, save
+
+ALPHA = 16.0
+RANKS = (2, 8, 4)
+IDS = np.random.default_rng(0).integers(0, 256, (5, 9))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = base_model()
+    adapters = [random_adapters(model, r, seed=r) for r in RANKS]
+    paths = [save(tmp_path_factory.mktemp("lora") / "adapters.safetensors", a, ALPHA) for a in adapters]
+    merged = [np.asarray(merged_model(model, a, ALPHA)(IDS)) for a in adapters]
+    return model, paths, merged
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_rows_of_different_adapters_match_merged_models(setup, fuse):
+    model, paths, merged = setup
+    plain = serving_view(model, fuse=fuse)
+    view = lora_view(plain, slots=4, rank=8)
+    shapes = adapted_shapes(view)
+    for slot, i in ((1, 2), (2, 1), (3, 0)):  # slot s holds adapter 3 - s: the slot, not the order, decides
+        write_slot(view, slot, load_adapter(f"a{i}", paths[i], shapes, max_rank=8))
+    route(view, np.array([0, 3, 2, 1, 0]))
+    logits = np.asarray(view(IDS))
+    base = np.asarray(plain(IDS))
+    for row in (1, 2, 3):
+        expected = merged[row - 1][row]
+        assert np.abs(expected - base[row]).max() > 1e-2  # the adapter changes the output
+        np.testing.assert_allclose(logits[row], expected, rtol=2e-4, atol=2e-4, err_msg=f"row {row}")
+    np.testing.assert_array_equal(logits[[0, 4]], base[[0, 4]])  # base rows: exactly the base
+
+    write_slot(view, 3, None)  # the slot emptied serves the base
+    route(view, np.full(5, 3))
+    np.testing.assert_array_equal(np.asarray(view(IDS)), base)
