@@ -51,9 +51,11 @@ class TokenRecorder:
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *, n: int = 1, media=None,
-             timeout: float = 600.0, recorder: type[TokenRecorder] = TokenRecorder) -> list[Generated]:
+             timeout: float = 600.0, recorder: type[TokenRecorder] = TokenRecorder,
+             adapter: str | None = None) -> list[Generated]:
     """Choice i * n + j of prompt i, once every choice has finished. `recorder`: the parser class that fills each
-    `Generated` (RL's keeps the EOS token that ends a choice)."""
+    `Generated` (RL's keeps the EOS token that ends a choice); `adapter`: the LoRA adapter to run with (None: the
+    base)."""
     pending = [len(prompts) * n]
     last: dict[int, Output] = {}
     done = threading.Event()
@@ -67,7 +69,7 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *
                 if not pending[0]:
                     done.set()
 
-    request = engine.submit(f"offline-{next(_ids)}", prompts, params, n, recorder, sink, media=media)
+    request = engine.submit(f"offline-{next(_ids)}", prompts, params, n, recorder, sink, media=media, adapter=adapter)
     if not done.wait(timeout):
         engine.abort(request.request_id)
         raise TimeoutError(f"generation did not finish within {timeout}s")

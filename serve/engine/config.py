@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from serve.lora.config import LoRAConfig
+
 # Where no token budget is given: a decode token for every slot, plus this many prompt chunks of the largest size,
 # so that a server with every slot busy still prefills several prompts per step (one per step starves the TTFT of
 # a burst); never below MIN_TOKEN_BUDGET.
@@ -66,6 +68,7 @@ class EngineConfig:
     decode_steps: int = 8  # decode steps queued before the host reads their tokens (it applies stops afterwards)
     fuse_projections: bool = True  # q|k|v|r, MLP gate|up, shared experts as one MLP (placement.model_view)
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
+    lora: LoRAConfig | None = None  # LoRA adapters served beside the base (`serve.lora`)
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -87,6 +90,8 @@ class EngineConfig:
             raise ValueError("decode_steps must be >= 1")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError("memory_fraction must be in (0, 1]")
+        if self.lora is not None and self.speculative is not None:
+            raise ValueError("LoRA adapters are not served with speculative decoding yet")
 
     @property
     def num_rows(self) -> int:

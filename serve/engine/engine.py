@@ -93,13 +93,16 @@ class Engine:
         self._thread.start()
 
     def submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
-               make_parser: Callable[[], OutputParser], sink: Callable[[Output], None], media=None) -> Request:
+               make_parser: Callable[[], OutputParser], sink: Callable[[Output], None], media=None,
+               adapter: str | None = None) -> Request:
         """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.http.media.Media`
-        of the (single) prompt's placeholders. Raises QueueFull or EngineStopped."""
+        of the (single) prompt's placeholders; `adapter`: the LoRA adapter they run with (None: the base). Raises
+        QueueFull, EngineStopped or `serve.lora.slots.UnknownAdapter`."""
+        self.runner.check_adapter(adapter)
         seed = random.getrandbits(32)
         extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}
-        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, **extra)
-                for i, prompt in enumerate(prompts) for j in range(n)]
+        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, adapter=adapter,
+                         **extra) for i, prompt in enumerate(prompts) for j in range(n)]
         request = Request(request_id, seqs, [make_parser() for _ in seqs], sink)
         with self._lock:
             if not self._accepting:

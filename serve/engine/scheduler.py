@@ -139,6 +139,8 @@ class Scheduler:
         return n == 1 or self.config.fits(len(prefill) + 1, max([c.num_tokens for c in prefill] + [n]))
 
     def _admit(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> Chunk | None:
+        if not self._adapter_fits(seq):
+            return None
         cached, snapshot = self.blocks.match_prefix(seq) if self.config.prefix_caching and not seq.scores_prompt \
             else ([], None)
         hit = len(cached) * self.config.page_size
@@ -156,6 +158,12 @@ class Scheduler:
         seq.prefix_hit = hit
         self.running.append(seq)
         return Chunk(seq, n, restore=snapshot, admitted=True, scores=seq.scores_prompt)
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether `seq`'s LoRA adapter can join those of the running sequences: no more distinct adapters than
+        device slots (`LoRAConfig.max_loras`), so every step's fit (`serve.lora.slots`); else it waits."""
+        running = {s.adapter for s in self.running if s.adapter is not None}
+        return seq.adapter is None or seq.adapter in running or len(running) < self.config.lora.max_loras
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest sequences until `seq` can hold `num_tokens`; False if `seq` itself had to go."""

@@ -68,8 +68,10 @@ def adapted_shapes(view: InklingModel) -> dict[str, tuple[int, int]]:
 
 
 def route(view: InklingModel, slots) -> None:
-    """Sets the adapter slot of each row [rows] of the next call (inside a step, on the view it merged)."""
-    adapted_modules(view)[0].rows.set_value(jnp.asarray(slots, jnp.int32))
+    """Sets the adapter slot of each row [rows] of the next call (inside a step, on the view it merged); a view
+    without adapters has nothing to set."""
+    for module in adapted_modules(view)[:1]:  # the rows Variable is shared by all
+        module.rows.set_value(jnp.asarray(slots, jnp.int32))
 
 
 def write_slot(view: InklingModel, slot: int, adapter: Adapter | None) -> None:

@@ -24,6 +24,8 @@ from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
 from serve.engine.outputs import Sample
 from serve.engine.scheduler import Chunk
+from serve.lora.slots import AdapterSlots, UnknownAdapter
+from serve.lora.view import lora_view
 from serve.runner import cache_rows
 from serve.runner.drafters import OracleDrafter, fill_drafts, read_rounds
 from serve.runner.placement import Placement
@@ -58,6 +60,11 @@ class ModelRunner(StepCompilation):
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is
         self.draft = None if draft_model is None else self.placement.model_view(draft_model, config.fuse_projections)
+        if config.lora is not None:  # LoRA adapters in device slots of the view (`serve.lora`)
+            if self.placement.mesh is not None:
+                raise ValueError("LoRA adapters are not served on a device mesh yet")
+            self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank)
+        self.lora = None if config.lora is None else AdapterSlots(self.model, config.lora)
         self.params, merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(
@@ -233,6 +240,8 @@ class ModelRunner(StepCompilation):
         (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row verified)
         (else None)."""
         rows, chunk = self._shape(group)
+        if self.lora is not None and self.lora.assign(self.model, [c.seq for c in group]):
+            self.params = flat_params(self.model)[0]  # the slots' new factors
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
@@ -275,6 +284,11 @@ class ModelRunner(StepCompilation):
             return step_inputs(self.config, group, index, rows, chunk, media)
         width = self.config.speculative.num_draft_tokens + 1
         return fill_drafts(self.config, step_inputs(self.config, group, index, rows, width), group, index, self.oracle)
+
+    def check_adapter(self, name: str | None) -> None:
+        """Raises `UnknownAdapter` unless `name` is None (the base) or an adapter this runner serves."""
+        if name is not None and (self.lora is None or name not in self.lora.adapters):
+            raise UnknownAdapter(name)
 
     @property
     def speculative(self) -> bool:

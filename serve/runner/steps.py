@@ -33,6 +33,7 @@ from flax import struct
 
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Chunk
+from serve.lora.view import route
 from serve.runner import cache_rows, prompt_logprobs
 from serve.runner.sampler import FLOAT_FIELDS, INT_FIELDS, NO_SEQUENCE, SamplingBatch, batch_of, pack_samples, sample
 
@@ -46,17 +47,18 @@ class StepInputs:
     page_rows: jax.Array  # [R, pages_per_row]
     steps: jax.Array  # [R] tokens the row samples (prefill: 1 if the chunk ends its known tokens, else 0)
     next_token: jax.Array  # [R] the known token after the chunk, -1 if none (a drafter's MTP head reads it)
+    adapters: jax.Array  # [R] LoRA adapter slot of each row (0: the base; `serve.lora`)
     params: SamplingBatch
     media: jax.Array | None = None  # [R, T, hidden] media embeddings (multimodal models' prefill only)
     is_media: jax.Array | None = None  # [R, T] bool: positions that take `media` instead of their token
 
 
-_INT_COLUMNS = ("rows", "n_new", "lengths", "steps", "next_token")
+_INT_COLUMNS = ("rows", "n_new", "lengths", "steps", "next_token", "adapters")
 
 
 @struct.dataclass
 class PackedInputs:
-    """StepInputs in a few arrays: ints [R, 8 + T + pages_per_row] (the int columns, the sampler's int fields, the
+    """StepInputs in a few arrays: ints [R, 9 + T + pages_per_row] (the int columns, the sampler's int fields, the
     ids, the page rows), floats [R, 6] (the sampler's float fields), and the media arrays of a multimodal
     prefill."""
     ints: jax.Array
@@ -85,8 +87,8 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
                                         for name, dtype in INT_FIELDS.items()})
     return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
                       lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
-                      steps=column["steps"], next_token=column["next_token"], params=params, media=packed.media,
-                      is_media=packed.is_media)
+                      steps=column["steps"], next_token=column["next_token"], adapters=column["adapters"],
+                      params=params, media=packed.media, is_media=packed.is_media)
 
 
 @struct.dataclass
@@ -123,6 +125,7 @@ class StepPrograms:
         a drafting program's drafts [R, K] come last (`_draft`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
+        route(model, inp.adapters)
         sub = self._rows_in(cache, inp, gather)
         embeds = None
         if inp.media is not None:
@@ -155,6 +158,7 @@ class StepPrograms:
         `full`: the sampler with penalties, filters and logprobs (see `sampler.sample`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
+        route(model, inp.adapters)
         active = step < inp.steps
         inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
         sub = self._rows_in(cache, inp, gather)
@@ -199,6 +203,7 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
     ids = np.zeros((rows, chunk), np.int32)
     n_new, lengths, steps = (np.zeros((rows,), np.int32) for _ in range(3))
     next_token = np.full((rows,), -1, np.int32)
+    adapters = np.zeros((rows,), np.int32)
     page_rows = np.zeros((rows, cfg.pages_per_row), np.int32)
     params, index_out = [NO_SEQUENCE] * rows, [0] * rows
     media = is_media = None
@@ -214,12 +219,12 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
         if start + c.num_tokens < len(seq) and not c.ahead:
             next_token[row] = seq.token_ids[start + c.num_tokens]
         page_rows[row, :len(seq.block_ids)] = seq.block_ids
-        steps[row] = c.samples
+        steps[row], adapters[row] = c.samples, seq.lora_slot
         params[row], index_out[row] = seq.params, seq.num_output + c.ahead
         if media is not None and seq.media is not None:
             positions, features = seq.media
             inside = (positions >= start) & (positions < start + c.num_tokens)
             media[row, positions[inside] - start] = features[inside]
             is_media[row, positions[inside] - start] = True
-    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, next_token, batch_of(params, index_out), media,
-                      is_media)
+    return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, next_token, adapters,
+                      batch_of(params, index_out), media, is_media)

@@ -1,0 +1,31 @@
+"""What a server's LoRA adapters are and how many it holds (`--lora-modules`, `--max-loras`, `--max-lora-rank`,
+vLLM's names)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    modules: tuple[tuple[str, str], ...]  # (name a request's `model` gives, path) of every adapter served
+    max_loras: int = 1  # adapters on the device at once (their slots; the base needs none)
+    max_rank: int = 16  # the largest rank served; every slot holds this rank
+
+    def __post_init__(self):
+        if self.max_loras < 1 or self.max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {self.max_loras}, {self.max_rank}")
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"LoRA module names must be distinct and nonempty, got {names}")
+
+    @classmethod
+    def parse_modules(cls, specs: list[str]) -> tuple[tuple[str, str], ...]:
+        """"NAME=PATH" arguments -> (name, path) pairs; a clear error for anything else."""
+        pairs = []
+        for spec in specs:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+            pairs.append((name, path))
+        return tuple(pairs)

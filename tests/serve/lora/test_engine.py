@@ -1,0 +1,81 @@
+"""The engine serving LoRA adapters: requests of the base and of three adapters, more adapters than device slots,
+running together and one after another over a shared prompt; each gets the greedy tokens of the model with its
+adapter merged in (the base's: the plain model's), never another adapter's, also where the prefix cache holds
+the prompt's pages of the others. An unknown adapter is refused."""
+
+import concurrent.futures
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
+from serve.lora.config import LoRAConfig
+from serve.lora.slots import UnknownAdapter
+from serve.offline import generate
+from tests.serve.lora.adapters import CONFIG, base_model, merged_model, random_adapters, save
+
+ALPHA = 16.0
+RANKS = {"a": 2, "b": 8, "c": 4}
+PROMPT = np.random.default_rng(5).integers(0, 256, 19).tolist()  # two full pages of 8: prefix-cached
+TOKENS = 6
+
+
+@nnx.jit
+def forward(model, ids):
+    return model(ids)
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt` by whole forwards of one padded length (the model is causal: padding after
+    a position changes nothing before it), so one compiled program serves every step and model."""
+    ids = np.zeros((1, len(prompt) + n), np.int32)
+    ids[0, :len(prompt)] = prompt
+    for k in range(len(prompt), len(prompt) + n):
+        ids[0, k] = int(jnp.argmax(forward(model, ids)[0, k - 1, :CONFIG.text.unpadded_vocab_size]))
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    model = base_model()
+    adapters = {name: random_adapters(model, rank, seed=rank) for name, rank in RANKS.items()}
+    paths = {name: save(tmp_path_factory.mktemp(name) / "adapters.safetensors", a, ALPHA)
+             for name, a in adapters.items()}
+    expected = {None: greedy(model, PROMPT, TOKENS)}
+    expected.update({name: greedy(merged_model(model, a, ALPHA), PROMPT, TOKENS) for name, a in adapters.items()})
+    assert len({tuple(t) for t in expected.values()}) == len(expected)  # a row with another's adapter would show
+    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=2, max_rank=8)
+    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, page_size=8,
+                                        chunk_buckets=(1, 16), row_buckets=(4, 5), num_pages=24, decode_steps=2,
+                                        lora=lora), eos_token_id=CONFIG.eos_token_id)
+    engine.start()
+    yield engine, expected
+    engine.shutdown(drain_seconds=0)
+
+
+def run(engine, adapter):
+    params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    return generate(engine, [PROMPT], params, adapter=adapter)[0].token_ids
+
+
+def test_mixed_adapters_more_than_slots_match_merged_models(served):
+    engine, expected = served
+    assert run(engine, None) == expected[None]  # the prompt's pages are now cached for the base
+    order = [None, "a", "b", "c", "a", "c", None, "b"]
+    with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
+        results = list(pool.map(lambda adapter: run(engine, adapter), order))
+    for adapter, tokens in zip(order, results):
+        assert tokens == expected[adapter], adapter
+    for adapter in ("c", "a", "b"):  # one after another: each load evicts the least recently used
+        assert run(engine, adapter) == expected[adapter], adapter
+    assert engine.runner.lora.loads > 3  # three adapters through two slots: some were evicted and loaded again
+
+
+def test_unknown_adapter_is_refused(served):
+    engine, _ = served
+    with pytest.raises(UnknownAdapter):
+        run(engine, "nope")
