@@ -35,6 +35,7 @@ from serve.http.media import MAX_IMAGE_PIXELS, MediaEncoder
 from serve.http.routes import MAX_BODY_BYTES, Service
 from serve.http.server import Server, serving_app
 from serve.http.tokenizer import load_tokenizer
+from serve.lora.config import LoRAConfig
 from serve.runner.placement import MeshError, Placement
 from serve.runner.speculative import check_speculative
 
@@ -132,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--no-fuse-projections", action="store_true",
       help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
       "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")
+    a("--lora-modules", nargs="+", metavar="NAME=PATH", default=(), help="LoRA adapters served beside the base: "
+      "a request's model field NAME runs with the adapter at PATH (an adapters file as `train.run --lora-rank` "
+      "writes it, the directory holding it, or a PEFT directory); attention and dense MLP targets only")
+    a("--max-loras", type=number(int, 1), default=1, help="LoRA adapters on the device at once (others wait, "
+      "least recently used ones making room)")
+    a("--max-lora-rank", type=number(int, 1), default=16, help="largest LoRA rank served (every slot holds it)")
     a("--num-snapshots", type=number(int, 0), help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=number(int, 1), default=256, help="waiting sequences beyond which requests get 429")
     a("--max-prompt-tokens", type=number(int, 1), help="longest accepted prompt (default: max-model-len - 1)")
@@ -167,6 +174,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--speculative-algorithm draft and --speculative-draft-model go together")
     if args.speculative_draft_model and args.mesh:
         p.error("--speculative-algorithm draft does not run on a --mesh")
+    if args.lora_modules and (args.speculative_algorithm or args.mesh):
+        p.error("--lora-modules is not served with --speculative-algorithm or on a --mesh yet")
+    try:
+        args.lora_modules = LoRAConfig.parse_modules(args.lora_modules)
+    except ValueError as exc:
+        p.error(str(exc))
     for flag in ("max_prompt_tokens", "max_tokens"):
         if (getattr(args, flag) or 0) >= args.max_model_len:
             p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
@@ -195,7 +208,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps,
         speculative=SpeculativeConfig(args.speculative_algorithm,
                                       args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)
-        if args.speculative_algorithm else None)
+        if args.speculative_algorithm else None,
+        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank) if args.lora_modules else None)
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -246,6 +260,8 @@ def build_service(args: argparse.Namespace) -> Service:
         quantised.append("fp8 twins of the NVFP4 weights for wide steps")
     log.info("model %r: %s; tokenizer %s; %s%s on %s", name, description, tokenizer.name, dtype,
              "".join(f", {q}" for q in quantised), placement.devices)
+    if name in dict(args.lora_modules):
+        raise SystemExit(f"--lora-modules: {name!r} is the served model's name")
     # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
     # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
     model = placement.model_view(model, config.fuse_projections)
@@ -264,7 +280,7 @@ def build_service(args: argparse.Namespace) -> Service:
     max_len = config.max_model_len
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
                    max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
-                   max_n=args.max_n, api_key=args.api_key, chat=chat,
+                   max_n=args.max_n, api_key=args.api_key, chat=chat, adapters=tuple(dict(args.lora_modules)),
                    sampling_defaults=sampling_defaults(generation), max_body_bytes=int(args.max_body_mb * 2**20),
                    allowed_hosts=None if args.api_key or not is_loopback(args.host) else local_host_names(args.host))
 

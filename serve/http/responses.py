@@ -219,15 +219,15 @@ async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
 
 async def respond(engine: Engine, request: Request, body: SamplingFields, prompts: list[list[int]],
                   params: SamplingParams, responder: Responder, make_parser: Callable[[], OutputParser],
-                  media=None) -> Response:
-    """Run the request's choices on the engine; its response, streamed if the body asks for it. A client that
-    goes away aborts the request at once, streaming or not."""
+                  media=None, adapter: str | None = None) -> Response:
+    """Run the request's choices on the engine (with the LoRA `adapter`, None: the base); its response, streamed
+    if the body asks for it. A client that goes away aborts the request at once, streaming or not."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     request_id = responder.request_id
     try:
         engine.submit(request_id, prompts, params, body.n, make_parser,
-                      lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media)
+                      lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media, adapter=adapter)
     except QueueFull as exc:
         raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None

@@ -58,6 +58,7 @@ class Service:
     allowed_hosts: frozenset[str] | None = None  # Host names answered (None: any; see guards.HostCheck)
     # What a request leaves unset (the checkpoint's generation_config.json, where it has one).
     sampling_defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    adapters: tuple[str, ...] = ()  # LoRA adapters a request's `model` may name (`serve.lora`)
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
     workers: concurrent.futures.Executor = dataclasses.field(default_factory=lambda: concurrent.futures.
                                                              ThreadPoolExecutor(WORKER_THREADS, "inkling-http"))
@@ -112,27 +113,30 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
 
     @app.get("/v1/models", dependencies=[Depends(authorized)], responses=ERROR_RESPONSES)
     async def models():
-        return {"object": "list", "data": [{
-            "id": service.model_name, "object": "model", "created": service.started, "owned_by": "inkling-jax",
-            "description": service.description, "max_model_len": service.engine.config.max_model_len}]}
+        base = {"object": "model", "created": service.started, "owned_by": "inkling-jax",
+                "max_model_len": service.engine.config.max_model_len}
+        return {"object": "list", "data": [{"id": service.model_name, "description": service.description, **base}]
+                + [{"id": name, "parent": service.model_name, **base} for name in service.adapters]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)], responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
-        _check_model(service, body)
+        adapter = _adapter(service, body)
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of must equal n (no server-side ranking)", param="best_of")
         prompts = await _completion_prompts(service, body.prompt)
         params = _params(service, body, prompts)
-        responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer, prompts,
-                                        body.n, echo=body.echo, prompt_logprobs=body.prompt_logprobs is not None)
+        responder = CompletionResponder(f"cmpl-{uuid.uuid4().hex}", adapter or service.model_name, service.tokenizer,
+                                        prompts, body.n, echo=body.echo,
+                                        prompt_logprobs=body.prompt_logprobs is not None)
         return await respond(service.engine, request, body, prompts, params, responder,
-                             lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens))
+                             lambda: TextOutput(service.tokenizer, params.stop, params.skip_special_tokens),
+                             adapter=adapter)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatRequest, request: Request):
-        _check_model(service, body)
+        adapter = _adapter(service, body)
         _check_no_tools(body)
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
@@ -147,17 +151,20 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
         if items:
             with _as_api_errors(service, "messages"):
                 media = await service.off_loop(service.chat.media.encode, items)
-        responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", service.model_name, service.tokenizer,
+        responder = ChatResponder(f"chatcmpl-{uuid.uuid4().hex}", adapter or service.model_name, service.tokenizer,
                                   prompt_logprobs=body.prompt_logprobs is not None)
         return await respond(service.engine, request, body, [prompt], params, responder,
-                             lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media)
+                             lambda: ChatOutput(service.chat, params.stop, params.skip_special_tokens), media,
+                             adapter)
 
     app.include_router(tokenizer_router(service, [Depends(authorized)]))
     return app
 
 
-def _check_model(service: Service, body: SamplingFields) -> None:
-    check_model(body.model, service.model_name)
+def _adapter(service: Service, body: SamplingFields) -> str | None:
+    """The LoRA adapter the request's `model` names; None for the base (named or not); 404 for any other."""
+    check_model(body.model, service.model_name, service.adapters)
+    return body.model if body.model in service.adapters else None
 
 
 def _check_no_tools(body: ChatRequest) -> None:

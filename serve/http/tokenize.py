@@ -48,10 +48,11 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """A request that names a model must name the one served (None: any)."""
-    if requested is not None and requested != served:
-        raise APIError(404, f"model {requested!r} does not exist; this server serves {served!r}", param="model",
+def check_model(requested: str | None, served: str, adapters: tuple[str, ...] = ()) -> None:
+    """A request that names a model must name the one served or one of its LoRA `adapters` (None: any)."""
+    if requested is not None and requested != served and requested not in adapters:
+        names = ", ".join(repr(n) for n in (served, *adapters))
+        raise APIError(404, f"model {requested!r} does not exist; this server serves {names}", param="model",
                        code="model_not_found")
 
 
@@ -71,7 +72,7 @@ def tokenizer_router(service, dependencies: list) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        check_model(body.model, service.model_name)
+        check_model(body.model, service.model_name, service.adapters)
         if body.prompt is not None:
             ids = await service.off_loop(tokenizer.encode, body.prompt, body.add_special_tokens)
         elif service.chat is None:
@@ -90,7 +91,7 @@ def tokenizer_router(service, dependencies: list) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        check_model(body.model, service.model_name)
+        check_model(body.model, service.model_name, service.adapters)
         if any(not 0 <= t < service.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {service.vocab_size})", param="tokens")
         return {"prompt": await service.off_loop(tokenizer.decode, body.tokens, False)}

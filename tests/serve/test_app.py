@@ -89,6 +89,9 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--speculative-num-draft-tokens", "2"], "--speculative-num-draft-tokens needs --speculative-algorithm"),
     (["--speculative-algorithm", "draft"], "--speculative-algorithm draft and --speculative-draft-model go together"),
     (["--speculative-draft-model", "/x"], "--speculative-algorithm draft and --speculative-draft-model go together"),
+    (["--lora-modules", "a"], "--lora-modules takes NAME=PATH, got 'a'"),
+    (["--lora-modules", "a=/x", "--mesh", "fsdp=2"], "--lora-modules is not served with"),
+    (["--max-loras", "0"], "--max-loras: must be >= 1"),
 ])
 def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -103,6 +106,12 @@ def test_speculative_flags_make_the_engine_config_and_a_model_that_cannot_fails_
     with pytest.raises(SystemExit, match="--speculative-algorithm mtp: 8 draft tokens: a verify of 9 tokens must fit "
                                          "the sliding window"):
         main(["--random-weights", "--speculative-algorithm", "mtp", "--speculative-num-draft-tokens", "8"])
+
+
+def test_lora_flags_make_the_engine_config():
+    config = engine_config(parse_args(["--lora-modules", "a=/x/a", "b=/y", "--max-loras", "2", "--max-lora-rank", "8"]))
+    assert (config.lora.modules, config.lora.max_loras, config.lora.max_rank) == ((("a", "/x/a"), ("b", "/y")), 2, 8)
+    assert engine_config(parse_args([])).lora is None
 
 
 def test_the_api_key_can_come_from_a_file(tmp_path, monkeypatch):

@@ -1,9 +1,12 @@
 """The engine serving LoRA adapters: requests of the base and of three adapters, more adapters than device slots,
 running together and one after another over a shared prompt; each gets the greedy tokens of the model with its
 adapter merged in (the base's: the plain model's), never another adapter's, also where the prefix cache holds
-the prompt's pages of the others. An unknown adapter is refused."""
+the prompt's pages of the others. An unknown adapter is refused; over HTTP, a request's `model` names its
+adapter, `/v1/models` lists them, and an unknown one is a 404 in OpenAI's error shape."""
 
 import concurrent.futures
+import json
+import urllib.request
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,9 +16,13 @@ from flax import nnx
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
+from serve.http.routes import Service
+from serve.http.server import ServerThread, serving_app
+from serve.http.tokenizer import ByteTokenizer
 from serve.lora.config import LoRAConfig
 from serve.lora.slots import UnknownAdapter
 from serve.offline import generate
+from tests.serve.http.client import KEY, MODEL, post
 from tests.serve.lora.adapters import CONFIG, base_model, merged_model, random_adapters, save
 
 ALPHA = 16.0
@@ -79,3 +86,24 @@ def test_unknown_adapter_is_refused(served):
     engine, _ = served
     with pytest.raises(UnknownAdapter):
         run(engine, "nope")
+
+
+def test_http_names_adapters_by_model(served):
+    engine, expected = served
+    tokenizer = ByteTokenizer()
+    service = Service(engine, tokenizer, MODEL, "test model", CONFIG.text.unpadded_vocab_size, max_prompt_tokens=40,
+                      max_tokens=TOKENS, api_key=KEY, adapters=tuple(RANKS))
+    with ServerThread(serving_app(service), drain_seconds=5) as thread:
+        request = urllib.request.Request(thread.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        with urllib.request.urlopen(request, timeout=30) as r:
+            models = json.loads(r.read())["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [(MODEL, None)] + [(n, MODEL) for n in RANKS]
+        for name in (MODEL, "b"):
+            status, reply = post(thread.url, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": TOKENS,
+                                                                 "temperature": 0, "ignore_eos": True})
+            assert status == 200 and reply["model"] == name, reply
+            want = expected[None if name == MODEL else name]
+            assert reply["choices"][0]["text"] == tokenizer.decode(want)
+        status, reply = post(thread.url, "/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
+        assert status == 404 and reply["error"]["code"] == "model_not_found" and reply["error"]["param"] == "model"
+        assert set(reply["error"]) == {"message", "type", "param", "code"}
