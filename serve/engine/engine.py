@@ -51,7 +51,7 @@ class Engine:
         self.eos_token_id = eos_token_id
         self.metrics = metrics or Metrics()
         self.runner = ModelRunner(model, config, placement, oracle, on_round=self.metrics.record_round,
-                                  draft_model=draft_model)
+                                  draft_model=draft_model, on_lora_load=self.metrics.record_lora_load)
         self._new_state()
         self._lock = threading.Lock()
         self._wake = threading.Event()

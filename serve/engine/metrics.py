@@ -49,6 +49,12 @@ class Metrics:
                                       "+ 1), mean so far")
         self.position_rate = spec(Gauge, "position_acceptance_rate", "accepted / verified drafts at this position "
                                   "so far", "position")
+        self.lora_loads = Counter("inkling_lora_loads", "LoRA adapters put in a device slot", ["adapter"], registry=r)
+        self.lora_evictions = Counter("inkling_lora_evictions", "LoRA adapters taken out of their device slot to "
+                                      "make room for another", ["adapter"], registry=r)
+        self.lora_load_seconds = Histogram("inkling_lora_load_seconds", "Host time to write a LoRA adapter into its "
+                                           "device slot (queued copies, not waited for)", registry=r,
+                                           buckets=LATENCY_BUCKETS)
         self._queried = self._hits = 0
         self._built = 0  # programs built on the engine thread, as last counted
         self._rounds = self._emitted = 0
@@ -97,6 +103,13 @@ class Metrics:
                 self.position_accepted.labels(label).inc()
                 self._accepted[position] += 1
             self.position_rate.labels(label).set(self._accepted[position] / self._verified[position])
+
+    def record_lora_load(self, adapter: str, seconds: float, evicted: str | None) -> None:
+        """`adapter` put in a slot in `seconds`, taking it from `evicted` (None: a free slot)."""
+        self.lora_loads.labels(adapter).inc()
+        self.lora_load_seconds.observe(seconds)
+        if evicted is not None:
+            self.lora_evictions.labels(evicted).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

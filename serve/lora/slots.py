@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Callable
 
 from serve.lora.adapters import Adapter, load_adapter
 from serve.lora.config import LoRAConfig
@@ -21,8 +22,11 @@ class UnknownAdapter(KeyError):
 
 
 class AdapterSlots:
-    def __init__(self, view, config: LoRAConfig):
-        """view: the adapted serving view (`serve.lora.view.lora_view`, `config.max_loras + 1` slots)."""
+    def __init__(self, view, config: LoRAConfig,
+                 on_load: Callable[[str, float, str | None], None] = lambda *_: None):
+        """view: the adapted serving view (`serve.lora.view.lora_view`, `config.max_loras + 1` slots);
+        on_load(adapter, seconds, evicted adapter or None): called for every adapter put in a slot."""
+        self.on_load = on_load
         self.config = config
         shapes = adapted_shapes(view)
         self.adapters: dict[str, Adapter] = {name: load_adapter(name, path, shapes, config.max_rank)
@@ -30,7 +34,6 @@ class AdapterSlots:
         self.resident: collections.OrderedDict[str, int] = collections.OrderedDict()  # name -> slot, LRU first
         self.free = list(range(config.max_loras, 0, -1))  # slot 0 is the base's
         self.loads = 0
-        self.load_seconds = 0.0
 
     def place(self, view, names: set[str]) -> dict[str, int]:
         """Puts the adapters `names` (at most `max_loras`) in slots of `view`, evicting the least recently used
@@ -42,16 +45,17 @@ class AdapterSlots:
             if name in self.resident:
                 self.resident.move_to_end(name)
                 continue
+            victim = None
             if not self.free:
                 victim = next(n for n in self.resident if n not in names)
                 self.free.append(self.resident.pop(victim))
-                log.info("LoRA adapter %s evicted from slot %d", victim, self.free[-1])
             start = time.perf_counter()
             slot = self.free.pop()
             write_slot(view, slot, self.adapters[name])
             self.resident[name] = slot
             self.loads += 1
-            self.load_seconds += time.perf_counter() - start
+            self.on_load(name, time.perf_counter() - start, victim)
+            log.debug("LoRA adapter %s in slot %d%s", name, slot, "" if victim is None else f" (was {victim}'s)")
         return {name: self.resident[name] for name in names}
 
     def assign(self, view, seqs) -> bool:

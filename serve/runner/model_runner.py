@@ -41,11 +41,13 @@ log = logging.getLogger(__name__)
 class ModelRunner(StepCompilation):
     def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None,
                  oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None,
-                 draft_model: InklingModel | None = None):
+                 draft_model: InklingModel | None = None,
+                 on_lora_load: Callable[[str, float, str | None], None] = lambda *_: None):
         """oracle: the drafter of `SpeculativeConfig` method "oracle"; with "mtp", its proposals replace the head's
         drafts while the head's state is kept as usual (tests of that state under chosen acceptance).
         on_round(verified, accepted): called for every row of every speculative round collected. draft_model: the
-        drafter of method "draft" (the runner builds its view as it does the model's)."""
+        drafter of method "draft" (the runner builds its view as it does the model's). on_lora_load(adapter, seconds,
+        evicted adapter or None): called for every LoRA adapter put in a device slot (`serve.lora.slots`)."""
         self.config = config
         self.placement = placement or Placement()
         self.placement.check(model.config.text)
@@ -64,7 +66,7 @@ class ModelRunner(StepCompilation):
             if self.placement.mesh is not None:
                 raise ValueError("LoRA adapters are not served on a device mesh yet")
             self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank)
-        self.lora = None if config.lora is None else AdapterSlots(self.model, config.lora)
+        self.lora = None if config.lora is None else AdapterSlots(self.model, config.lora, on_lora_load)
         self.params, merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(

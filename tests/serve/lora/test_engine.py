@@ -79,7 +79,12 @@ def test_mixed_adapters_more_than_slots_match_merged_models(served):
         assert tokens == expected[adapter], adapter
     for adapter in ("c", "a", "b"):  # one after another: each load evicts the least recently used
         assert run(engine, adapter) == expected[adapter], adapter
-    assert engine.runner.lora.loads > 3  # three adapters through two slots: some were evicted and loaded again
+    # three adapters through two slots: some were evicted and loaded again, which the metrics count
+    sample = engine.metrics.registry.get_sample_value
+    loads = sum(sample("inkling_lora_loads_total", {"adapter": name}) or 0 for name in RANKS)
+    evictions = sum(sample("inkling_lora_evictions_total", {"adapter": name}) or 0 for name in RANKS)
+    assert loads == engine.runner.lora.loads > 3 and evictions == loads - 2
+    assert sample("inkling_lora_load_seconds_count") == loads
 
 
 def test_unknown_adapter_is_refused(served):
