@@ -138,6 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "writes it, the directory holding it, or a PEFT directory); attention and dense MLP targets only")
     a("--max-loras", type=number(int, 1), default=1, help="LoRA adapters on the device at once (others wait, "
       "least recently used ones making room)")
+    a("--lora-root", metavar="DIR", help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) "
+      "for adapters under DIR only")
     a("--max-lora-rank", type=number(int, 1), default=16, help="largest LoRA rank served (every slot holds it)")
     a("--num-snapshots", type=number(int, 0), help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=number(int, 1), default=256, help="waiting sequences beyond which requests get 429")
@@ -174,8 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--speculative-algorithm draft and --speculative-draft-model go together")
     if args.speculative_draft_model and args.mesh:
         p.error("--speculative-algorithm draft does not run on a --mesh")
-    if args.lora_modules and (args.speculative_algorithm or args.mesh):
-        p.error("--lora-modules is not served with --speculative-algorithm or on a --mesh yet")
+    if (args.lora_modules or args.lora_root) and (args.speculative_algorithm or args.mesh):
+        p.error("--lora-modules and --lora-root are not served with --speculative-algorithm or on a --mesh yet")
     try:
         args.lora_modules = LoRAConfig.parse_modules(args.lora_modules)
     except ValueError as exc:
@@ -209,7 +211,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig(args.speculative_algorithm,
                                       args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)
         if args.speculative_algorithm else None,
-        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank) if args.lora_modules else None)
+        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank, args.lora_root)
+        if args.lora_modules or args.lora_root else None)
 
 
 def build_service(args: argparse.Namespace) -> Service:
@@ -280,7 +283,7 @@ def build_service(args: argparse.Namespace) -> Service:
     max_len = config.max_model_len
     return Service(engine, tokenizer, name, description, model.config.text.unpadded_vocab_size,
                    max_prompt_tokens=args.max_prompt_tokens or max_len - 1, max_tokens=args.max_tokens or max_len - 1,
-                   max_n=args.max_n, api_key=args.api_key, chat=chat, adapters=tuple(dict(args.lora_modules)),
+                   max_n=args.max_n, api_key=args.api_key, chat=chat, lora=engine.runner.lora,
                    sampling_defaults=sampling_defaults(generation), max_body_bytes=int(args.max_body_mb * 2**20),
                    allowed_hosts=None if args.api_key or not is_loopback(args.host) else local_host_names(args.host))
 

@@ -98,7 +98,7 @@ class Engine:
         """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.http.media.Media`
         of the (single) prompt's placeholders; `adapter`: the LoRA adapter they run with (None: the base). Raises
         QueueFull, EngineStopped or `serve.lora.slots.UnknownAdapter`."""
-        self.runner.check_adapter(adapter)
+        adapter = self.runner.lora_adapter(adapter)
         seed = random.getrandbits(32)
         extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}
         seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, adapter=adapter,

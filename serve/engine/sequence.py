@@ -25,7 +25,7 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "", index: int = 0,
-                 media=None, hash_seed: bytes = b"", adapter: str | None = None):
+                 media=None, hash_seed: bytes = b"", adapter=None):
         if not prompt_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.seq_id = next(_ids)
@@ -43,10 +43,10 @@ class Sequence:
         self.num_preemptions = 0
         self.prefix_hit = 0  # prompt tokens taken from the prefix cache at the last admission
         self.media = media  # (prompt positions [M], embeddings [M, hidden]) that replace those tokens, or None
-        self.adapter = adapter  # the LoRA adapter it runs with (`serve.lora`); None: the base
+        self.adapter = adapter  # the LoRA adapter it runs with (a `serve.lora.adapters.Adapter`); None: the base
         self.lora_slot = 0  # its adapter's device slot in the step being dispatched (0: the base)
         # starts the block-hash chain: prompts with different media or adapters never share pages
-        self.hash_seed = hash_seed if adapter is None else hash_seed + b"\0lora\0" + adapter.encode()
+        self.hash_seed = hash_seed if adapter is None else hash_seed + b"\0" + adapter.key
         self.prompt_logprobs: list[Sample] = []  # of prompt tokens 1, 2, ... as far as computed (where asked)
         self.drafts: list[int] = []  # speculative decoding: tokens drafted after the last one, for the next round
         self.accepted: list[tuple[int, int]] = []  # speculative decoding: (drafts verified, accepted) per round

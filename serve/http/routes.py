@@ -29,12 +29,14 @@ from serve.engine.engine import Engine
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.http.chat import ChatError, ChatFormat, ChatOutput
 from serve.http.guards import BodyLimit, BodyTooLarge, CatchAll, HostCheck, error_response
+from serve.http.lora_routes import lora_router
 from serve.http.protocol import (ERROR_RESPONSES, GENERATION_RESPONSES, APIError, ChatRequest, CompletionRequest,
                                  SamplingFields, validation_message)
 from serve.http.responses import ChatResponder, CompletionResponder, respond
 from serve.http.text_stream import TextOutput
 from serve.http.tokenize import check_model, tokenizer_router
 from serve.http.tokenizer import Tokenizer, TooLong
+from serve.lora.slots import AdapterSlots
 
 MAX_BODY_BYTES = 16 << 20  # default of --max-body-mb
 WORKER_THREADS = 4  # requests tokenized, rendered or decoded at once
@@ -58,10 +60,15 @@ class Service:
     allowed_hosts: frozenset[str] | None = None  # Host names answered (None: any; see guards.HostCheck)
     # What a request leaves unset (the checkpoint's generation_config.json, where it has one).
     sampling_defaults: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    adapters: tuple[str, ...] = ()  # LoRA adapters a request's `model` may name (`serve.lora`)
+    lora: AdapterSlots | None = None  # the engine's LoRA adapters (`engine.runner.lora`), where it serves some
     started: int = dataclasses.field(default_factory=lambda: int(time.time()))
     workers: concurrent.futures.Executor = dataclasses.field(default_factory=lambda: concurrent.futures.
                                                              ThreadPoolExecutor(WORKER_THREADS, "inkling-http"))
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters a request's `model` may name now."""
+        return () if self.lora is None else tuple(self.lora.adapters)
 
     async def off_loop(self, fn, *args):
         """fn(*args) on a worker thread."""
@@ -158,6 +165,8 @@ def create_app(service: Service, lifespan=None) -> FastAPI:
                              adapter)
 
     app.include_router(tokenizer_router(service, [Depends(authorized)]))
+    if service.lora is not None and service.lora.config.root is not None:
+        app.include_router(lora_router(service, [Depends(authorized)]))
     return app
 
 

@@ -6,6 +6,7 @@ weights the server adapts. Every tensor is named by its base weight the way `tra
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -28,12 +29,18 @@ _PEFT_TARGETS = {"attn.wq_du": ("attn.wq.kernel",), "attn.wk_dv": ("attn.wk.kern
                  "mlp.w2_md": ("mlp.w_down",)}
 
 
-@dataclasses.dataclass(frozen=True)
+_loads = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Adapter:
+    """One load of an adapter: equal only to itself, so an adapter loaded again under the same name (new weights,
+    say) shares neither device slots nor prefix-cache pages with the one it replaces."""
     name: str
     rank: int
     scale: float  # alpha / rank
     weights: dict[str, tuple[np.ndarray, np.ndarray]]  # base weight -> (A [in, r], B [r, out]), fp32
+    key: bytes = dataclasses.field(default_factory=lambda: b"lora-%d" % next(_loads))  # unique to this load
 
 
 def load_adapter(name: str, path: str, shapes: dict[str, tuple[int, int]], max_rank: int) -> Adapter:

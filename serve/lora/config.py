@@ -11,6 +11,7 @@ class LoRAConfig:
     modules: tuple[tuple[str, str], ...]  # (name a request's `model` gives, path) of every adapter served
     max_loras: int = 1  # adapters on the device at once (their slots; the base needs none)
     max_rank: int = 16  # the largest rank served; every slot holds this rank
+    root: str | None = None  # adapters may be loaded at run time from under this directory (`--lora-root`)
 
     def __post_init__(self):
         if self.max_loras < 1 or self.max_rank < 1:

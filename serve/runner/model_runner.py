@@ -24,6 +24,7 @@ from serve.engine import memory_plan
 from serve.engine.config import EngineConfig
 from serve.engine.outputs import Sample
 from serve.engine.scheduler import Chunk
+from serve.lora.adapters import Adapter
 from serve.lora.slots import AdapterSlots, UnknownAdapter
 from serve.lora.view import lora_view
 from serve.runner import cache_rows
@@ -287,10 +288,11 @@ class ModelRunner(StepCompilation):
         width = self.config.speculative.num_draft_tokens + 1
         return fill_drafts(self.config, step_inputs(self.config, group, index, rows, width), group, index, self.oracle)
 
-    def check_adapter(self, name: str | None) -> None:
-        """Raises `UnknownAdapter` unless `name` is None (the base) or an adapter this runner serves."""
-        if name is not None and (self.lora is None or name not in self.lora.adapters):
+    def lora_adapter(self, name: str | None) -> Adapter | None:
+        """The LoRA adapter served as `name` (None: the base); `UnknownAdapter` for any other."""
+        if name is not None and self.lora is None:
             raise UnknownAdapter(name)
+        return None if name is None else self.lora.get(name)
 
     @property
     def speculative(self) -> bool:

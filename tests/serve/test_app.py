@@ -7,6 +7,7 @@ import pytest
 import serve.app
 from inkling_jax import preset
 from serve.app import engine_config, main, parse_args
+from serve.lora.config import LoRAConfig
 from serve.engine.block_manager import BlockManager
 from serve.engine.scheduler import Scheduler
 from serve.runner.placement import MeshError, Placement
@@ -90,7 +91,7 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--speculative-algorithm", "draft"], "--speculative-algorithm draft and --speculative-draft-model go together"),
     (["--speculative-draft-model", "/x"], "--speculative-algorithm draft and --speculative-draft-model go together"),
     (["--lora-modules", "a"], "--lora-modules takes NAME=PATH, got 'a'"),
-    (["--lora-modules", "a=/x", "--mesh", "fsdp=2"], "--lora-modules is not served with"),
+    (["--lora-modules", "a=/x", "--mesh", "fsdp=2"], "--lora-modules and --lora-root are not served with"),
     (["--max-loras", "0"], "--max-loras: must be >= 1"),
 ])
 def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
@@ -112,6 +113,7 @@ def test_lora_flags_make_the_engine_config():
     config = engine_config(parse_args(["--lora-modules", "a=/x/a", "b=/y", "--max-loras", "2", "--max-lora-rank", "8"]))
     assert (config.lora.modules, config.lora.max_loras, config.lora.max_rank) == ((("a", "/x/a"), ("b", "/y")), 2, 8)
     assert engine_config(parse_args([])).lora is None
+    assert engine_config(parse_args(["--lora-root", "/r"])).lora == LoRAConfig((), 1, 16, "/r")
 
 
 def test_the_api_key_can_come_from_a_file(tmp_path, monkeypatch):

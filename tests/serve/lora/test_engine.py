@@ -6,6 +6,8 @@ adapter, `/v1/models` lists them, and an unknown one is a 404 in OpenAI's error 
 
 import concurrent.futures
 import json
+import os
+import threading
 import urllib.request
 
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ from serve.http.server import ServerThread, serving_app
 from serve.http.tokenizer import ByteTokenizer
 from serve.lora.config import LoRAConfig
 from serve.lora.slots import UnknownAdapter
-from serve.offline import generate
+from serve.offline import TokenRecorder, generate
 from tests.serve.http.client import KEY, MODEL, post
 from tests.serve.lora.adapters import CONFIG, base_model, merged_model, random_adapters, save
 
@@ -50,23 +52,24 @@ def greedy(model, prompt: list[int], n: int) -> list[int]:
 def served(tmp_path_factory):
     model = base_model()
     adapters = {name: random_adapters(model, rank, seed=rank) for name, rank in RANKS.items()}
-    paths = {name: save(tmp_path_factory.mktemp(name) / "adapters.safetensors", a, ALPHA)
-             for name, a in adapters.items()}
+    root = tmp_path_factory.mktemp("root")
+    paths = {name: save(root / f"{name}.safetensors", a, ALPHA) for name, a in adapters.items()}
     expected = {None: greedy(model, PROMPT, TOKENS)}
     expected.update({name: greedy(merged_model(model, a, ALPHA), PROMPT, TOKENS) for name, a in adapters.items()})
     assert len({tuple(t) for t in expected.values()}) == len(expected)  # a row with another's adapter would show
-    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=2, max_rank=8)
+    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=2, max_rank=8, root=str(root))
     engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, page_size=8,
                                         chunk_buckets=(1, 16), row_buckets=(4, 5), num_pages=24, decode_steps=2,
                                         lora=lora), eos_token_id=CONFIG.eos_token_id)
     engine.start()
+    engine.paths = paths
     yield engine, expected
     engine.shutdown(drain_seconds=0)
 
 
-def run(engine, adapter):
+def run(engine, adapter, recorder=TokenRecorder):
     params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
-    return generate(engine, [PROMPT], params, adapter=adapter)[0].token_ids
+    return generate(engine, [PROMPT], params, adapter=adapter, recorder=recorder)[0].token_ids
 
 
 def test_mixed_adapters_more_than_slots_match_merged_models(served):
@@ -93,22 +96,64 @@ def test_unknown_adapter_is_refused(served):
         run(engine, "nope")
 
 
-def test_http_names_adapters_by_model(served):
-    engine, expected = served
-    tokenizer = ByteTokenizer()
-    service = Service(engine, tokenizer, MODEL, "test model", CONFIG.text.unpadded_vocab_size, max_prompt_tokens=40,
-                      max_tokens=TOKENS, api_key=KEY, adapters=tuple(RANKS))
+@pytest.fixture(scope="module")
+def server(served):
+    """The engine behind HTTP (its shutdown drains the engine: the module's last use of it)."""
+    engine, _ = served
+    service = Service(engine, ByteTokenizer(), MODEL, "test model", CONFIG.text.unpadded_vocab_size,
+                      max_prompt_tokens=40, max_tokens=TOKENS, api_key=KEY, lora=engine.runner.lora)
     with ServerThread(serving_app(service), drain_seconds=5) as thread:
-        request = urllib.request.Request(thread.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
-        with urllib.request.urlopen(request, timeout=30) as r:
-            models = json.loads(r.read())["data"]
-        assert [(m["id"], m.get("parent")) for m in models] == [(MODEL, None)] + [(n, MODEL) for n in RANKS]
-        for name in (MODEL, "b"):
-            status, reply = post(thread.url, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": TOKENS,
-                                                                 "temperature": 0, "ignore_eos": True})
-            assert status == 200 and reply["model"] == name, reply
-            want = expected[None if name == MODEL else name]
-            assert reply["choices"][0]["text"] == tokenizer.decode(want)
-        status, reply = post(thread.url, "/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
-        assert status == 404 and reply["error"]["code"] == "model_not_found" and reply["error"]["param"] == "model"
-        assert set(reply["error"]) == {"message", "type", "param", "code"}
+        yield thread
+
+
+def test_http_names_adapters_by_model(served, server):
+    engine, expected = served
+    tokenizer, thread = ByteTokenizer(), server
+    request = urllib.request.Request(thread.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        models = json.loads(r.read())["data"]
+    assert [(m["id"], m.get("parent")) for m in models] == [(MODEL, None)] + [(n, MODEL) for n in RANKS]
+    for name in (MODEL, "b"):
+        status, reply = post(thread.url, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": TOKENS,
+                                                             "temperature": 0, "ignore_eos": True})
+        assert status == 200 and reply["model"] == name, reply
+        want = expected[None if name == MODEL else name]
+        assert reply["choices"][0]["text"] == tokenizer.decode(want)
+    status, reply = post(thread.url, "/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
+    assert status == 404 and reply["error"]["code"] == "model_not_found" and reply["error"]["param"] == "model"
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_adapters_load_from_under_the_root_and_unload_while_requests_run(served, server, tmp_path):
+    engine, expected = served
+    thread = server
+    outside = tmp_path / "b.safetensors"
+    outside.write_bytes(open(engine.paths["b"], "rb").read())
+    root = os.path.dirname(engine.paths["b"])
+    for path in (str(outside), f"{root}/../{tmp_path.name}/b.safetensors", "/etc/passwd"):
+        status, reply = post(thread.url, "/v1/load_lora_adapter", {"lora_name": "b2", "lora_path": path})
+        assert status == 400 and "not under the server's LoRA root" in reply["error"]["message"], path
+    status, _ = post(thread.url, "/v1/load_lora_adapter", {"lora_name": "b2", "lora_path": engine.paths["b"]})
+    assert status == 200
+    status, reply = post(thread.url, "/v1/load_lora_adapter", {"lora_name": "b2", "lora_path": engine.paths["b"]})
+    assert status == 400 and "already served" in reply["error"]["message"]
+    assert run(engine, "b2") == expected["b"]  # its own load of b's file, in a slot of its own
+
+    # unloaded while its requests run: they finish with it; new ones are refused
+    submitted = threading.Semaphore(0)
+
+    class Signalling(TokenRecorder):  # made by `Engine.submit` once it has taken the request's adapter
+        def __init__(self):
+            super().__init__()
+            submitted.release()
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        running = [pool.submit(run, engine, "b2", Signalling) for _ in range(3)]
+        assert all(submitted.acquire(timeout=60) for _ in running)
+        status, _ = post(thread.url, "/v1/unload_lora_adapter", {"lora_name": "b2"})
+        assert status == 200
+        assert [r.result() for r in running] == [expected["b"]] * 3
+    status, reply = post(thread.url, "/v1/completions", {"model": "b2", "prompt": PROMPT, "max_tokens": 2})
+    assert status == 404 and reply["error"]["code"] == "model_not_found"
+    status, reply = post(thread.url, "/v1/unload_lora_adapter", {"lora_name": "b2"})
+    assert status == 404
