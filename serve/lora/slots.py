@@ -49,10 +49,11 @@ class AdapterSlots:
     def register(self, name: str, path: str) -> Adapter:
         """Reads the adapter at `path` (which must lie under `config.root`) and serves it as `name`; a ValueError
         for a path outside the root, a name already served or an adapter that does not fit."""
-        root = os.path.realpath(self.config.root or "")
-        if self.config.root is None or not os.path.realpath(path).startswith(root + os.sep):
+        real = os.path.realpath(path)  # links and ".." resolved: the file that would be read
+        root = None if self.config.root is None else os.path.realpath(self.config.root)
+        if root is None or real == root or os.path.commonpath([root, real]) != root:
             raise ValueError(f"LoRA adapter {name!r}: {path} is not under the server's LoRA root")
-        adapter = load_adapter(name, os.path.realpath(path), self.shapes, self.config.max_rank)
+        adapter = load_adapter(name, real, self.shapes, self.config.max_rank)
         with self._registry:
             if name in self.adapters:
                 raise ValueError(f"LoRA adapter {name!r} is already served")

@@ -130,7 +130,8 @@ def test_adapters_load_from_under_the_root_and_unload_while_requests_run(served,
     outside = tmp_path / "b.safetensors"
     outside.write_bytes(open(engine.paths["b"], "rb").read())
     root = os.path.dirname(engine.paths["b"])
-    for path in (str(outside), f"{root}/../{tmp_path.name}/b.safetensors", "/etc/passwd"):
+    os.symlink(outside, os.path.join(root, "link.safetensors"))
+    for path in (str(outside), f"{root}/../{tmp_path.name}/b.safetensors", f"{root}/link.safetensors", root):
         status, reply = post(thread.url, "/v1/load_lora_adapter", {"lora_name": "b2", "lora_path": path})
         assert status == 400 and "not under the server's LoRA root" in reply["error"]["message"], path
     status, _ = post(thread.url, "/v1/load_lora_adapter", {"lora_name": "b2", "lora_path": engine.paths["b"]})
