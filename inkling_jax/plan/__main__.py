@@ -25,11 +25,10 @@ from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import MeshError, parse_mesh_spec
 from inkling_jax.plan.serving import serving_plan
 from inkling_jax.plan.training import training_plan
-from inkling_jax.plan.weights import abstract_mesh, bytes_by_kind, model_weights
+from inkling_jax.plan.weights import GIB, abstract_mesh, bytes_by_kind, model_weights
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
 from serve.engine.config import EngineConfig
 
-GIB = 2**30
 
 
 def parse_args(argv=None) -> argparse.Namespace:

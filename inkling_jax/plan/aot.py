@@ -25,11 +25,10 @@ from inkling_jax.nn.model import REMAT_POLICIES, InklingModel
 from inkling_jax.parallel.mesh import make_mesh, parse_mesh_spec
 from inkling_jax.parallel.rules import activation_sharding
 from inkling_jax.plan.training import training_plan
-from inkling_jax.plan.weights import abstract_mesh, probe
+from inkling_jax.plan.weights import GIB, abstract_mesh, probe
 from train.state import abstract_like, model_params
 from train.step import BATCH_KEYS, StepConfig, Trainer
 
-GIB = 2**30
 # The training plan's rows that are the step's arguments (the rest is made while it runs).
 STATE = ("trained weights: fp32 masters", "AdamW moments (2 x fp32)", "frozen weights", "MoE selection biases (fp32)",
          "step, RNG key, optimizer counters")

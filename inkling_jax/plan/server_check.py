@@ -20,13 +20,12 @@ from flax import nnx
 from inkling_jax.config import preset
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.plan.serving import serving_plan
-from inkling_jax.plan.weights import abstract_mesh
+from inkling_jax.plan.weights import GIB, abstract_mesh
 from inkling_jax.quant import QuantConfig, serving_view
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.runner.placement import Placement
 
-GIB = 2**30
 
 
 def main(argv=None) -> None:

@@ -24,6 +24,7 @@ from inkling_jax.parallel.mesh import MESH_AXES
 from inkling_jax.parallel.rules import logical_axes, spec_for
 from inkling_jax.quant import QuantConfig, serving_view
 
+GIB = 2**30  # the unit the plan's tables print
 # The rows of the weights table, in the order printed.
 KINDS = ("embedding", "attention", "dense MLPs", "routers", "shared experts", "routed experts",
          "norms and ShortConv taps", "LM head", "MTP head", "vision tower", "audio tower")

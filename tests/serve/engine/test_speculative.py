@@ -199,6 +199,9 @@ def test_a_draft_model_gives_the_greedy_tokens_and_keeps_its_cache_in_step(model
         assert min(r.acceptance.mean_length for r in results) > 3.5
         assert engine.metrics.prefix_hits._value.get() > 0
         assert_cache_equals_a_plain_prefill(engine, PROMPTS[1], greedy[tuple(PROMPTS[1])])
+        engine.update_params(list(engine.runner.params))  # new arrays (the same values) for target and draft
+        assert [r.token_ids for r in generate(engine, PROMPTS, greedy_params())] == \
+            [greedy[tuple(p)][:NEW] for p in PROMPTS]
     finally:
         engine.shutdown(drain_seconds=0)
 
