@@ -29,6 +29,7 @@ from serve.engine.block_manager import BlockManager
 from serve.engine.config import EngineConfig
 from serve.engine.metrics import Metrics
 from serve.engine.outputs import Output, Sample
+from serve.engine.params_mailbox import ParamsMailbox
 from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
@@ -70,7 +71,7 @@ class Engine:
         self._cancel_all = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._new_params: tuple[list, threading.Event] | None = None  # (leaves, done): applied once idle
+        self._new_params = ParamsMailbox()  # applied once idle
 
     def _new_state(self) -> None:
         self.blocks = BlockManager(self.runner.num_pages, self.config.page_size, self.config.snapshots)
@@ -147,12 +148,7 @@ class Engine:
         nothing recompiles), swapped in by the engine thread once no sequence runs (RL weight sync,
         `train.rl.rollout`). The prefix cache starts empty: its pages hold the old weights' keys and values."""
         self.runner.check_params(leaves)
-        done = threading.Event()
-        with self._lock:
-            self._new_params = (leaves, done)
-        self._wake.set()
-        if not done.wait(timeout):
-            raise TimeoutError(f"the engine did not become idle within {timeout}s to take new parameters")
+        self._new_params.send(leaves, self._wake.set, timeout)
 
     def shutdown(self, drain_seconds: float = 10.0) -> None:
         """`drain`, then stop the engine thread."""
@@ -198,12 +194,8 @@ class Engine:
             self._update_gauges()
 
     def _swap_params(self) -> None:
-        with self._lock:
-            pending, self._new_params = self._new_params, None
-        if pending is not None:
-            self.runner.swap_params(pending[0])
+        if self._new_params.deliver(self.runner.swap_params):
             self._new_state()
-            pending[1].set()
 
     def _fail_requests(self) -> None:
         self._unreported, self._inflight = [], None

@@ -142,8 +142,9 @@ class ModelRunner(StepCompilation):
     def swap_params(self, leaves: list) -> None:
         """Run with `leaves` (`check_params`) from the next step on; the view is rebuilt around them, so the old
         arrays are freed once nothing else holds them."""
+        merged = self.programs.merge(list(leaves))
+        self.model, self.draft = (merged, None) if self.draft is None else tuple(merged)
         self.params = list(leaves)
-        self.model = self.programs.merge(self.params)
 
     def _constrain_cache(self, cache):
         if self.cache_shardings is None:

@@ -141,6 +141,21 @@ def test_new_parameters_reach_the_engine_and_empty_its_prefix_cache(long_run):
     assert generate(engine, [prompt], params)[0].logprobs == pytest.approx(first.logprobs, abs=1e-6)
 
 
+def test_a_failed_swap_is_raised_to_the_sender_and_the_engine_keeps_serving(long_run, monkeypatch):
+    engine = next(iter(rollout._ENGINES.values()))  # the runs' engine
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=0)
+    before = generate(engine, [[5, 6, 7]], params)[0]
+
+    def fail(leaves):
+        raise MemoryError("no room for the new arrays")
+
+    monkeypatch.setattr(engine.runner, "swap_params", fail)
+    with pytest.raises(RuntimeError, match="could not swap in the new parameters: no room"):
+        engine.update_params(list(engine.runner.params), timeout=60)
+    assert engine.alive
+    assert generate(engine, [[5, 6, 7]], params)[0].token_ids == before.token_ids
+
+
 def test_mismatch_metrics_and_losses():
     mask = np.array([[1.0, 1.0, 0.0]], np.float32)
     trainer = np.array([[-1.0, -2.0, -9.0]], np.float32)
