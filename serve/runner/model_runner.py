@@ -68,7 +68,7 @@ class ModelRunner(StepCompilation):
                 raise ValueError("LoRA adapters are not served on a device mesh yet")
             self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank)
         self.lora = None if config.lora is None else AdapterSlots(self.model, config.lora, on_lora_load)
-        self.params, merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
+        self.params, self._merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(
             self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
@@ -77,7 +77,7 @@ class ModelRunner(StepCompilation):
                              f"the {config.max_num_seqs} slots' own state, their snapshots and the step buffers leave "
                              "of the memory: lower --max-num-seqs, --num-snapshots or --max-model-len)")
         self.reset()
-        shared = (merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole)
+        shared = (self._merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole)
         self.programs = StepPrograms(*shared) if spec is None else SpeculativePrograms(
             *shared, config=model.config, speculative=spec, drafter=self.drafter)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
@@ -142,7 +142,7 @@ class ModelRunner(StepCompilation):
     def swap_params(self, leaves: list) -> None:
         """Run with `leaves` (`check_params`) from the next step on; the view is rebuilt around them, so the old
         arrays are freed once nothing else holds them."""
-        merged = self.programs.merge(list(leaves))
+        merged = self._merge(list(leaves))
         self.model, self.draft = (merged, None) if self.draft is None else tuple(merged)
         self.params = list(leaves)
 
