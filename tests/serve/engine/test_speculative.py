@@ -77,7 +77,7 @@ def test_mtp_drafts_give_the_greedy_tokens(model, greedy):
         engine.shutdown(drain_seconds=0)
 
 
-@pytest.mark.parametrize("k", [8])
+@pytest.mark.parametrize("k", range(1, 9))
 def test_oracle_drafts_give_the_greedy_tokens(model, greedy, k):
     oracle = OracleDrafter(greedy, WRONG_AT, CONFIG.text.unpadded_vocab_size)
     engine = start(model, "oracle", k, oracle)
@@ -204,6 +204,22 @@ def test_a_draft_model_gives_the_greedy_tokens_and_keeps_its_cache_in_step(model
             [greedy[tuple(p)][:NEW] for p in PROMPTS]
     finally:
         engine.shutdown(drain_seconds=0)
+
+
+@pytest.mark.parametrize("method,k", [("mtp", k) for k in (2, 3, 5, 6, 7, 8)] +
+                         [("draft", k) for k in (1, 2, 4, 5, 6, 7, 8)])  # (the tests above take mtp 1, 4; draft 3)
+def test_every_number_of_drafts_gives_the_greedy_tokens(model, greedy, method, k):
+    """The head's own drafts (random weights: mostly rejected, so rounds roll back) or a twin draft model's (the
+    greedy tokens: accepted, up to the end of the output)."""
+    twin = random_model(CONFIG, seed=0, backend=REFERENCE) if method == "draft" else None
+    engine = start(model, method, k, draft_model=twin)
+    try:
+        results = generate(engine, PROMPTS, greedy_params())
+    finally:
+        engine.shutdown(drain_seconds=0)
+    assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
+    longest = max(a for r in results for _, a in r.speculative_rounds)
+    assert longest == min(k, NEW - 2) if method == "draft" else longest <= k
 
 
 def test_bad_settings_fail_at_start(model):
