@@ -39,7 +39,8 @@ def _expand_kernel(slots_ref, scale_ref, h_ref, b_ref, y_in_ref, y_ref, *, block
     def _add():
         b = tiles.adapter_tile(b_ref, slot, 0, h_ref.shape[0], col0, blocks.out)
         delta = jnp.sum(h_ref[...][:, None] * b, axis=0) * scale_ref[slot].astype(jnp.float32)
-        tiles.add_to(y_ref, (token, pl.ds(col0, blocks.out)), delta, tiles.lanes_below(col0, blocks.out, y_ref.shape[1]))
+        cols = tiles.lanes_below(col0, blocks.out, y_ref.shape[1])
+        tiles.add_to(y_ref, (token, pl.ds(col0, blocks.out)), delta, cols)
 
 
 def gathered_add(y, x, a, b, scale, slots, *, blocks: GatheredBlocks, interpret: bool):
