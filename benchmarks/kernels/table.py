@@ -12,10 +12,11 @@ Rows (bf16; batch 1, 8192 tokens, 64 query heads, head_dim 128, d_rel 16 unless 
 - the fused decode prologue at 64 tokens vs the unfused jitted jnp sequence (>= 2x), both layer kinds;
 - the multi-LoRA product on the fused q|k|v|r projection, a decode step and a prefill chunk: vs its jitted jnp
   reference (>= 1x), and the share of a bandwidth roofline (the least bytes at the y = 2x ceiling), for the record.
-The kernels run with their tuned tiles. FlexAttention runs first, in a child process, so that torch and JAX never
-share the GPU's memory. --smoke runs tiny shapes (interpret mode on CPU, eager Flex, whose CPU backward does not
-exist) to check the plumbing; its numbers mean nothing. Writes kernels.json and kernels.md into --out (default
-$OUT) when given, after every section, so that a run cut short keeps what it measured.
+The kernels run with their tuned tiles (the LoRA kernels' are not tuned yet). FlexAttention runs first, in a
+child process, so that torch and JAX never share the GPU's memory. --smoke runs tiny shapes (interpret mode on
+CPU, eager Flex, whose CPU backward does not exist) to check the plumbing; its numbers mean nothing. Writes
+kernels.json and kernels.md into --out (default $OUT) when given, after every section, so that a run cut short
+keeps what it measured.
 """
 
 import argparse
