@@ -15,7 +15,9 @@ Fields, each "auto" by default:
 - moe: the routed experts: "dense" (every expert on every token, masked: tiny models only), "ragged"
   (`jax.lax.ragged_dot` on the tokens sorted by expert) or "pallas" (the grouped-matmul kernels). NVFP4 dense
   weights (`quant/dense_nvfp4.py`) follow it rather than having a field of their own: they run as one expert of
-  the same W4A16 kernel, so "pallas" means that kernel and anything else its jnp formula.
+  the same W4A16 kernel, so "pallas" means that kernel and anything else its jnp formula;
+- lora: the adapters' products of a LoRA serving view (`serve.lora`), "reference" or "pallas"
+  (`pallas_kernels/lora`).
 "auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are
 far slower than XLA's ops).
 
@@ -36,7 +38,7 @@ from flax import nnx
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 MOE_CHOICES = ("auto", "dense", "ragged", "pallas")
 CHOICES = {"attention": KERNEL_CHOICES, "decode_attention": KERNEL_CHOICES, "shortconv": KERNEL_CHOICES,
-           "moe": MOE_CHOICES}
+           "moe": MOE_CHOICES, "lora": KERNEL_CHOICES}
 # What a SPEC's leading word sets every field to. "reference" puts the MoE on "ragged": "dense" is for tiny
 # models only, so it must be named.
 WORDS = {"auto": {name: "auto" for name in CHOICES},
@@ -54,6 +56,7 @@ class Backend:
     decode_attention: str = "auto"
     shortconv: str = "auto"
     moe: str = "auto"
+    lora: str = "auto"
     interpret: bool | None = None
 
     def __post_init__(self):
@@ -106,8 +109,9 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--backend", type=spec, default=Backend(), metavar="SPEC",
                         help="kernel implementations: auto | reference | pallas, then FIELD=VALUE items, e.g. "
-                        "'moe=ragged,attention=pallas' (fields attention, decode_attention, shortconv: reference | "
-                        "pallas; moe: dense | ragged | pallas; 'auto': Pallas on GPU; see inkling_jax/backend.py)")
+                        "'moe=ragged,attention=pallas' (fields attention, decode_attention, shortconv, lora: "
+                        "reference | pallas; moe: dense | ragged | pallas; 'auto': Pallas on GPU; see "
+                        "inkling_jax/backend.py)")
 
 
 def with_backend(module: Module, backend: Backend) -> Module:

@@ -21,11 +21,12 @@ from tests.hf_oracle import relative_error
 
 @pytest.mark.parametrize("spec,want", [
     ("auto", Backend()),
-    ("reference", Backend("reference", "reference", "reference", "ragged")),
-    ("pallas", Backend("pallas", "pallas", "pallas", "pallas")),
+    ("reference", Backend("reference", "reference", "reference", "ragged", "reference")),
+    ("pallas", Backend("pallas", "pallas", "pallas", "pallas", "pallas")),
     ("moe=ragged,attention=pallas", Backend(attention="pallas", moe="ragged")),
-    (" pallas , moe=dense ", Backend("pallas", "pallas", "pallas", "dense")),
-    ("reference,decode_attention=pallas,shortconv=auto", Backend("reference", "pallas", "auto", "ragged")),
+    (" pallas , moe=dense ", Backend("pallas", "pallas", "pallas", "dense", "pallas")),
+    ("lora=pallas", Backend(lora="pallas")),
+    ("reference,decode_attention=pallas,shortconv=auto", Backend("reference", "pallas", "auto", "ragged", "reference")),
 ])
 def test_specs_parse(spec, want):
     assert Backend.parse(spec) == want
@@ -57,10 +58,10 @@ def test_bad_fields_are_errors():
                                                             ("cpu", "reference", "ragged", True)])
 def test_auto_resolves_by_platform(monkeypatch, platform, kernels, moe, interpret):
     monkeypatch.setattr(backend_module.jax, "default_backend", lambda: platform)
-    assert Backend().resolve() == Backend(kernels, kernels, kernels, moe, interpret=interpret)
+    assert Backend().resolve() == Backend(kernels, kernels, kernels, moe, kernels, interpret=interpret)
     # Named choices stay; an explicit interpret too (False on CPU: the compiled form, to lower for CUDA).
     assert Backend(attention="reference", moe="dense").resolve() == Backend("reference", kernels, kernels, "dense",
-                                                                             interpret=interpret)
+                                                                             kernels, interpret=interpret)
     assert Backend(interpret=False).resolve().interpret is False
     assert Backend().resolve().resolve() == Backend().resolve()
 

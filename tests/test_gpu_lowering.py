@@ -8,7 +8,8 @@ dense precision) and a training gradient are traced with the Pallas kernels in t
 Not checked: PTX assembly and what happens at run time, which need the GPU (docs/kernels.md, "Testing").
 
 The model is the `bench` preset's per-layer structure cut to two layers, a sliding one with the dense MLP and a
-full one with the MoE, at widths the kernels tile; its parameters are abstract (nothing is allocated).
+full one with the MoE, at widths the kernels tile; its parameters are abstract (nothing is allocated). Its LoRA
+serving view (`serve.lora`) adds the adapters' kernels.
 """
 
 import dataclasses
@@ -21,6 +22,7 @@ from flax import nnx
 from inkling_jax import Backend, InklingModel, preset
 from inkling_jax.generate import flat_params
 from inkling_jax.quant import QuantConfig, serving_view
+from serve.lora.view import adapted_modules, lora_view, route
 
 COMPILED = dataclasses.replace(Backend.parse("pallas"), interpret=False)  # every kernel in its GPU form, on any host
 
@@ -35,10 +37,12 @@ def _config():
     return dataclasses.replace(base, text=text)
 
 
-def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False):
+def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False, lora: bool = False):
+    """lora: the LoRA view, 2 adapter slots of rank 16."""
     def build():
         model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=COMPILED)
-        return serving_view(model, QuantConfig(expert_precision, dense_precision, fp8_twins), fuse=False)
+        view = serving_view(model, QuantConfig(expert_precision, dense_precision, fp8_twins), fuse=False)
+        return lora_view(view, slots=3, rank=16) if lora else view
     return nnx.eval_shape(build)
 
 
@@ -61,14 +65,29 @@ def _step_kernels(model, rows: int, tokens: int) -> dict[str, int]:
     leaves, merged = flat_params(model)
     cache = jax.eval_shape(lambda: model.init_cache(rows, 512))
     ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
-    n_new = jax.ShapeDtypeStruct((rows,), jnp.int32)
-    return _kernels_in(lambda p, i, c, n: merged(p).extend(i, c, n), leaves, ids, cache, n_new)
+    per_row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+
+    def step(params, ids, cache, n_new, adapter_slots):
+        view = merged(params)
+        route(view, adapter_slots)  # a view without adapters has none to route
+        return view.extend(ids, cache, n_new)
+    return _kernels_in(step, leaves, ids, cache, per_row, per_row)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # a decode step, a prefill chunk per row
 def test_serving_steps_lower_for_cuda(precision, rows, tokens):
     assert _step_kernels(_abstract_model(precision, precision), rows, tokens) == STEP_KERNELS[precision]
+
+
+@pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # the gathered form, the segmented form
+def test_lora_serving_steps_lower_for_cuda(rows, tokens):
+    """The bf16 model's LoRA view: each shape of adapted projection adds its own shrink and expand kernels
+    (Triton) to the step's."""
+    view = _abstract_model("bf16", "bf16", lora=True)
+    shapes = {(module.a.shape, module.b.shape) for module in adapted_modules(view)}
+    want = dict(STEP_KERNELS["bf16"], triton=STEP_KERNELS["bf16"]["triton"] + 2 * len(shapes))
+    assert _step_kernels(view, rows, tokens) == want
 
 
 def test_a_prefill_with_fp8_twins_runs_the_fp8_experts_and_xla_dense_products():

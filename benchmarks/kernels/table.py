@@ -9,11 +9,14 @@ Rows (bf16; batch 1, 8192 tokens, 64 query heads, head_dim 128, d_rel 16 unless 
   through `jax.nn.dot_product_attention` (>= 0.75), backward vs Flex's backward (>= 3x);
 - decode attention at batch 64: paged (context 8192) KV TB/s (>= 3.5), and the sliding ring, for the record;
 - ShortConv prefill GB/s vs a jitted y = 2x over the same bytes (>= 0.85);
-- the fused decode prologue at 64 tokens vs the unfused jitted jnp sequence (>= 2x), both layer kinds.
-The kernels run with their tuned tiles. FlexAttention runs first, in a child process, so that torch and JAX never
-share the GPU's memory. --smoke runs tiny shapes (interpret mode on CPU, eager Flex, whose CPU backward does not
-exist) to check the plumbing; its numbers mean nothing. Writes kernels.json and kernels.md into --out (default
-$OUT) when given, after every section, so that a run cut short keeps what it measured.
+- the fused decode prologue at 64 tokens vs the unfused jitted jnp sequence (>= 2x), both layer kinds;
+- the multi-LoRA product on the fused q|k|v|r projection, a decode step and a prefill chunk: vs its jitted jnp
+  reference (>= 1x), and the share of a bandwidth roofline (the least bytes at the y = 2x ceiling), for the record.
+The kernels run with their tuned tiles (the LoRA kernels' are not tuned yet). FlexAttention runs first, in a
+child process, so that torch and JAX never share the GPU's memory. --smoke runs tiny shapes (interpret mode on
+CPU, eager Flex, whose CPU backward does not exist) to check the plumbing; its numbers mean nothing. Writes
+kernels.json and kernels.md into --out (default $OUT) when given, after every section, so that a run cut short
+keeps what it measured.
 """
 
 import argparse
@@ -26,10 +29,12 @@ import time
 
 import jax
 
-from benchmarks.kernels import attention, decode, shortconv
+from benchmarks.kernels import attention, decode, lora, shortconv
 from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, stamp, stamp_line
 from pallas_kernels.attn_prologue import attn_prologue
 from pallas_kernels.attn_prologue import reference as prologue_reference
+from pallas_kernels.lora import lora_add
+from pallas_kernels.lora import reference as lora_reference
 from pallas_kernels.shortconv import shortconv_prefill
 
 TORCH_TIMEOUT_S = 180  # FlexAttention compiles its forward and backward for two layers
@@ -44,6 +49,7 @@ class Shapes:
     decode_batch: int
     prefill: tuple  # [B, T, C] shapes
     prologue: dict  # name -> (tokens, Hq, Hkv, tau)
+    lora: tuple  # lora.Case
     head_dim: int
     timing: attention.Timing = attention.Timing()
     matmul_n: int = 8192
@@ -55,13 +61,14 @@ class Shapes:
 
 INKLING = Shapes(layers=attention.LAYERS, paged=decode.PAGED, ring=decode.RING, decode_batch=64,
                  prefill=((1, 8192, 6144), (1, 8192, 2048)),
-                 prologue={"global": (64, 64, 8, True), "local": (64, 64, 16, False)}, head_dim=128)
+                 prologue={"global": (64, 64, 8, True), "local": (64, 64, 16, False)}, lora=lora.INKLING,
+                 head_dim=128)
 _TINY = dict(batch=1, tokens=192, heads=4, dim=16, d_rel=4)  # 3 key tiles of 64
 SMOKE = Shapes(layers={"full": attention.Layer(kv_heads=2, extent=96, window=None, **_TINY),
                        "sliding": attention.Layer(kv_heads=2, extent=64, window=64, **_TINY)},
                paged=decode.CacheShape(kv_heads=2, context=64, extent=32, heads=4, dim=16, d_rel=4, page=16),
                ring=decode.CacheShape(kv_heads=2, context=32, extent=32, heads=4, dim=16, d_rel=4), decode_batch=2,
-               prefill=((1, 40, 96),), prologue={"global": (3, 4, 2, True), "local": (3, 4, 2, False)},
+               prefill=((1, 40, 96),), prologue={"global": (3, 4, 2, True), "local": (3, 4, 2, False)}, lora=lora.SMOKE,
                head_dim=16, timing=attention.Timing(trials=1, calls=1), matmul_n=128, copy_elems=1 << 16,
                prologue_slots=(8, 24), reps=2, smoke=True)
 
@@ -183,6 +190,23 @@ def prologue_rows(shapes, results):
     return rows
 
 
+def lora_rows(shapes, results):
+    rows = []
+    for case in shapes.lora:
+        y, args, moved = lora.inputs(case)
+        ours = attempt(f"lora {case.name}", lambda: lora.seconds(lora_add, y, args, shapes.reps))
+        jnp_ref = attempt(f"lora {case.name} jnp", lambda: lora.seconds(lora_reference.lora_add, y, args, shapes.reps))
+        roofline = moved / (results["copy_gbs"] * 1e9) if results["copy_gbs"] else None
+        results[f"lora {case.name}"] = dict(seconds=ours, jnp_seconds=jnp_ref, roofline_seconds=roofline, moved=moved)
+        log(f"lora {case.name}", results[f"lora {case.name}"])
+        us = lambda s: f"{s * 1e6:.1f} us" if s else "-"  # noqa: E731
+        rows.append(row(f"multi-LoRA {case.name}: vs jnp reference", case.shape(), us(ours), us(jnp_ref), 1.0,
+                        ours and jnp_ref and jnp_ref / ours))
+        rows.append(row(f"multi-LoRA {case.name}: share of the bandwidth roofline (for the record)", case.shape(),
+                        us(ours), "roofline " + us(roofline), None, ours and roofline and roofline / ours))
+    return rows
+
+
 def table(rows, header):
     lines = header + ["", "| item | shape | ours | peer / ceiling | target | measured | met |",
                       "|---|---|---|---|---:|---:|---|"]
@@ -229,7 +253,8 @@ def main(argv=None):
         return text
 
     for section in (lambda: attention_rows(shapes, flex, results), lambda: decode_rows(shapes, results),
-                    lambda: shortconv_rows(shapes, results), lambda: prologue_rows(shapes, results)):
+                    lambda: shortconv_rows(shapes, results), lambda: prologue_rows(shapes, results),
+                    lambda: lora_rows(shapes, results)):
         rows += attempt("section", section) or []
         emit()
     print(emit(), flush=True)

@@ -2,8 +2,8 @@
 `inkling_jax.backend.Backend`, held by the calling module) names, the pure-jnp reference or the Pallas kernel,
 and the model never calls a kernel directly. The choice is made while tracing, from the static backend.
 
-Every function takes the `mesh` of a sharded model (None: one device) and then runs once per device on its own
-heads and rows (`kernel_sharding`).
+Every function but `lora_add` (LoRA adapters are served on one device) takes the `mesh` of a sharded model (None:
+one device) and then runs once per device on its own heads and rows (`kernel_sharding`).
 """
 
 import functools
@@ -16,6 +16,8 @@ from inkling_jax.backend import Backend
 from inkling_jax.parallel.kernel_sharding import split
 from pallas_kernels import decode_attention as decode
 from pallas_kernels.attn_prologue import attn_prologue
+from pallas_kernels.lora import lora_add as lora_kernel
+from pallas_kernels.lora import reference as lora_reference
 from pallas_kernels.rel_attention import rel_chunk_attention, rel_flash_attention
 from pallas_kernels.rel_attention import reference as attention_reference
 from pallas_kernels.shortconv import reference as shortconv_reference
@@ -165,3 +167,12 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Back
         heads, cache = how.spec(1), how.spec(2)
         call = how.run(call, (heads, cache, cache, heads) + (P(),) * 5, heads)
     return call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau)
+
+
+def lora_add(y, x, a, b, scale, slots, *, backend: Backend):
+    """y [rows, ..., out] plus each row's LoRA adapter product scale[s] * (x @ A[s]) @ B[s], s = slots[row] (0: the
+    base, zero adapters), in y's dtype (contract in `pallas_kernels/lora`); by the backend's `lora`."""
+    use = backend.resolve()
+    if use.lora == "pallas":
+        return lora_kernel(y, x, a, b, scale, slots, interpret=use.interpret)
+    return lora_reference.lora_add(y, x, a, b, scale, slots)

@@ -1,7 +1,7 @@
 """A projection with per-row LoRA adapters: `base(x) + scale[s] * (x @ A[s]) @ B[s]`, s the adapter slot of x's
 row. The factors of every slot are arrays of the module (inputs of the compiled step, not constants), so one
-program serves any mix of adapters; slot 0 holds zeros and is the base. A pure-jnp computation (gathered A and B
-per row); a Pallas kernel is a later stage."""
+program serves any mix of adapters; slot 0 holds zeros and is the base. The products run as the backend's `lora`
+names (`inkling_jax.nn.kernels.lora_add`): the Pallas kernels of `pallas_kernels/lora` or their jnp reference."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from inkling_jax.backend import Backend
+from inkling_jax.nn import kernels
 from inkling_jax.quant.form import ServingForm
 
 
@@ -27,10 +29,11 @@ class LoRALinear(ServingForm):
     block-diagonally [parts * rank, out], so the fused matmul stays one and the adapters add one product pair."""
 
     def __init__(self, base: nnx.Module, parts: tuple[str, ...], widths: tuple[int, ...], fan_in: int,
-                 slots: int, rank: int, rows: AdapterRows):
+                 slots: int, rank: int, rows: AdapterRows, *, backend: Backend = Backend()):
         """parts: the base weights (`train.lora`'s names) whose output columns this module holds, widths: theirs;
-        slots: adapters held at once, plus the base's slot 0; rank: the largest rank a slot holds."""
-        self.base, self.parts, self.widths, self.rank = base, parts, widths, rank
+        slots: adapters held at once, plus the base's slot 0; rank: the largest rank a slot holds; backend: its
+        `lora` picks the kernel or the jnp products."""
+        self.base, self.parts, self.widths, self.rank, self.backend = base, parts, widths, rank, backend
         self.a = AdapterPool(jnp.zeros((slots, fan_in, len(parts) * rank), jnp.float32))
         self.b = AdapterPool(jnp.zeros((slots, len(parts) * rank, sum(widths)), jnp.float32))
         self.scale = AdapterPool(jnp.zeros((slots,), jnp.float32))
@@ -38,12 +41,8 @@ class LoRALinear(ServingForm):
 
     def __call__(self, x):
         """x [rows, ..., in] -> [rows, ..., out]; the adapters' products in fp32."""
-        y = self.base(x)
-        slot = self.rows[...]
-        h = jnp.einsum("b...i,bir->b...r", x.astype(jnp.float32), self.a[...][slot])
-        delta = jnp.einsum("b...r,bro->b...o", h, self.b[...][slot])
-        scale = self.scale[...][slot].reshape((-1,) + (1,) * (x.ndim - 1))
-        return (y.astype(jnp.float32) + scale * delta).astype(y.dtype)
+        return kernels.lora_add(self.base(x), x, self.a[...], self.b[...], self.scale[...], self.rows[...],
+                                backend=self.backend)
 
     def slot_factors(self, weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
         """(A [in, parts * rank], B [parts * rank, out]) of one adapter's `weights` (base weight -> (A, B), ranks

@@ -31,7 +31,7 @@ def lora_view(model: InklingModel, slots: int, rank: int) -> InklingModel:
         """`linear` adapted; its parts' output widths are equal unless given (a fused projection's)."""
         out = jax.eval_shape(linear, jax.ShapeDtypeStruct((1, fan_in), model.dtype)).shape[-1]
         widths = widths or (out // len(parts),) * len(parts)
-        return LoRALinear(linear, parts, widths, fan_in, slots, rank, rows)
+        return LoRALinear(linear, parts, widths, fan_in, slots, rank, rows, backend=model.backend)
 
     hidden = model.config.text.hidden_size
     for i, layer in enumerate(view.layers):

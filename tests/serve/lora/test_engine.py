@@ -1,7 +1,7 @@
 """The engine serving LoRA adapters: requests of the base and of three adapters, more adapters than device slots,
 running together and one after another over a shared prompt; each gets the greedy tokens of the model with its
 adapter merged in (the base's: the plain model's), never another adapter's, also where the prefix cache holds
-the prompt's pages of the others. An unknown adapter is refused; over HTTP, a request's `model` names its
+the prompt's pages of the others; with the adapters' products by the jnp reference and by the Pallas kernels. An unknown adapter is refused; over HTTP, a request's `model` names its
 adapter, `/v1/models` lists them, and an unknown one is a 404 in OpenAI's error shape."""
 
 import concurrent.futures
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from inkling_jax import Backend, with_backend
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
@@ -57,14 +58,19 @@ def served(tmp_path_factory):
     expected = {None: greedy(model, PROMPT, TOKENS)}
     expected.update({name: greedy(merged_model(model, a, ALPHA), PROMPT, TOKENS) for name, a in adapters.items()})
     assert len({tuple(t) for t in expected.values()}) == len(expected)  # a row with another's adapter would show
-    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=2, max_rank=8, root=str(root))
-    engine = Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, page_size=8,
-                                        chunk_buckets=(1, 16), row_buckets=(4, 5), num_pages=24, decode_steps=2,
-                                        lora=lora), eos_token_id=CONFIG.eos_token_id)
+    engine = lora_engine(model, paths, root)
     engine.start()
     engine.paths = paths
     yield engine, expected
     engine.shutdown(drain_seconds=0)
+
+
+def lora_engine(model, paths: dict[str, str], root) -> Engine:
+    """An engine serving the adapters at `paths` in two device slots; prefill chunks of up to 16 tokens."""
+    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=2, max_rank=8, root=str(root))
+    return Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, page_size=8,
+                                      chunk_buckets=(1, 16), row_buckets=(4, 5), num_pages=24, decode_steps=2,
+                                      lora=lora), eos_token_id=CONFIG.eos_token_id)
 
 
 def run(engine, adapter, recorder=TokenRecorder):
@@ -94,6 +100,25 @@ def test_unknown_adapter_is_refused(served):
     engine, _ = served
     with pytest.raises(UnknownAdapter):
         run(engine, "nope")
+
+
+def test_the_lora_kernels_serve_each_adapters_tokens(served):
+    """The adapters' products by the Pallas kernels (`lora=pallas`; interpreted here), where the engine above runs
+    their jnp reference: prefill chunks of 16 tokens per row take the segmented form, decode steps the gathered
+    one, with rows of the base and of two adapters together."""
+    _, expected = served
+    paths = served[0].paths
+    engine = lora_engine(with_backend(base_model(), Backend.parse("reference,moe=dense,lora=pallas")), paths,
+                         os.path.dirname(paths["a"]))
+    engine.start()
+    try:
+        order = [None, "a", "b", "a"]
+        with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
+            results = list(pool.map(lambda adapter: run(engine, adapter), order))
+    finally:
+        engine.shutdown(drain_seconds=0)
+    for adapter, tokens in zip(order, results):
+        assert tokens == expected[adapter], adapter
 
 
 @pytest.fixture(scope="module")

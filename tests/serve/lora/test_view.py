@@ -1,10 +1,12 @@
 """One call of the adapted view over rows of different adapters gives each row what the model with that
 adapter merged in gives it, and base rows exactly what the plain serving view gives; fused and separate
-projections alike."""
+projections alike; with the adapters' products by the jnp reference (what `tests.backends.REFERENCE` picks) and
+by the Pallas kernels (interpreted)."""
 
 import numpy as np
 import pytest
 
+from inkling_jax import Backend, with_backend
 from inkling_jax.quant.view import serving_view
 from serve.lora.adapters import load_adapter
 from serve.lora.view import adapted_shapes, lora_view, route, write_slot
@@ -13,6 +15,7 @@ from tests.serve.lora.adapters import base_model, merged_model, random_adapters,
 ALPHA = 16.0
 RANKS = (2, 8, 4)
 IDS = np.random.default_rng(0).integers(0, 256, (5, 9))
+KERNELS = Backend.parse("reference,moe=dense,lora=pallas")
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +47,19 @@ def test_rows_of_different_adapters_match_merged_models(setup, fuse):
     write_slot(view, 3, None)  # the slot emptied serves the base
     route(view, np.full(5, 3))
     np.testing.assert_array_equal(np.asarray(view(IDS)), base)
+
+
+@pytest.mark.parametrize("tokens", [1, 20])  # the kernels' gathered form (a decode step's shape), the segmented
+def test_the_lora_kernels_give_the_references_logits(setup, tokens):
+    model, paths, _ = setup
+    plain = serving_view(model, fuse=True)
+    view = lora_view(plain, slots=4, rank=8)
+    shapes = adapted_shapes(view)
+    for slot, i in ((1, 2), (2, 1), (3, 0)):
+        write_slot(view, slot, load_adapter(f"a{i}", paths[i], shapes, max_rank=8))
+    route(view, np.array([0, 3, 2, 1, 3]))
+    ids = np.random.default_rng(1).integers(0, 256, (5, tokens))
+    logits, reference = np.asarray(with_backend(view, KERNELS)(ids)), np.asarray(view(ids))
+    assert np.abs(reference[1:] - np.asarray(plain(ids))[1:]).max() > 1e-2  # the adapters change the output
+    np.testing.assert_allclose(logits, reference, rtol=2e-4, atol=2e-4)
+    np.testing.assert_array_equal(logits[0], np.asarray(plain(ids))[0])  # the base row: exactly the base
