@@ -135,9 +135,12 @@ def parse_args(argv=None) -> argparse.Namespace:
       "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")
     a("--lora-modules", nargs="+", metavar="NAME=PATH", default=(), help="LoRA adapters served beside the base: "
       "a request's model field NAME runs with the adapter at PATH (an adapters file as `train.run --lora-rank` "
-      "writes it, the directory holding it, or a PEFT directory); attention and dense MLP targets only")
+      "writes it, the directory holding it, or a PEFT directory); on attention, dense MLPs, shared experts and "
+      "routed experts (those where --expert-precision is bf16)")
     a("--max-loras", type=number(int, 1), default=1, help="LoRA adapters on the device at once (others wait, "
       "least recently used ones making room)")
+    a("--max-cpu-loras", type=number(int, 1), help="LoRA adapters whose weights host memory keeps, at least "
+      "--max-loras (the default); the least recently used others are read again from their path when needed")
     a("--lora-root", metavar="DIR", help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) "
       "for adapters under DIR only")
     a("--max-lora-rank", type=number(int, 1), default=16, help="largest LoRA rank served (every slot holds it)")
@@ -182,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.lora_modules = LoRAConfig.parse_modules(args.lora_modules)
     except ValueError as exc:
         p.error(str(exc))
+    if (args.max_cpu_loras or args.max_loras) < args.max_loras:
+        p.error(f"--max-cpu-loras must be at least --max-loras ({args.max_loras})")
     for flag in ("max_prompt_tokens", "max_tokens"):
         if (getattr(args, flag) or 0) >= args.max_model_len:
             p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
@@ -211,7 +216,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig(args.speculative_algorithm,
                                       args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)
         if args.speculative_algorithm else None,
-        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank, args.lora_root)
+        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank, args.lora_root, args.max_cpu_loras)
         if args.lora_modules or args.lora_root else None)
 
 

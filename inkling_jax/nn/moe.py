@@ -76,12 +76,16 @@ class MoE(nnx.Module):
         if expert_ids is not None:
             expert_ids = expert_ids.reshape(flat.shape[0], self.top_k)
         weights, expert_ids, shared_weights = self.route(flat, expert_ids)
-        out = experts(flat, self.routed_experts(flat.shape[0]), self.shared_experts(), expert_ids, weights,
-                      shared_weights, backend=self.backend, mesh=self.mesh)
-        apart = self.shared_apart(flat, shared_weights)
-        if apart is not None:
-            out = out + apart
+        out = self.expert_outputs(flat, expert_ids, weights, shared_weights)
         return out.astype(x.dtype).reshape(shape), expert_ids
+
+    def expert_outputs(self, x, expert_ids, weights, shared_weights):
+        """The routed and shared experts' weighted sum, fp32 [N, hidden], for the N tokens x [N, hidden] routed
+        (`route`). Serving views that add to the experts' products replace it (`serve.lora.experts`)."""
+        out = experts(x, self.routed_experts(x.shape[0]), self.shared_experts(), expert_ids, weights,
+                      shared_weights, backend=self.backend, mesh=self.mesh)
+        apart = self.shared_apart(x, shared_weights)
+        return out if apart is None else out + apart
 
 
 def experts(x, routed, shared, expert_ids, weights, shared_weights, *, backend: Backend, mesh=None):

@@ -75,7 +75,7 @@ class Engine:
 
     def _new_state(self) -> None:
         self.blocks = BlockManager(self.runner.num_pages, self.config.page_size, self.config.snapshots)
-        self.scheduler = Scheduler(self.config, self.blocks)
+        self.scheduler = Scheduler(self.config, self.blocks, self.runner.lora)
 
     # ------------------------------------------------------------------------------------------------------
     # Called from other threads
@@ -226,6 +226,8 @@ class Engine:
         else:
             preempted = self.scheduler.num_preemptions
             chunks = self.scheduler.schedule()
+            for seq in self.scheduler.take_unservable():  # its adapter's files are gone or changed
+                self._finish(seq, "error", [])
             self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
             if not chunks:
                 self._report()
@@ -306,7 +308,7 @@ class Engine:
     def _on_token(self, seq: Sequence, sample: Sample, now: float) -> None:
         request = self._owner[seq.seq_id]
         parser = request.parsers[seq.seq_id]
-        self.metrics.record_token(now, request.arrival, request.last_token.get(seq.seq_id))
+        self.metrics.record_token(now, request.arrival, request.last_token.get(seq.seq_id), seq.adapter_name)
         request.last_token[seq.seq_id] = now
         if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text, but of the logprobs
             self._finish(seq, "stop", parser.finish(sample if seq.params.logprobs is not None else None))
@@ -326,7 +328,7 @@ class Engine:
         request.remaining -= 1
         if request.remaining == 0:
             self._requests.pop(request.request_id, None)
-            self.metrics.e2e.observe(time.monotonic() - request.arrival)
+            self.metrics.record_request(time.monotonic() - request.arrival, seq.adapter_name)
         scored = seq.params.prompt_logprobs is not None and not seq.scores_prompt
         self._emit(request, Output(seq.index, deltas, reason, seq.num_output, seq.prompt_logprobs if scored else None))
 

@@ -7,10 +7,14 @@ import collections
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+# LoRA adapters (which a server may load without end) that get series of their own, the first seen; the rest
+# share the label OTHER_ADAPTERS, so the metrics stay bounded
+ADAPTER_LABELS = 64
+OTHER_ADAPTERS = "_other"
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, adapter_labels: int = ADAPTER_LABELS):
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("inkling_time_to_first_token_seconds", "Arrival to first output token", registry=r,
                               buckets=LATENCY_BUCKETS)
@@ -55,6 +59,10 @@ class Metrics:
         self.lora_load_seconds = Histogram("inkling_lora_load_seconds", "Host time to write a LoRA adapter into its "
                                            "device slot (queued copies, not waited for)", registry=r,
                                            buckets=LATENCY_BUCKETS)
+        adapters = lambda name, text: Counter(f"inkling_lora_{name}", text, ["adapter"], registry=r)  # noqa: E731
+        self.lora_requests = adapters("requests", "Finished requests per LoRA adapter")
+        self.lora_generation_tokens = adapters("generation_tokens", "Tokens generated per LoRA adapter")
+        self._adapter_labels, self._labelled = adapter_labels, set()
         self._queried = self._hits = 0
         self._built = 0  # programs built on the engine thread, as last counted
         self._rounds = self._emitted = 0
@@ -67,9 +75,12 @@ class Metrics:
         self._hits += hit
         self.prefix_hit_rate.set(self._hits / self._queried)
 
-    def record_token(self, now: float, arrival: float, last: float | None) -> None:
-        """An output token handed out at `now`; `last`: when its sequence's previous one was (None: the first)."""
+    def record_token(self, now: float, arrival: float, last: float | None, adapter: str | None = None) -> None:
+        """An output token handed out at `now`; `last`: when its sequence's previous one was (None: the first);
+        `adapter`: the LoRA adapter it was generated with (None: the base)."""
         self.generation_tokens.inc()
+        if adapter is not None:
+            self.lora_generation_tokens.labels(self._adapter(adapter)).inc()
         if last is None:
             self.ttft.observe(now - arrival)
         else:
@@ -104,12 +115,24 @@ class Metrics:
                 self._accepted[position] += 1
             self.position_rate.labels(label).set(self._accepted[position] / self._verified[position])
 
+    def record_request(self, seconds: float, adapter: str | None) -> None:
+        """A request that ended `seconds` after its arrival, run with `adapter` (None: the base)."""
+        self.e2e.observe(seconds)
+        if adapter is not None:
+            self.lora_requests.labels(self._adapter(adapter)).inc()
+
     def record_lora_load(self, adapter: str, seconds: float, evicted: str | None) -> None:
         """`adapter` put in a slot in `seconds`, taking it from `evicted` (None: a free slot)."""
-        self.lora_loads.labels(adapter).inc()
+        self.lora_loads.labels(self._adapter(adapter)).inc()
         self.lora_load_seconds.observe(seconds)
         if evicted is not None:
-            self.lora_evictions.labels(evicted).inc()
+            self.lora_evictions.labels(self._adapter(evicted)).inc()
+
+    def _adapter(self, name: str) -> str:
+        """The label of adapter `name`: its name while fewer than `adapter_labels` have one, else OTHER_ADAPTERS."""
+        if name not in self._labelled and len(self._labelled) < self._adapter_labels:
+            self._labelled.add(name)
+        return name if name in self._labelled else OTHER_ADAPTERS
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 
 from serve.engine.block_manager import BlockManager
 from serve.engine.config import EngineConfig
 from serve.engine.sequence import Sequence, Status
+from serve.lora.slots import AdapterSlots, AdapterUnavailable
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -47,9 +51,12 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, lora: AdapterSlots | None = None):
+        """lora: the engine's LoRA adapters, where it serves some."""
         self.config = config
         self.blocks = block_manager
+        self.lora = lora
+        self.unservable: list[Sequence] = []  # out of the queue: their adapter cannot be read (`take_unservable`)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
@@ -76,7 +83,12 @@ class Scheduler:
             chunks.append(Chunk(seq, n, scores=seq.scores_prompt))
             budget -= n
         while self.waiting and self.free_slots and budget > 0:
-            chunk = self._admit(self.waiting[0], budget, chunks)
+            try:
+                chunk = self._admit(self.waiting[0], budget, chunks)
+            except AdapterUnavailable as exc:
+                log.error("request %s fails: %s", self.waiting[0].request_id, exc)
+                self.unservable.append(self.waiting.popleft())
+                continue
             if chunk is None:
                 break
             self.waiting.popleft()
@@ -161,9 +173,22 @@ class Scheduler:
 
     def _adapter_fits(self, seq: Sequence) -> bool:
         """Whether `seq`'s LoRA adapter can join those of the running sequences: no more distinct adapters than
-        device slots (`LoRAConfig.max_loras`), so every step's fit (`serve.lora.slots`); else it waits."""
+        device slots (`LoRAConfig.max_loras`), so every step's fit (`serve.lora.slots`); else it waits. Its weights
+        are then made ready to go into a slot (read again from disk if they left host memory:
+        AdapterUnavailable where they cannot be)."""
         running = {s.adapter for s in self.running if s.adapter is not None}
-        return seq.adapter is None or seq.adapter in running or len(running) < self.config.lora.max_loras
+        if seq.adapter is None:
+            return True
+        if seq.adapter not in running and len(running) >= self.config.lora.max_loras:
+            return False
+        self.lora.fetch(seq.adapter)
+        return True
+
+    def take_unservable(self) -> list[Sequence]:
+        """The sequences `schedule` took out of the queue because their adapter cannot be read, for the engine
+        to fail."""
+        unservable, self.unservable = self.unservable, []
+        return unservable
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Preempt the newest sequences until `seq` can hold `num_tokens`; False if `seq` itself had to go."""

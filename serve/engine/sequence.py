@@ -51,6 +51,10 @@ class Sequence:
         self.drafts: list[int] = []  # speculative decoding: tokens drafted after the last one, for the next round
         self.accepted: list[tuple[int, int]] = []  # speculative decoding: (drafts verified, accepted) per round
 
+    @property
+    def adapter_name(self) -> str | None:
+        return None if self.adapter is None else self.adapter.name
+
     def __len__(self) -> int:
         return len(self.token_ids)
 

@@ -32,49 +32,69 @@ _PEFT_TARGETS = {"attn.wq_du": ("attn.wq.kernel",), "attn.wk_dv": ("attn.wk.kern
 _loads = itertools.count()
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(eq=False)
 class Adapter:
     """One load of an adapter: equal only to itself, so an adapter loaded again under the same name (new weights,
-    say) shares neither device slots nor prefix-cache pages with the one it replaces."""
+    say) shares neither device slots nor prefix-cache pages with the one it replaces. Its weights may leave host
+    memory (`serve.lora.slots`) and be read again from `path` (`read_again`)."""
     name: str
+    path: str
     rank: int
     scale: float  # alpha / rank
-    weights: dict[str, tuple[np.ndarray, np.ndarray]]  # base weight -> (A [in, r], B [r, out]), fp32
+    weights: dict[str, tuple[np.ndarray, np.ndarray]] | None  # base weight -> (A [..., in, r], B [..., r, out]), fp32
+    stamp: tuple  # (size, modification time) of each file read: what `read_again` must find
     key: bytes = dataclasses.field(default_factory=lambda: b"lora-%d" % next(_loads))  # unique to this load
 
 
-def load_adapter(name: str, path: str, shapes: dict[str, tuple[int, int]], max_rank: int) -> Adapter:
+def load_adapter(name: str, path: str, shapes: dict[str, tuple[int, ...]], max_rank: int) -> Adapter:
     """The adapter at `path` (a `train.run` adapters file or its directory, or a PEFT directory), checked against
-    `shapes` (base weight -> (in, out) of every weight this server adapts): an unknown target, a shape that does
-    not fit its base weight or a rank above `max_rank` is a ValueError naming the adapter and the tensor."""
+    `shapes` (base weight -> shape, [in, out] or experts' [experts, in, out], of every weight this server adapts):
+    an unknown target, a shape that does not fit its base weight or a rank above `max_rank` is a ValueError naming
+    the adapter and the tensor."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, PEFT_CONFIG)):
+            files = [os.path.join(path, PEFT_CONFIG), os.path.join(path, PEFT_FILE)]
             weights, alpha = _read_peft(name, path)
         elif os.path.exists(os.path.join(path, TRAIN_FILE)):
-            weights, alpha = _read_train(name, os.path.join(path, TRAIN_FILE))
+            files = [os.path.join(path, TRAIN_FILE)]
+            weights, alpha = _read_train(name, files[0])
         else:
             raise ValueError(f"LoRA adapter {name!r}: {path} holds neither {TRAIN_FILE} nor {PEFT_CONFIG}")
     elif os.path.isfile(path):
+        files = [path]
         weights, alpha = _read_train(name, path)
     else:
         raise ValueError(f"LoRA adapter {name!r}: no such file or directory: {path}")
     if not weights:
         raise ValueError(f"LoRA adapter {name!r}: {path} holds no adapter tensors")
-    ranks = {a.shape[-1] for a, _ in weights.values()}
-    rank = max(ranks)
+    rank = max(a.shape[-1] for a, _ in weights.values())
     for target, (a, b) in sorted(weights.items()):
         if target not in shapes:
-            raise ValueError(f"LoRA adapter {name!r}: {target} is not a weight this server adapts "
-                             f"(attention q, k, v, r, o and the dense MLP; experts are not served yet)")
-        fan_in, fan_out = shapes[target]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != fan_in or b.shape[1] != fan_out or a.shape[1] != b.shape[0]:
+            raise ValueError(f"LoRA adapter {name!r}: {target} is not a weight this server adapts (attention q, k, "
+                             "v, r, o, the dense MLP, the shared experts, and the routed experts where they are "
+                             "held in the model's dtype)")
+        *lead, fan_in, fan_out = shapes[target]
+        if (a.shape[:-1], b.shape[:-2], b.shape[-1]) != ((*lead, fan_in), tuple(lead), fan_out) \
+                or a.shape[-1] != b.shape[-2]:
+            size = lambda *dims: "[" + ", ".join(map(str, (*lead, *dims))) + "]"  # noqa: E731
             raise ValueError(f"LoRA adapter {name!r}: {target} has A {a.shape} and B {b.shape}; the base weight is "
-                             f"[{fan_in}, {fan_out}], so A must be [{fan_in}, r] and B [r, {fan_out}]")
-        if a.shape[1] != rank:
-            raise ValueError(f"LoRA adapter {name!r}: {target} has rank {a.shape[1]}, the adapter's others {rank}")
+                             f"{size(fan_in, fan_out)}, so A must be {size(fan_in, 'r')} and B {size('r', fan_out)}")
+        if a.shape[-1] != rank:
+            raise ValueError(f"LoRA adapter {name!r}: {target} has rank {a.shape[-1]}, the adapter's others {rank}")
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {name!r}: rank {rank} is above --max-lora-rank {max_rank}")
-    return Adapter(name, rank, alpha / rank, weights)
+    stamp = tuple((os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files)
+    return Adapter(name, path, rank, alpha / rank, weights, stamp)
+
+
+def read_again(adapter: Adapter, shapes: dict[str, tuple[int, ...]], max_rank: int) -> dict:
+    """`adapter`'s weights read again from its path, checked as at its load; a ValueError where its files changed
+    since (they would be another adapter)."""
+    again = load_adapter(adapter.name, adapter.path, shapes, max_rank)
+    if again.stamp != adapter.stamp:
+        raise ValueError(f"LoRA adapter {adapter.name!r}: {adapter.path} changed since it was loaded; load it "
+                         "again under a name")
+    return again.weights
 
 
 def _read_train(name: str, path: str) -> tuple[dict, float]:
@@ -101,8 +121,9 @@ def _read_peft(name: str, path: str) -> tuple[dict, float]:
     for tensor in f.names:
         match = _PEFT_MODULE.match(tensor)
         if match is None:
-            raise ValueError(f"LoRA adapter {name!r}: {tensor} is not a LoRA factor of a module this server adapts "
-                             f"(layers' {', '.join(_PEFT_TARGETS)})")
+            raise ValueError(f"LoRA adapter {name!r}: {tensor} is not a LoRA factor of a module read from PEFT's "
+                             f"layout (layers' {', '.join(_PEFT_TARGETS)}; adapters on the experts are read from "
+                             f"`train.run`'s {TRAIN_FILE})")
         layer, module, part = match.groups()
         factors.setdefault((layer, module), {})[part] = np.asarray(f.read(tensor), np.float32)
     weights = {}

@@ -1,7 +1,7 @@
-"""The adapted serving view: a model whose attention projections and dense MLPs are `LoRALinear`s over a shared
-pool of `slots` adapter slots (slot 0: the base). Built from a serving view (`inkling_jax.quant.serving_view`),
-which stays as it was; fused projections stay fused. Routed and shared experts and the MTP blocks are not
-adapted yet."""
+"""The adapted serving view: a model whose attention projections and dense MLPs are `LoRALinear`s and whose MoEs
+are `AdaptedMoE`s (`serve.lora.experts`), over a shared pool of `slots` adapter slots (slot 0: the base). Built
+from a serving view (`inkling_jax.quant.serving_view`), which stays as it was; fused projections stay fused. The
+MTP blocks are not adapted."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.layers import Linear
 from inkling_jax.nn.mlp import DenseMLP
 from inkling_jax.nn.model import InklingModel
+from inkling_jax.nn.moe import MoE
 from inkling_jax.quant.attention import FusedAttention
 from inkling_jax.quant.mlp import FusedMLP, SplitMLP
 from serve.lora.adapters import Adapter
+from serve.lora.experts import ProjectionAdapters, adapted_moe
 from serve.lora.linear import AdapterRows, LoRALinear
 
 _ATTENTION = ("wq", "wk", "wv", "wr")
@@ -44,6 +46,9 @@ def lora_view(model: InklingModel, slots: int, rank: int) -> InklingModel:
                 setattr(attn, name, adapted(getattr(attn, name), (f"{p}attn.{name}.kernel",), hidden))
         attn.wo = adapted(attn.wo, (f"{p}attn.wo.kernel",), attn.num_heads * attn.head_dim)
         mlp = layer.mlp
+        if isinstance(mlp, MoE):
+            layer.mlp = adapted_moe(mlp, f"{p}mlp.", model.config.text, slots, rank, rows)
+            continue
         if type(mlp) is DenseMLP:  # the model's own form: its matrices become linear modules to adapt
             mlp = SplitMLP(*(Linear.from_kernel(w[...]) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)), mlp.global_scale)
         if isinstance(mlp, SplitMLP):
@@ -61,10 +66,16 @@ def adapted_modules(view: InklingModel) -> list[LoRALinear]:
     return [node for _, node in nnx.iter_graph(view) if isinstance(node, LoRALinear)]
 
 
-def adapted_shapes(view: InklingModel) -> dict[str, tuple[int, int]]:
-    """Base weight -> (in, out) of every weight the view adapts (what `adapters.load_adapter` checks against)."""
-    return {part: (module.a.shape[1], width) for module in adapted_modules(view)
-            for part, width in zip(module.parts, module.widths)}
+def expert_projections(view: InklingModel) -> list[ProjectionAdapters]:
+    return [node for _, node in nnx.iter_graph(view) if isinstance(node, ProjectionAdapters)]
+
+
+def adapted_shapes(view: InklingModel) -> dict[str, tuple[int, ...]]:
+    """Base weight -> its shape ([in, out]; experts' [experts, in, out]) of every weight the view adapts (what
+    `adapters.load_adapter` checks against)."""
+    shapes = {part: (module.a.shape[1], width) for module in adapted_modules(view)
+              for part, width in zip(module.parts, module.widths)}
+    return shapes | {module.part: module.shape for module in expert_projections(view)}
 
 
 def route(view: InklingModel, slots) -> None:
@@ -81,3 +92,5 @@ def write_slot(view: InklingModel, slot: int, adapter: Adapter | None) -> None:
         module.a.set_value(module.a[...].at[slot].set(a))
         module.b.set_value(module.b[...].at[slot].set(b))
         module.scale.set_value(module.scale[...].at[slot].set(0.0 if adapter is None else adapter.scale))
+    for projection in expert_projections(view):
+        projection.write(slot, adapter)

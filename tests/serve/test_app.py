@@ -93,6 +93,7 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--lora-modules", "a"], "--lora-modules takes NAME=PATH, got 'a'"),
     (["--lora-modules", "a=/x", "--mesh", "fsdp=2"], "--lora-modules and --lora-root are not served with"),
     (["--max-loras", "0"], "--max-loras: must be >= 1"),
+    (["--max-loras", "3", "--max-cpu-loras", "2"], "--max-cpu-loras must be at least --max-loras (3)"),
 ])
 def test_bad_flags_stop_the_server_at_start_naming_the_flag(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -112,6 +113,9 @@ def test_speculative_flags_make_the_engine_config_and_a_model_that_cannot_fails_
 def test_lora_flags_make_the_engine_config():
     config = engine_config(parse_args(["--lora-modules", "a=/x/a", "b=/y", "--max-loras", "2", "--max-lora-rank", "8"]))
     assert (config.lora.modules, config.lora.max_loras, config.lora.max_rank) == ((("a", "/x/a"), ("b", "/y")), 2, 8)
+    assert config.lora.max_cpu_loras == 2  # vLLM's default: --max-loras
+    config = engine_config(parse_args(["--lora-modules", "a=/x/a", "--max-cpu-loras", "5"]))
+    assert (config.lora.max_loras, config.lora.max_cpu_loras) == (1, 5)
     assert engine_config(parse_args([])).lora is None
     assert engine_config(parse_args(["--lora-root", "/r"])).lora == LoRAConfig((), 1, 16, "/r")
 

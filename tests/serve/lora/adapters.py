@@ -10,28 +10,34 @@ from tests.backends import REFERENCE
 from train import lora
 from train.state import ModelParts, model_params
 
-# Layer 0 dense, layer 1 an MoE: the experts are not adapted yet, so the adapters leave them alone.
+# Layer 0 dense, layer 1 an MoE (8 routed experts, top-2, and 2 shared ones).
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 ATTENTION = ("wq", "wk", "wv", "wr", "wo")
+EXPERTS = ("w_gate", "w_up", "w_down", "shared_gate", "shared_up", "shared_down")  # layer 1's, [experts, in, out]
 
 
 def base_model():
     return random_model(CONFIG, seed=0, backend=REFERENCE)
 
 
-def random_adapters(model, rank: int, seed: int, layers=(0, 1)) -> dict[str, np.ndarray]:
-    """Nonzero A and B on every attention projection of `layers` and the dense MLP of layer 0, in `train.lora`'s
-    names, large enough to change greedy tokens."""
+def random_adapters(model, rank: int, seed: int, layers=(0, 1), experts: bool = True) -> dict[str, np.ndarray]:
+    """Nonzero A and B on every attention projection of `layers`, the dense MLP of layer 0 and (with `experts`)
+    the routed and shared experts of layer 1, in `train.lora`'s names, large enough to change greedy tokens."""
     flat = model_params(model)
     rng = np.random.default_rng(seed)
     targets = [f"layers.{i}.attn.{n}.kernel" for i in layers for n in ATTENTION]
     targets += [f"layers.0.mlp.{n}" for n in ("w_gate", "w_up", "w_down")] if 0 in layers else []
+    targets += [f"layers.1.mlp.{n}" for n in EXPERTS] if experts and 1 in layers else []
     out = {}
     for name in targets:
-        fan_in, fan_out = flat[name].shape
-        out[name + lora.A] = (rng.standard_normal((fan_in, rank)) / np.sqrt(fan_in)).astype(np.float32)
-        out[name + lora.B] = (rng.standard_normal((rank, fan_out)) * 0.5).astype(np.float32)
+        *lead, fan_in, fan_out = flat[name].shape
+        out[name + lora.A] = (rng.standard_normal((*lead, fan_in, rank)) / np.sqrt(fan_in)).astype(np.float32)
+        out[name + lora.B] = (rng.standard_normal((*lead, rank, fan_out)) * 0.5).astype(np.float32)
     return out
+
+
+def without_experts(adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {n: x for n, x in adapters.items() if not any(f"layers.1.mlp.{e}." in n for e in EXPERTS)}
 
 
 def merged_model(model, adapters: dict[str, np.ndarray], alpha: float):

@@ -1,12 +1,16 @@
-"""The engine serving LoRA adapters: requests of the base and of three adapters, more adapters than device slots,
-running together and one after another over a shared prompt; each gets the greedy tokens of the model with its
-adapter merged in (the base's: the plain model's), never another adapter's, also where the prefix cache holds
-the prompt's pages of the others; with the adapters' products by the jnp reference and by the Pallas kernels. An unknown adapter is refused; over HTTP, a request's `model` names its
-adapter, `/v1/models` lists them, and an unknown one is a 404 in OpenAI's error shape."""
+"""The engine serving LoRA adapters (on attention, the dense MLP, and the routed and shared experts): requests of the
+base and of four adapters, more adapters than device slots and than host memory keeps, running together and one
+after another over a shared prompt; each gets the greedy tokens of the model with its adapter merged in (the
+base's: the plain model's), never another adapter's, also where the prefix cache holds the prompt's pages of the
+others, and where its adapter was read again from disk; with the adapters' products by the jnp reference and by the
+Pallas kernels. An adapter whose file changed meanwhile fails its request alone. An unknown adapter is refused;
+over HTTP, a request's `model` names its adapter, `/v1/models` lists them, and an unknown one is a 404 in OpenAI's
+error shape. The metrics count each adapter's requests and tokens."""
 
 import concurrent.futures
 import json
 import os
+import shutil
 import threading
 import urllib.request
 
@@ -29,7 +33,8 @@ from tests.serve.http.client import KEY, MODEL, post
 from tests.serve.lora.adapters import CONFIG, base_model, merged_model, random_adapters, save
 
 ALPHA = 16.0
-RANKS = {"a": 2, "b": 8, "c": 4}
+RANKS = {"a": 2, "b": 8, "c": 4, "d": 6}
+SLOTS = 3  # device slots, and adapters whose weights host memory keeps
 PROMPT = np.random.default_rng(5).integers(0, 256, 19).tolist()  # two full pages of 8: prefix-cached
 TOKENS = 6
 
@@ -66,8 +71,9 @@ def served(tmp_path_factory):
 
 
 def lora_engine(model, paths: dict[str, str], root) -> Engine:
-    """An engine serving the adapters at `paths` in two device slots; prefill chunks of up to 16 tokens."""
-    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=2, max_rank=8, root=str(root))
+    """An engine serving the adapters at `paths` in SLOTS device slots, as many in host memory; prefill chunks of
+    up to 16 tokens."""
+    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=SLOTS, max_rank=8, root=str(root), max_cpu_loras=SLOTS)
     return Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, page_size=8,
                                       chunk_buckets=(1, 16), row_buckets=(4, 5), num_pages=24, decode_steps=2,
                                       lora=lora), eos_token_id=CONFIG.eos_token_id)
@@ -80,20 +86,28 @@ def run(engine, adapter, recorder=TokenRecorder):
 
 def test_mixed_adapters_more_than_slots_match_merged_models(served):
     engine, expected = served
+    sample = lambda name, adapter: engine.metrics.registry.get_sample_value(  # noqa: E731
+        f"inkling_lora_{name}_total", {"adapter": adapter}) or 0
+    counts = lambda: {a: (sample("requests", a), sample("generation_tokens", a)) for a in RANKS}  # noqa: E731
+    before = counts()
     assert run(engine, None) == expected[None]  # the prompt's pages are now cached for the base
-    order = [None, "a", "b", "c", "a", "c", None, "b"]
+    order = [None, "a", "b", "c", "d", "a", "c", None, "b", "d"]
     with concurrent.futures.ThreadPoolExecutor(len(order)) as pool:
         results = list(pool.map(lambda adapter: run(engine, adapter), order))
     for adapter, tokens in zip(order, results):
         assert tokens == expected[adapter], adapter
-    for adapter in ("c", "a", "b"):  # one after another: each load evicts the least recently used
+    for adapter in ("c", "a", "b", "d"):  # one after another: each load evicts the least recently used
         assert run(engine, adapter) == expected[adapter], adapter
-    # three adapters through two slots: some were evicted and loaded again, which the metrics count
-    sample = engine.metrics.registry.get_sample_value
-    loads = sum(sample("inkling_lora_loads_total", {"adapter": name}) or 0 for name in RANKS)
-    evictions = sum(sample("inkling_lora_evictions_total", {"adapter": name}) or 0 for name in RANKS)
-    assert loads == engine.runner.lora.loads > 3 and evictions == loads - 2
-    assert sample("inkling_lora_load_seconds_count") == loads
+    # four adapters through three slots: some were evicted and loaded again, which the metrics count; host memory
+    # kept three of them, so one was read again from disk
+    loads = sum(sample("loads", name) for name in RANKS)
+    evictions = sum(sample("evictions", name) for name in RANKS)
+    assert loads == engine.runner.lora.loads > len(RANKS) - 1 and evictions == loads - SLOTS
+    assert engine.metrics.registry.get_sample_value("inkling_lora_load_seconds_count") == loads
+    assert engine.runner.lora.reads > 0
+    runs = {a: order.count(a) + 1 for a in RANKS}
+    assert {a: (r - before[a][0], t - before[a][1]) for a, (r, t) in counts().items()} == {
+        a: (n, n * TOKENS) for a, n in runs.items()}
 
 
 def test_unknown_adapter_is_refused(served):
@@ -119,6 +133,30 @@ def test_the_lora_kernels_serve_each_adapters_tokens(served):
         engine.shutdown(drain_seconds=0)
     for adapter, tokens in zip(order, results):
         assert tokens == expected[adapter], adapter
+
+
+def test_adapter_read_again_from_disk_is_the_one_loaded(served):
+    """An adapter whose weights left host memory is read again from its path; one whose file changed since would be
+    another adapter: its request fails alone."""
+    engine, expected = served
+    lora = engine.runner.lora
+    path = os.path.join(os.path.dirname(engine.paths["b"]), "b3.safetensors")
+    shutil.copyfile(engine.paths["b"], path)
+    lora.register("b3", path)
+    try:
+        for adapter in ("a", "c", "d"):  # three others through host memory: b3's weights leave it
+            run(engine, adapter)
+        assert lora.get("b3").weights is None
+        reads = lora.reads
+        assert run(engine, "b3") == expected["b"] and lora.reads == reads + 1
+        for adapter in ("a", "c", "d"):
+            run(engine, adapter)
+        shutil.copyfile(engine.paths["a"], path)  # another adapter at its path
+        params = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        assert generate(engine, [PROMPT], params, adapter="b3")[0].finish_reason == "error"
+        assert run(engine, "c") == expected["c"]  # the engine serves on
+    finally:
+        lora.unregister("b3")
 
 
 @pytest.fixture(scope="module")
