@@ -10,7 +10,7 @@ DECODE_MAX_ROWS = decode.SLAB_ROWS
 
 
 def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: bool | str | None = None,
-            configs: KernelConfigs | None = None, kernels: MatmulKernels = MatmulKernels()):
+            configs: KernelConfigs | None = None, kernels: MatmulKernels | None = None):
     """out[rows of g] = row_weights * (silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g].
 
     Args:
@@ -31,4 +31,4 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
         return decode.moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights,
                                      max_group_rows=x.shape[0], interpret=interpret, configs=configs)
     return ops.moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret,
-                            configs or KernelConfigs(), kernels)
+                            configs or KernelConfigs(), kernels or MatmulKernels())

@@ -63,7 +63,7 @@ def _wgrad(x, dy, group_sizes, configs, interpret, use, dtype):
 
 
 def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
-                   configs: KernelConfigs | None = None, kernels: MatmulKernels = MatmulKernels()):
+                   configs: KernelConfigs | None = None, kernels: MatmulKernels | None = None):
     """out[rows of g] = x[rows of g] @ w[g]; like `jax.lax.ragged_dot(x, w, group_sizes)`.
 
     Args:
@@ -72,14 +72,14 @@ def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
       interpret: None picks compiled Mosaic GPU on a GPU backend and the portable interpreted kernel elsewhere;
         "mosaic" runs the Mosaic-GPU kernels in Pallas's GPU interpreter (slow; checks the GPU code on CPU).
       configs: tile overrides (`tuning.KernelConfigs`).
-      kernels: ours or jax's Mosaic-GPU ragged dot for the forward and for the backward (`MatmulKernels`;
-        jax's runs compiled only, on 16-bit operands).
+      kernels: ours or jax's Mosaic-GPU ragged dot for the forward and for the backward (`MatmulKernels`,
+        default ours; jax's runs compiled only, on 16-bit operands).
     Returns:
       [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
     """
     _check(x, w)
     interpret = interpret_default() if interpret is None else interpret
-    return _grouped_matmul(x, w, group_sizes, interpret, configs or KernelConfigs(), kernels)
+    return _grouped_matmul(x, w, group_sizes, interpret, configs or KernelConfigs(), kernels or MatmulKernels())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))

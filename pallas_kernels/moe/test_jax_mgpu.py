@@ -12,8 +12,15 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe import MatmulKernels, grouped_matmul, jax_mgpu, moe_ffn, reference
-from pallas_kernels.moe.test_moe import GROUP_SIZES, check_moe, moe_inputs, normal, rel_err, small_configs, \
-    value_and_vjp
+from pallas_kernels.moe.test_moe import (
+    GROUP_SIZES,
+    check_moe,
+    moe_inputs,
+    normal,
+    rel_err,
+    small_configs,
+    value_and_vjp,
+)
 
 PALLAS, JAX = jax_mgpu.PALLAS, jax_mgpu.JAX_MGPU
 
