@@ -26,7 +26,7 @@ from inkling_jax import Backend, InklingModel, preset
 from inkling_jax.generate import flat_params
 from inkling_jax.quant import QuantConfig, serving_view
 from pallas_kernels import mgpu
-from pallas_kernels.moe import jax_mgpu
+from pallas_kernels.moe import grouped_matmul, jax_mgpu, moe_ffn
 from serve.lora.view import adapted_modules, lora_view, route
 
 COMPILED = dataclasses.replace(Backend.parse("pallas"), interpret=False)  # every kernel in its GPU form, on any host
@@ -131,6 +131,27 @@ def test_training_gradient_lowers_with_jax_mgpu_matmuls(monkeypatch, forward, mo
     assert _training_gradient_kernels(backend) == {"mosaic": mosaic, "triton": 6}
     forward_calls = 3 if forward == "jax_mgpu" else 0
     assert sorted(traced) == ["ragged_dot"] * (2 + forward_calls) + ["transposed"] * 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_narrow_expert_widths_lower_for_cuda(dtype):
+    """The tiny preset's expert width, 32, through the MoE FFN's and a grouped matmul's gradients: fp32 keeps the
+    width (a 128-byte span) and takes its 32-row weight gradients as transposed products; bf16 pads to 64.
+    moe_ffn: gate|up (kept for the backward), dh, dx and the weight gradients (gate's and up's one kernel);
+    grouped_matmul: dx and dw."""
+    shape = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
+    group_sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+    def ffn_loss(x, w_gate, w_up, w_down, group_sizes):
+        return moe_ffn(x, w_gate, w_up, w_down, group_sizes, jnp.ones(x.shape[:1]), interpret=False).sum()
+    weights = shape((8, 64, 32)), shape((8, 64, 32)), shape((8, 32, 64))
+    assert _kernels_in(jax.grad(ffn_loss, (0, 1, 2, 3)), shape((160, 64)), *weights, group_sizes) == \
+        {"mosaic": 6, "triton": 0}
+
+    def matmul_loss(x, w, group_sizes):
+        return grouped_matmul(x, w, group_sizes, interpret=False).sum()
+    assert _kernels_in(jax.grad(matmul_loss, (0, 1)), shape((160, 32)), shape((8, 32, 64)), group_sizes) == \
+        {"mosaic": 2, "triton": 0}
 
 
 def _record(traced, name, kernel, *args, **kwargs):
