@@ -5,12 +5,16 @@
 Prefill/training: 16k tokens routed top-6 over 32 local experts + 2 shared experts (131072 rows), hidden 6144,
 width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
 - kernel rows: the grouped FFN on rows already sorted by expert, the 2 shared experts as 2 more groups of a
-  weight stack that holds all 34 (the linearised layout with the weights stored stacked): ours (`moe_ffn`),
-  jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a custom_vjp and `jax.lax.ragged_dot`
-  (fused [gate|up] weight, SwiGLU in XLA). ragged_dot pads every group to all rows (a [34, M, 6144] buffer), so
-  it runs at a reduced token count, stated in its row.
-- layer row: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
-  on the model's separate routed / shared weights, the shared experts as an XLA einsum.
+  weight stack that holds all 34 (the linearised layout with the weights stored stacked): ours (`moe_ffn`), ours
+  with jax's kernels for the backward (`MatmulKernels(backward="jax_mgpu")`: our forward, SwiGLU backward and
+  residuals), the peer: jax's Mosaic-GPU `ragged_dot_mgpu` / `transposed_ragged_dot_mgpu` in a custom_vjp, and
+  `jax.lax.ragged_dot` (both with a fused [gate|up] weight, SwiGLU in XLA). ragged_dot pads every group to all
+  rows (a [34, M, 6144] buffer), so it runs at a reduced token count, stated in its row.
+- layer rows: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
+  on the model's separate routed / shared weights, the shared experts as an XLA einsum; with our matmuls and with
+  jax's in the backward (`Backend.moe_backward`).
+Every row names what ran (its `backend`) and its speed against the peer measured in the same run (the peer's
+time over the row's: above 1 is faster than the peer).
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
@@ -34,16 +38,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.moe_peers import ffn_rows, mgpu_peer, unfused_ffn
 from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
-from pallas_kernels.moe import moe_ffn, moe_ffn_decode
+from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 
 START = time.perf_counter()
 PALLAS = Backend(moe="pallas")  # the model's MoE on the grouped-matmul kernels
+JAX_BACKWARD = MatmulKernels(backward=jax_mgpu.JAX_MGPU)
+PALLAS_JAX_BACKWARD = Backend(moe="pallas", moe_backward=jax_mgpu.JAX_MGPU)
+PEER = "kernel: jax Mosaic-GPU ragged_dot"  # the row the others are compared with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +77,7 @@ class Run:
 
     def __init__(self, shapes: Shapes):
         self.s = shapes
-        self.results = {"stamp": stamp(), "rows": {}, "decode": {}, "errors": {}}
+        self.results = {"stamp": stamp(), "rows": {}, "decode": {}, "errors": {}, "rel_err_vs_mgpu_peer": {}}
 
     def guarded(self, name, fn):
         return attempt(name, fn, self.results["errors"])
@@ -102,35 +110,6 @@ def rows_inputs(s, tokens, seed=0):
                 dy=rnd(ks[2], (m, s.hidden)), ids=jnp.asarray(ids))
 
 
-def mgpu_peer():
-    """jax's `ragged_dot_mgpu` with `transposed_ragged_dot_mgpu` for the weight gradient, in a custom_vjp:
-    mm(x [M, K], w [G, K, N], group_sizes [G]) -> [M, N]."""
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd
-    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as trd
-    tiles = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4)
-
-    @jax.custom_vjp
-    def mm(x, w, gs):
-        return rd.ragged_dot(x, w, group_sizes=gs, grid_block_n=8, **tiles)
-
-    def mm_bwd(res, dy):
-        x, w, gs = res
-        dx = rd.ragged_dot(dy, w, group_sizes=gs, grid_block_n=8, transpose_rhs=True, **tiles)
-        return dx, trd.transposed_ragged_dot(x, dy, group_sizes=gs, grid_block_n=4, **tiles), None
-
-    mm.defvjp(lambda x, w, gs: (mm(x, w, gs), (x, w, gs)), mm_bwd)
-    return mm
-
-
-def unfused_ffn(mm, x, wg, wu, wd, gs, rw):
-    """The peers' layout around any grouped matmul `mm`: one matmul to [gate | up], SwiGLU and the row weight
-    in XLA, then down."""
-    width = wd.shape[1]
-    z = mm(x, jnp.concatenate([wg, wu], -1), gs).astype(jnp.float32)
-    h = jax.nn.silu(z[:, :width]) * z[:, width:] * rw[:, None]
-    return mm(h.astype(x.dtype), wd, gs)
-
-
 def ceilings(run):
     r = run.results
     r["copy_GBps"] = copy_bandwidth(run.s.copy_elements, data="normal") / 1e9
@@ -147,13 +126,26 @@ def train_step(f, num_diff):
     return jax.jit(step)
 
 
-def measure(run, name, f, args, num_diff, flops, note="", trials=5):
+def kernels_name(kernels: MatmulKernels) -> str:
+    return f"moe_ffn: forward {kernels.forward}, backward {kernels.backward}"
+
+
+def backend_name(backend: Backend, num_tokens: int) -> str:
+    use = backend.resolve()
+    if use.moe == "pallas" and num_tokens <= DECODE_MAX_ROWS:
+        return "moe=pallas: the decode layout, our matmuls"
+    return f"moe={use.moe}, moe_forward={use.moe_forward}, moe_backward={use.moe_backward}"
+
+
+def measure(run, name, f, args, num_diff, flops, *, backend, note="", trials=5):
+    """Times f's forward and forward + backward; `backend` names what runs."""
     warmup = min(2, trials)
     t = run.guarded(f"{name} fwd", lambda: median_seconds(jax.jit(f), *args[:-1], trials=trials, warmup=warmup))
     tb = run.guarded(f"{name} fwd+bwd",
                      lambda: median_seconds(train_step(f, num_diff), *args, trials=trials, warmup=warmup))
-    run.results["rows"][name] = dict(note=note, fwd_ms=t and t * 1e3, fwd_TFLOPs=t and flops / t / 1e12,
-                                     fwdbwd_ms=tb and tb * 1e3, fwdbwd_TFLOPs=tb and 3 * flops / tb / 1e12)
+    run.results["rows"][name] = dict(backend=backend, note=note, fwd_ms=t and t * 1e3,
+                                     fwd_TFLOPs=t and flops / t / 1e12, fwdbwd_ms=tb and tb * 1e3,
+                                     fwdbwd_TFLOPs=tb and 3 * flops / tb / 1e12)
     print(name, json.dumps(run.results["rows"][name]), flush=True)
 
 
@@ -167,19 +159,24 @@ def prefill(run, w):
     s = run.s
     d = rows_inputs(s, s.tokens)
     flops = 6 * d["x"].shape[0] * s.hidden * s.width
-    ours = lambda x, wg, wu, wd, rw, gs: moe_ffn(x, wg, wu, wd, gs, rw)  # noqa: E731
     kargs = (d["x"], *w, d["rw"], d["gs"], d["dy"])
-    measure(run, "kernel: ours (moe_ffn)", ours, kargs, 5, flops)
+    ours = {}
+    for name, kernels in (("kernel: ours (moe_ffn)", MatmulKernels()),
+                          ("kernel: ours forward + jax backward", JAX_BACKWARD)):
+        ours[name] = functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels))
+        measure(run, name, ours[name], kargs, 5, flops, backend=kernels_name(kernels))
     peer_mm = run.guarded("mgpu peer import", mgpu_peer)
     if peer_mm is not None:
-        peer = lambda x, wg, wu, wd, rw, gs: unfused_ffn(peer_mm, x, wg, wu, wd, gs, rw)  # noqa: E731
-        measure(run, "kernel: jax Mosaic-GPU ragged_dot", peer, kargs, 5, flops)
-        got = run.guarded("ours outputs", lambda: train_step(ours, 5)(*kargs))
+        peer = functools.partial(ffn_rows, functools.partial(unfused_ffn, peer_mm))
+        measure(run, PEER, peer, kargs, 5, flops,
+                backend="jax ragged_dot_mgpu + transposed_ragged_dot_mgpu, [gate|up] in one, SwiGLU in XLA")
         want = run.guarded("peer outputs", lambda: train_step(peer, 5)(*kargs))
-        if got is not None and want is not None:
-            names = ("y", "dx", "dw_gate", "dw_up", "dw_down", "drow_weights")
-            run.results["rel_err_ours_vs_mgpu_peer"] = {n: rel(a, b) for n, a, b in
-                                                         zip(names, [got[0], *got[1]], [want[0], *want[1]])}
+        names = ("y", "dx", "dw_gate", "dw_up", "dw_down", "drow_weights")
+        for name, f in ours.items():
+            got = run.guarded(f"{name} outputs", lambda f=f: train_step(f, 5)(*kargs))
+            if got is not None and want is not None:
+                run.results["rel_err_vs_mgpu_peer"][name] = {
+                    n: rel(a, b) for n, a, b in zip(names, [got[0], *got[1]], [want[0], *want[1]])}
     return d
 
 
@@ -197,11 +194,13 @@ def layer(run, w, d):
     wts = jax.random.uniform(ks[0], (s.tokens, s.top_k), jnp.float32, 0.1, 1.0)
     shared_wts = jax.random.uniform(ks[1], (s.tokens, s.shared), jnp.float32, 0.1, 1.0)
     flops = 6 * s.tokens * (s.top_k + s.shared) * s.hidden * s.width
-    def f(x, routed, shared, wts, shared_wts, ids):
-        return experts(x, routed, shared, ids, wts, shared_wts, backend=PALLAS).astype(x.dtype)
-    measure(run, "layer: ours, shared as XLA einsum", f, (x, routed, shared, wts, shared_wts, d["ids"],
-                                                          d["dy"][:s.tokens]), 5, flops,
-            note="incl. routing sort/gather/combine")
+    args = (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:s.tokens])
+    for name, backend in (("layer: ours, shared as XLA einsum", PALLAS),
+                          ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD)):
+        def f(x, routed, shared, wts, shared_wts, ids, backend=backend):
+            return experts(x, routed, shared, ids, wts, shared_wts, backend=backend).astype(x.dtype)
+        measure(run, name, f, args, 5, flops, backend=backend_name(backend, s.tokens),
+                note="incl. routing sort/gather/combine")
 
 
 def ragged_peer(run, w):
@@ -210,11 +209,11 @@ def ragged_peer(run, w):
     d = rows_inputs(s, s.ragged_tokens, seed=2)
     flops = 6 * d["x"].shape[0] * s.hidden * s.width
     args = (d["x"], *w, d["rw"], d["gs"], d["dy"])
-    f = lambda x, wg, wu, wd, rw, gs: unfused_ffn(jax.lax.ragged_dot, x, wg, wu, wd, gs, rw)  # noqa: E731
-    measure(run, "kernel: jax.lax.ragged_dot", f, args, 5, flops, trials=2,
+    f = functools.partial(ffn_rows, functools.partial(unfused_ffn, jax.lax.ragged_dot))
+    measure(run, "kernel: jax.lax.ragged_dot", f, args, 5, flops, trials=2, backend="jax.lax.ragged_dot (XLA)",
             note=f"at {s.ragged_tokens} tokens ({d['x'].shape[0]} rows): it pads every group to all rows")
-    measure(run, "kernel: ours at the same size", lambda x, wg, wu, wd, rw, gs: moe_ffn(x, wg, wu, wd, gs, rw),
-            args, 5, flops, note=f"at {s.ragged_tokens} tokens")
+    measure(run, "kernel: ours at the same size", functools.partial(ffn_rows, moe_ffn), args, 5, flops,
+            backend=kernels_name(MatmulKernels()), note=f"at {s.ragged_tokens} tokens")
 
 
 def decode(run, w):
@@ -293,13 +292,17 @@ def summary(run, out):
     lines = ["", f"{stamp_line(r['stamp'])}; copy {copy:.0f} GB/s; XLA bf16 matmul {peak:.0f} TFLOP/s; "
              f"prefill {s.tokens} tokens x (top-{s.top_k} + {s.shared} shared), H={s.hidden} I={s.width} bf16; "
              f"{time.perf_counter() - START:.0f} s",
-             "| case | fwd ms | fwd TFLOP/s | /matmul | fwd+bwd ms | fwd+bwd TFLOP/s | /matmul | note |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| case | backend | fwd ms | fwd TFLOP/s | /matmul | vs peer | fwd+bwd ms | fwd+bwd TFLOP/s | /matmul "
+             "| vs peer | note |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    peer = r["rows"].get(PEER, {})
     for name, row in r["rows"].items():
-        lines.append(f"| {name} | {fmt(row['fwd_ms'], '.2f')} | {fmt(row['fwd_TFLOPs'], '.1f')} | "
-                     f"{fmt(row['fwd_TFLOPs'] and row['fwd_TFLOPs'] / peak, '.2f')} | {fmt(row['fwdbwd_ms'], '.2f')} | "
-                     f"{fmt(row['fwdbwd_TFLOPs'], '.1f')} | "
-                     f"{fmt(row['fwdbwd_TFLOPs'] and row['fwdbwd_TFLOPs'] / peak, '.2f')} | {row['note']} |")
+        cells = []
+        for k in ("fwd", "fwdbwd"):
+            rate, ms, peer_ms = row[f"{k}_TFLOPs"], row[f"{k}_ms"], peer.get(f"{k}_ms")
+            cells += [fmt(ms, ".2f"), fmt(rate, ".1f"), fmt(rate and rate / peak, ".2f"),
+                      fmt(ms and peer_ms and peer_ms / ms, ".3f")]
+        lines.append(f"| {name} | {row['backend']} | " + " | ".join(cells) + f" | {row['note']} |")
     for tokens, row in r["decode"].items():
         cells = [f"{k[:-3]} {fmt(row.get(k), '.0f')} us = {fmt(row.get(k[:-3] + '_of_copy'), '.2f')} of copy"
                  for k in row if k.endswith("_us")]
@@ -315,7 +318,7 @@ def summary(run, out):
                     cell = row[name]
                     lines.append(f"| {tokens} | {name} | {cell['us']:.0f} | {cell['of_read']:.2f} | "
                                  f"{cell['TFLOPs']:.0f} | {fmt(row.get(f'{name}_vs_bf16_rel_l2'), '.3f')} |")
-    for k in ("rel_err_ours_vs_mgpu_peer", "errors"):
+    for k in ("rel_err_vs_mgpu_peer", "errors"):
         if r.get(k):
             lines.append(f"{k}: {r[k]}")
     print("\n".join(lines), flush=True)

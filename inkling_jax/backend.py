@@ -16,6 +16,11 @@ Fields, each "auto" by default:
   (`jax.lax.ragged_dot` on the tokens sorted by expert) or "pallas" (the grouped-matmul kernels). NVFP4 dense
   weights (`quant/dense_nvfp4.py`) follow it rather than having a field of their own: they run as one expert of
   the same W4A16 kernel, so "pallas" means that kernel and anything else its jnp formula;
+- moe_forward, moe_backward: under moe "pallas", which grouped matmuls run the routed experts' forward (gate/up
+  and down) and backward (dgrads and weight gradients): "pallas" (ours) or "jax_mgpu" (jax's own Mosaic-GPU
+  ragged dot, `pallas_kernels/moe/jax_mgpu.py`: compiled only, 16-bit weights), inside our custom VJP, so
+  routing, SwiGLU and combine stay ours; "auto" is "pallas" (docs/kernels.md says why). Decode-sized steps
+  (`moe_ffn_decode`) and quantised experts always run ours;
 - lora: the adapters' products of a LoRA serving view (`serve.lora`), "reference" or "pallas"
   (`pallas_kernels/lora`).
 "auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are
@@ -37,13 +42,17 @@ from flax import nnx
 
 KERNEL_CHOICES = ("auto", "reference", "pallas")
 MOE_CHOICES = ("auto", "dense", "ragged", "pallas")
+MOE_MATMUL_CHOICES = ("auto", "pallas", "jax_mgpu")
 CHOICES = {"attention": KERNEL_CHOICES, "decode_attention": KERNEL_CHOICES, "shortconv": KERNEL_CHOICES,
-           "moe": MOE_CHOICES, "lora": KERNEL_CHOICES}
-# What a SPEC's leading word sets every field to. "reference" puts the MoE on "ragged": "dense" is for tiny
-# models only, so it must be named.
-WORDS = {"auto": {name: "auto" for name in CHOICES},
-         "pallas": {name: "pallas" for name in CHOICES},
-         "reference": {**{name: "reference" for name in CHOICES}, "moe": "ragged"}}
+           "moe": MOE_CHOICES, "moe_forward": MOE_MATMUL_CHOICES, "moe_backward": MOE_MATMUL_CHOICES,
+           "lora": KERNEL_CHOICES}
+MOE_MATMULS = ("moe_forward", "moe_backward")
+# What a SPEC's leading word sets every kernel field to. "reference" puts the MoE on "ragged": "dense" is for
+# tiny models only, so it must be named. The MoE's matmul choices are only ever named.
+KERNELS = tuple(name for name in CHOICES if name not in MOE_MATMULS)
+WORDS = {"auto": {name: "auto" for name in KERNELS},
+         "pallas": {name: "pallas" for name in KERNELS},
+         "reference": {**{name: "reference" for name in KERNELS}, "moe": "ragged"}}
 
 Module = TypeVar("Module", bound=nnx.Module)
 
@@ -57,6 +66,8 @@ class Backend:
     shortconv: str = "auto"
     moe: str = "auto"
     lora: str = "auto"
+    moe_forward: str = "auto"
+    moe_backward: str = "auto"
     interpret: bool | None = None
 
     def __post_init__(self):
@@ -65,21 +76,26 @@ class Backend:
                 raise ValueError(f"backend {name} must be one of {allowed}, not {getattr(self, name)!r}")
         if self.interpret not in (None, True, False):
             raise ValueError(f"backend interpret must be True, False or None, not {self.interpret!r}")
+        chosen = [name for name in MOE_MATMULS if getattr(self, name) == "jax_mgpu"]
+        if chosen and self.moe in ("dense", "ragged"):
+            raise ValueError(f"backend {', '.join(chosen)}=jax_mgpu picks the grouped matmuls of moe=pallas, "
+                             f"not of moe={self.moe}")
 
     def resolve(self) -> Backend:
         """The same choices with "auto" and interpret None replaced by what they mean on this platform."""
         gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if gpu else ("ragged" if name == "moe" else "reference") for name in CHOICES}
+        auto.update({name: "pallas" for name in MOE_MATMULS})
         chosen = {name: auto[name] if getattr(self, name) == "auto" else getattr(self, name) for name in CHOICES}
         return Backend(**chosen, interpret=(not gpu) if self.interpret is None else self.interpret)
 
     @classmethod
     def parse(cls, spec: str) -> Backend:
-        """From a command line's SPEC: comma-separated items, an optional leading word that sets every field
-        ("auto", "reference" or "pallas", see WORDS), then field=value items. E.g. "auto", "reference",
-        "moe=ragged,attention=pallas", "pallas,moe=ragged"."""
+        """From a command line's SPEC: comma-separated items, an optional leading word that sets every kernel
+        field ("auto", "reference" or "pallas", see WORDS), then field=value items. E.g. "auto", "reference",
+        "moe=ragged,attention=pallas", "pallas,moe=ragged", "pallas,moe_backward=jax_mgpu"."""
         items = [item.strip() for item in spec.split(",")]
-        chosen = dict(WORDS["auto"])
+        chosen = {name: "auto" for name in CHOICES}
         if items and items[0] in WORDS:
             chosen.update(WORDS[items.pop(0)])
         given = set()
@@ -87,7 +103,7 @@ class Backend:
             name, sep, value = item.partition("=")
             if not sep or name not in CHOICES:
                 raise ValueError(f"backend spec {spec!r}: {item!r} is not FIELD=VALUE with FIELD one of "
-                                 f"{tuple(CHOICES)} (a leading {' | '.join(WORDS)} sets every field)")
+                                 f"{tuple(CHOICES)} (a leading {' | '.join(WORDS)} sets every kernel field)")
             if name in given:
                 raise ValueError(f"backend spec {spec!r}: {name} is given twice")
             given.add(name)
@@ -110,7 +126,9 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", type=spec, default=Backend(), metavar="SPEC",
                         help="kernel implementations: auto | reference | pallas, then FIELD=VALUE items, e.g. "
                         "'moe=ragged,attention=pallas' (fields attention, decode_attention, shortconv, lora: "
-                        "reference | pallas; moe: dense | ragged | pallas; 'auto': Pallas on GPU; see "
+                        "reference | pallas; moe: dense | ragged | pallas; moe_forward, moe_backward: the "
+                        "grouped matmuls of moe=pallas, pallas (ours, the default) | jax_mgpu (jax's Mosaic-GPU "
+                        "ragged dot; which is faster: see docs/performance.md); 'auto': Pallas on GPU; see "
                         "inkling_jax/backend.py)")
 
 

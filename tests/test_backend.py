@@ -27,6 +27,8 @@ from tests.hf_oracle import relative_error
     (" pallas , moe=dense ", Backend("pallas", "pallas", "pallas", "dense", "pallas")),
     ("lora=pallas", Backend(lora="pallas")),
     ("reference,decode_attention=pallas,shortconv=auto", Backend("reference", "pallas", "auto", "ragged", "reference")),
+    ("pallas,moe_backward=jax_mgpu", Backend("pallas", "pallas", "pallas", "pallas", "pallas", moe_backward="jax_mgpu")),
+    ("moe_forward=jax_mgpu,moe_backward=pallas", Backend(moe_forward="jax_mgpu", moe_backward="pallas")),
 ])
 def test_specs_parse(spec, want):
     assert Backend.parse(spec) == want
@@ -41,6 +43,8 @@ def test_specs_parse(spec, want):
     ("attention=ragged", r"attention must be one of \('auto', 'reference', 'pallas'\), not 'ragged'"),
     ("attention=jnp", r"attention must be one of"),
     ("moe=dense,moe=ragged", r"moe is given twice"),
+    ("moe_backward=ours", r"moe_backward must be one of \('auto', 'pallas', 'jax_mgpu'\), not 'ours'"),
+    ("reference,moe_backward=jax_mgpu", r"moe_backward=jax_mgpu picks the grouped matmuls of moe=pallas, not"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -58,10 +62,16 @@ def test_bad_fields_are_errors():
                                                             ("cpu", "reference", "ragged", True)])
 def test_auto_resolves_by_platform(monkeypatch, platform, kernels, moe, interpret):
     monkeypatch.setattr(backend_module.jax, "default_backend", lambda: platform)
-    assert Backend().resolve() == Backend(kernels, kernels, kernels, moe, kernels, interpret=interpret)
+    ours = {"moe_forward": "pallas", "moe_backward": "pallas"}  # the MoE's matmuls: ours on every platform
+    assert Backend().resolve() == Backend(kernels, kernels, kernels, moe, kernels, **ours, interpret=interpret)
     # Named choices stay; an explicit interpret too (False on CPU: the compiled form, to lower for CUDA).
     assert Backend(attention="reference", moe="dense").resolve() == Backend("reference", kernels, kernels, "dense",
-                                                                             kernels, interpret=interpret)
+                                                                             kernels, **ours, interpret=interpret)
+    if moe == "pallas":
+        assert Backend(moe_backward="jax_mgpu").resolve().moe_backward == "jax_mgpu"
+    else:  # jax's matmuls are those of the Pallas MoE, which "auto" is not here
+        with pytest.raises(ValueError, match="of moe=pallas, not of moe=ragged"):
+            Backend(moe_backward="jax_mgpu").resolve()
     assert Backend(interpret=False).resolve().interpret is False
     assert Backend().resolve().resolve() == Backend().resolve()
 

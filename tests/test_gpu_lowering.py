@@ -4,7 +4,8 @@ The kernels' CPU tests run them in Pallas' interpret mode, which checks their ar
 lowering sees: Mosaic GPU's register layouts (a loop carry whose layout differs between iterations, say), the
 shapes that wgmma and TMA accept, Triton's block shapes. Here the engine's decode and prefill steps (per expert and
 dense precision) and a training gradient are traced with the Pallas kernels in their compiled form
-(`Backend(interpret=False)`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic GPU or Triton.
+(`Backend(interpret=False)`) and lowered for CUDA, so that Pallas lowers every kernel to Mosaic GPU or Triton; the
+training gradient also with jax's own Mosaic-GPU ragged dot in the MoE (`Backend.moe_forward`, `moe_backward`).
 Not checked: PTX assembly and what happens at run time, which need the GPU (docs/kernels.md, "Testing").
 
 The model is the `bench` preset's per-layer structure cut to two layers, a sliding one with the dense MLP and a
@@ -13,6 +14,8 @@ serving view (`serve.lora`) adds the adapters' kernels.
 """
 
 import dataclasses
+import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,8 @@ from flax import nnx
 from inkling_jax import Backend, InklingModel, preset
 from inkling_jax.generate import flat_params
 from inkling_jax.quant import QuantConfig, serving_view
+from pallas_kernels import mgpu
+from pallas_kernels.moe import grouped_matmul, jax_mgpu, moe_ffn
 from serve.lora.view import adapted_modules, lora_view, route
 
 COMPILED = dataclasses.replace(Backend.parse("pallas"), interpret=False)  # every kernel in its GPU form, on any host
@@ -37,10 +42,11 @@ def _config():
     return dataclasses.replace(base, text=text)
 
 
-def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False, lora: bool = False):
+def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool = False, lora: bool = False,
+                    backend: Backend = COMPILED):
     """lora: the LoRA view, 2 adapter slots of rank 16."""
     def build():
-        model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=COMPILED)
+        model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=backend)
         view = serving_view(model, QuantConfig(expert_precision, dense_precision, fp8_twins), fuse=False)
         return lora_view(view, slots=3, rank=16) if lora else view
     return nnx.eval_shape(build)
@@ -96,10 +102,58 @@ def test_a_prefill_with_fp8_twins_runs_the_fp8_experts_and_xla_dense_products():
     assert _step_kernels(_abstract_model("nvfp4", "nvfp4", fp8_twins=True), 32, 128) == STEP_KERNELS["fp8"]
 
 
+def _training_gradient_kernels(backend: Backend = COMPILED) -> dict[str, int]:
+    leaves, merged = flat_params(_abstract_model("bf16", "bf16", backend=backend))
+    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+    return _kernels_in(jax.grad(lambda p, i: merged(p)(i).astype(jnp.float32).mean()), leaves, ids)
+
+
 def test_training_gradient_lowers_for_cuda():
     """jax.grad through the model: the relative attention's forward, dK/dV and dQ kernels and the MoE's grouped
     matmuls with their weight gradients."""
-    leaves, merged = flat_params(_abstract_model("bf16", "bf16"))
-    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
-    found = _kernels_in(jax.grad(lambda p, i: merged(p)(i).astype(jnp.float32).mean()), leaves, ids)
-    assert found == {"mosaic": 11, "triton": 6}
+    assert _training_gradient_kernels() == {"mosaic": 11, "triton": 6}
+
+
+@pytest.mark.parametrize("forward, mosaic", [("pallas", 11), ("jax_mgpu", 12)])
+def test_training_gradient_lowers_with_jax_mgpu_matmuls(monkeypatch, forward, mosaic):
+    """The MoE's backward (and forward) on jax's Mosaic-GPU ragged dot (`Backend.moe_backward`): its kernels are
+    the ones traced, 2 dgrads and 3 weight gradients (and the forward's gate, up and down), and they lower for CUDA
+    beside ours. jax's transposed kernel reads the SM count from jax.devices()[0], which a CPU host's device
+    lacks: it is given an H200's here."""
+    traced, kernels = [], jax_mgpu.kernels
+
+    def recording(interpret):
+        return tuple(functools.partial(_record, traced, name, kernel)
+                     for name, kernel in zip(("ragged_dot", "transposed"), kernels(interpret)))
+    monkeypatch.setattr(jax_mgpu, "kernels", recording)
+    monkeypatch.setattr(jax, "devices", lambda *_: [types.SimpleNamespace(core_count=mgpu.HOPPER_SMS)])
+    backend = dataclasses.replace(COMPILED, moe_forward=forward, moe_backward="jax_mgpu")
+    assert _training_gradient_kernels(backend) == {"mosaic": mosaic, "triton": 6}
+    forward_calls = 3 if forward == "jax_mgpu" else 0
+    assert sorted(traced) == ["ragged_dot"] * (2 + forward_calls) + ["transposed"] * 3
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_narrow_expert_widths_lower_for_cuda(dtype):
+    """The tiny preset's expert width, 32, through the MoE FFN's and a grouped matmul's gradients: fp32 keeps the
+    width (a 128-byte span) and takes its 32-row weight gradients as transposed products; bf16 pads to 64.
+    moe_ffn: gate|up (kept for the backward), dh, dx and the weight gradients (gate's and up's one kernel);
+    grouped_matmul: dx and dw."""
+    shape = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
+    group_sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
+
+    def ffn_loss(x, w_gate, w_up, w_down, group_sizes):
+        return moe_ffn(x, w_gate, w_up, w_down, group_sizes, jnp.ones(x.shape[:1]), interpret=False).sum()
+    weights = shape((8, 64, 32)), shape((8, 64, 32)), shape((8, 32, 64))
+    assert _kernels_in(jax.grad(ffn_loss, (0, 1, 2, 3)), shape((160, 64)), *weights, group_sizes) == \
+        {"mosaic": 6, "triton": 0}
+
+    def matmul_loss(x, w, group_sizes):
+        return grouped_matmul(x, w, group_sizes, interpret=False).sum()
+    assert _kernels_in(jax.grad(matmul_loss, (0, 1)), shape((160, 32)), shape((8, 32, 64)), group_sizes) == \
+        {"mosaic": 2, "triton": 0}
+
+
+def _record(traced, name, kernel, *args, **kwargs):
+    traced.append(name)
+    return kernel(*args, **kwargs)

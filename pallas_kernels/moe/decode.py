@@ -30,7 +30,7 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
     w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
     configs = configs or KernelConfigs(decode=True)
     return in_slabs(x, group_sizes, row_weights, max_group_rows, lambda xs, sizes, rws: ops.moe_ffn_core(
-        xs, w_gate, w_up, w_down, sizes, rws, interpret, configs))
+        xs, w_gate, w_up, w_down, sizes, rws, interpret, configs, ops.MatmulKernels()))
 
 
 def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, align: int = SLAB_ROWS):

@@ -2,6 +2,7 @@
 
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, ops
+from pallas_kernels.moe.jax_mgpu import MatmulKernels
 from pallas_kernels.moe.tuning import KernelConfigs
 
 # At most this many rows, every group fits one decode slab, so the decode path is always valid.
@@ -9,18 +10,19 @@ DECODE_MAX_ROWS = decode.SLAB_ROWS
 
 
 def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: bool | str | None = None,
-            configs: KernelConfigs | None = None):
+            configs: KernelConfigs | None = None, kernels: MatmulKernels | None = None):
     """out[rows of g] = row_weights * (silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g].
 
     Args:
       x: [M, H], rows sorted by expert. w_gate, w_up: [G, H, I]; w_down: [G, I, H] (same dtype as x).
       group_sizes: [G] int32, sum <= M (rows past the sum produce zeros).
       row_weights: [M] routing weight of each row (fp32 or x.dtype).
-      interpret / configs: as in `grouped_matmul`.
+      interpret / configs / kernels: as in `grouped_matmul`.
     Returns:
-      [M, H] in x.dtype. SwiGLU and the row weight are applied in fp32 on the fp32 accumulators, the result
-      is cast to x.dtype before the down projection. Differentiable in x, the three weights and row_weights.
-      With M <= DECODE_MAX_ROWS it runs the decode layout (`moe_ffn_decode`).
+      [M, H] in x.dtype. SwiGLU and the row weight are applied in fp32 on the fp32 accumulators (on the
+      x.dtype products with jax's forward matmuls), the result is cast to x.dtype before the down projection.
+      Differentiable in x, the three weights and row_weights. With M <= DECODE_MAX_ROWS it runs the decode
+      layout (`moe_ffn_decode`), always on our kernels.
     """
     ops._check(x, w_gate, w_up, w_down)
     interpret = interpret_default() if interpret is None else interpret
@@ -29,4 +31,4 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
         return decode.moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights,
                                      max_group_rows=x.shape[0], interpret=interpret, configs=configs)
     return ops.moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret,
-                            configs or KernelConfigs())
+                            configs or KernelConfigs(), kernels or MatmulKernels())

@@ -61,11 +61,16 @@ def gmm(lhs, weights, group_sizes, *, transpose_rhs: bool, pairs, epilogue, num_
 def tgmm(x, dy, group_sizes, *, cfg, interpret: bool | str):
     """Per-group x[rows of g]^T @ dy[rows of g]: x [M, K], dy [M, N] -> [G, K, N] in x.dtype.
 
-    The output rows (K) are tiled by whole warpgroups (64 rows), so a narrower K (a tiny model's expert width)
-    is zero padded and sliced back; without that the grid would have no K block and leave the output unwritten.
+    The output rows (K) are tiled by whole warpgroups (64 rows). A K off that tiling (a tiny model's expert
+    width) becomes the columns of the transposed product dy^T @ x where they fill whole 128-byte swizzle spans
+    and N tiles by warpgroups (fp32 widths of 32: the result is transposed back, weight-sized, instead of
+    padding the [M, K] activations); otherwise x is zero padded to the tiling and the result sliced back.
+    Without either the grid would have no K block and leave the output unwritten.
     """
-    k = x.shape[1]
-    cfg = fit_dims(cfg, dy.shape[1], k)
+    k, n = x.shape[1], dy.shape[1]
+    if k % cfg.wg_rows and not n % cfg.wg_rows and not k * x.dtype.itemsize % _SWIZZLE_BYTES:
+        return tgmm(dy, x, group_sizes, cfg=cfg, interpret=interpret).transpose(0, 2, 1)
+    cfg = fit_dims(cfg, n, k)
     x = jnp.pad(x, [(0, 0), (0, -k % cfg.block_rows_out)])
     blocks = group_row_blocks(group_sizes, x.shape[0], cfg.block_rows)
     if interpret is True:

@@ -7,6 +7,10 @@ moe_ffn forward: one fused kernel for gate/up (both tiles per k step, SwiGLU and
 epilogue), then the down projection. The training forward also stores the gate/up pre-activations so the
 backward needs no recompute. Backward: dh = dy @ w_down^T; the SwiGLU backward elementwise in fp32 (XLA);
 dx = dgate @ w_gate^T + dup @ w_up^T in one kernel; three weight-gradient kernels.
+
+`MatmulKernels` picks jax's own Mosaic-GPU ragged dot (`jax_mgpu.py`) instead of ours for the forward's or the
+backward's matmuls; the custom VJPs (residuals, SwiGLU and its backward) stay these. jax's forward computes
+gate and up as two products and the SwiGLU in XLA; its dx one product over [dgate | dup] and [w_gate | w_up].
 """
 
 import functools
@@ -15,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default
-from pallas_kernels.moe import epilogues, matmuls
+from pallas_kernels.moe import epilogues, jax_mgpu, matmuls
+from pallas_kernels.moe.jax_mgpu import JAX_MGPU, MatmulKernels
 from pallas_kernels.moe.tuning import KernelConfigs
 
 _PLAIN = ((0, 0, 0),)
@@ -27,13 +32,16 @@ def _check(x, *weights):
             raise TypeError(f"x and weights must share a dtype, got {x.dtype} and {w.dtype}")
 
 
-# Mosaic GPU cannot lay out 16-bit tiles narrower than 64 elements (one 128-byte swizzle span) for these kernels.
-WIDTH_MULTIPLE = 64
+# Mosaic GPU cannot lay out tiles narrower than one 128-byte swizzle span for these kernels: 64 16-bit elements,
+# 32 fp32 ones.
+SPAN_BYTES = 128
 
 
-def pad_expert_width(w_gate, w_up, w_down, multiple: int = WIDTH_MULTIPLE):
-    """Zero-pads the expert width (I) to a multiple of `multiple` (a tiny model's experts). The padded
-    SwiGLU columns are silu(0) * 0 = 0, so the output is unchanged; the padding's gradients are dropped."""
+def pad_expert_width(w_gate, w_up, w_down, multiple: int | None = None):
+    """Zero-pads the expert width (I) to a multiple of `multiple` (default: a 128-byte span of the weights'
+    dtype), for a tiny model's experts. The padded SwiGLU columns are silu(0) * 0 = 0, so the output is
+    unchanged; the padding's gradients are dropped."""
+    multiple = multiple or SPAN_BYTES // jnp.dtype(w_gate.dtype).itemsize
     pad = -w_gate.shape[-1] % multiple
     if not pad:
         return w_gate, w_up, w_down
@@ -41,18 +49,24 @@ def pad_expert_width(w_gate, w_up, w_down, multiple: int = WIDTH_MULTIPLE):
     return jnp.pad(w_gate, cols), jnp.pad(w_up, cols), jnp.pad(w_down, [(0, 0), (0, pad), (0, 0)])
 
 
-def _mm(lhs, weights, group_sizes, configs, interpret, *, role="gmm", transpose_rhs=False, pairs=_PLAIN):
+def _mm(lhs, weights, group_sizes, configs, interpret, use, *, role="gmm", transpose_rhs=False, pairs=_PLAIN):
+    """One accumulator's grouped matmul by `use` (a MatmulKernels field)."""
+    if use == JAX_MGPU:
+        return jax_mgpu.gmm(lhs, weights, group_sizes, transpose_rhs=transpose_rhs, pairs=pairs,
+                            interpret=interpret)
     cfg = configs.get(role, lhs[0].dtype)
     return matmuls.gmm(lhs, weights, group_sizes, transpose_rhs=transpose_rhs, pairs=pairs,
                        epilogue=epilogues.plain, num_outputs=1, cfg=cfg, interpret=interpret)[0]
 
 
-def _wgrad(x, dy, group_sizes, configs, interpret, dtype):
+def _wgrad(x, dy, group_sizes, configs, interpret, use, dtype):
+    if use == JAX_MGPU:
+        return jax_mgpu.tgmm(x, dy, group_sizes, interpret=interpret).astype(dtype)
     return matmuls.tgmm(x, dy, group_sizes, cfg=configs.get("wgrad", x.dtype), interpret=interpret).astype(dtype)
 
 
 def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
-                   configs: KernelConfigs | None = None):
+                   configs: KernelConfigs | None = None, kernels: MatmulKernels | None = None):
     """out[rows of g] = x[rows of g] @ w[g]; like `jax.lax.ragged_dot(x, w, group_sizes)`.
 
     Args:
@@ -61,49 +75,56 @@ def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
       interpret: None picks compiled Mosaic GPU on a GPU backend and the portable interpreted kernel elsewhere;
         "mosaic" runs the Mosaic-GPU kernels in Pallas's GPU interpreter (slow; checks the GPU code on CPU).
       configs: tile overrides (`tuning.KernelConfigs`).
+      kernels: ours or jax's Mosaic-GPU ragged dot for the forward and for the backward (`MatmulKernels`,
+        default ours; jax's runs compiled only, on 16-bit operands).
     Returns:
       [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
     """
     _check(x, w)
     interpret = interpret_default() if interpret is None else interpret
-    return _grouped_matmul(x, w, group_sizes, interpret, configs or KernelConfigs())
+    return _grouped_matmul(x, w, group_sizes, interpret, configs or KernelConfigs(), kernels or MatmulKernels())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped_matmul(x, w, group_sizes, interpret, configs):
-    return _mm([x], [w], group_sizes, configs, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_matmul(x, w, group_sizes, interpret, configs, kernels):
+    return _mm([x], [w], group_sizes, configs, interpret, kernels.forward)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes, interpret, configs):
-    return _mm([x], [w], group_sizes, configs, interpret), (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, interpret, configs, kernels):
+    return _mm([x], [w], group_sizes, configs, interpret, kernels.forward), (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(interpret, configs, res, dy):
+def _grouped_matmul_bwd(interpret, configs, kernels, res, dy):
     x, w, group_sizes = res
-    dx = _mm([dy], [w], group_sizes, configs, interpret, transpose_rhs=True)
-    return dx, _wgrad(x, dy, group_sizes, configs, interpret, w.dtype), None
+    dx = _mm([dy], [w], group_sizes, configs, interpret, kernels.backward, transpose_rhs=True)
+    return dx, _wgrad(x, dy, group_sizes, configs, interpret, kernels.backward, w.dtype), None
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, keep_preactivations):
+def _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, use, keep_preactivations):
+    """[h] or [h, gate, up] in x.dtype: one fused kernel (ours), or two products and the SwiGLU in XLA."""
+    if use == JAX_MGPU:
+        accs = [_mm([x], [w], group_sizes, configs, interpret, use).astype(jnp.float32) for w in (w_gate, w_up)]
+        outs = epilogues.swiglu(accs, [row_weights.astype(jnp.float32)], keep_preactivations=keep_preactivations)
+        return [o.astype(x.dtype) for o in outs]
     return matmuls.gmm([x], [w_gate, w_up], group_sizes, transpose_rhs=False, pairs=((0, 0, 0), (0, 1, 1)),
                        epilogue=functools.partial(epilogues.swiglu, keep_preactivations=keep_preactivations),
                        num_outputs=3 if keep_preactivations else 1, cfg=configs.get("swiglu", x.dtype),
                        interpret=interpret, row_inputs=(row_weights,))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs):
-    """`moe_ffn` without the decode dispatch (positional static args; used by ops and decode)."""
-    (h,) = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, False)
-    return _mm([h], [w_down], group_sizes, configs, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
+    """`moe_ffn` without the decode dispatch (positional static args; used by ffn and decode)."""
+    (h,) = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, kernels.forward, False)
+    return _mm([h], [w_down], group_sizes, configs, interpret, kernels.forward)
 
 
-def _moe_ffn_fwd(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs):
-    h, gate, up = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, True)
-    out = _mm([h], [w_down], group_sizes, configs, interpret)
+def _moe_ffn_fwd(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
+    h, gate, up = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, kernels.forward, True)
+    out = _mm([h], [w_down], group_sizes, configs, interpret, kernels.forward)
     return out, (x, w_gate, w_up, w_down, group_sizes, row_weights, h, gate, up)
 
 
@@ -118,16 +139,17 @@ def swiglu_backward(dh, gate, up, row_weights, dtype):
     return dgate.astype(dtype), (da * silu).astype(dtype), d_rw
 
 
-def _moe_ffn_bwd(interpret, configs, res, dy):
+def _moe_ffn_bwd(interpret, configs, kernels, res, dy):
     x, w_gate, w_up, w_down, group_sizes, row_weights, h, gate, up = res
-    dh = _mm([dy], [w_down], group_sizes, configs, interpret, transpose_rhs=True)
+    use = kernels.backward
+    dh = _mm([dy], [w_down], group_sizes, configs, interpret, use, transpose_rhs=True)
     dgate, dup, d_rw = swiglu_backward(dh, gate, up, row_weights, x.dtype)
-    dx = _mm([dgate, dup], [w_gate, w_up], group_sizes, configs, interpret, role="gmm_pairs",
+    dx = _mm([dgate, dup], [w_gate, w_up], group_sizes, configs, interpret, use, role="gmm_pairs",
              transpose_rhs=True, pairs=((0, 0, 0), (1, 1, 0)))
     return (dx,
-            _wgrad(x, dgate, group_sizes, configs, interpret, w_gate.dtype),
-            _wgrad(x, dup, group_sizes, configs, interpret, w_up.dtype),
-            _wgrad(h, dy, group_sizes, configs, interpret, w_down.dtype),
+            _wgrad(x, dgate, group_sizes, configs, interpret, use, w_gate.dtype),
+            _wgrad(x, dup, group_sizes, configs, interpret, use, w_up.dtype),
+            _wgrad(h, dy, group_sizes, configs, interpret, use, w_down.dtype),
             None,
             d_rw.astype(row_weights.dtype))
 

@@ -17,6 +17,7 @@ import pytest
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import (DECODE_MAX_ROWS, GmmConfig, KernelConfigs, WgradConfig, grouped_matmul, moe_ffn,
                                 moe_ffn_decode, reference)
+from pallas_kernels.moe import matmuls
 from pallas_kernels.moe.groups import row_block_passes
 from pallas_kernels.moe.matmuls import MOSAIC
 
@@ -132,7 +133,7 @@ def test_moe_ffn_decode_explicit_bound():
 def test_narrow_widths(backend):
     # The tiny model's experts: width 32. The weight gradient's output rows are tiled by 64-row warpgroups, so
     # K = 32 once left w's gradient unwritten (NaN); 16-bit MoE weights are padded to width 64 (Mosaic GPU
-    # cannot lay out narrower tiles). 160 rows take the row-blocked path.
+    # cannot lay out tiles narrower than a 128-byte span), fp32 ones keep 32. 160 rows take the row-blocked path.
     sizes = (30, 0, 41, 9, 20, 25, 15, 12)
     gs = jnp.array(sizes, jnp.int32)
     kx, kw, kd = jax.random.split(jax.random.key(7), 3)
@@ -145,3 +146,37 @@ def test_narrow_widths(backend):
     for dtype in DTYPES:
         args = moe_inputs(jax.random.key(6), 160, 64, 32, sizes, dtype)
         check_moe(lambda *a: moe_ffn(*a, interpret=backend), args, dtype)
+
+
+def _column_pads(jaxpr):
+    """(input, output) shapes of every pad in a jaxpr, nested ones included, that widens the columns."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pad" and eqn.invars[0].aval.shape[1:] != eqn.outvars[0].aval.shape[1:]:
+            found.append((eqn.invars[0].aval.shape, eqn.outvars[0].aval.shape))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _column_pads(inner)
+    return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_narrow_weight_gradient_is_the_transposed_product(backend):
+    # fp32 weight rows K = 32 (one 128-byte span, under a warpgroup's 64 rows): dy^T @ x with 3 row blocks of 64
+    # (N = 192) and 10 contraction blocks, transposed back, instead of x padded to 64 columns.
+    m, k, n = 300, 32, 192
+    gs = jnp.array(GROUP_SIZES, jnp.int32)
+    kx, kd = jax.random.split(jax.random.key(8))
+    x, dy = normal(kx, (m, k), jnp.float32), normal(kd, (m, n), jnp.float32)
+    interpret = interpret_default() if backend is None else backend
+
+    def wgrad(x, dy):
+        return matmuls.tgmm(x, dy, gs, cfg=small_configs(jnp.float32).wgrad, interpret=interpret)
+    onehot = jax.nn.one_hot(reference.group_ids(gs, m), len(GROUP_SIZES))
+    want = jnp.einsum("mg,mk,mn->gkn", onehot, x, dy, precision=jax.lax.Precision.HIGHEST)
+    assert rel_err(jax.jit(wgrad)(x, dy), want) < tolerance(jnp.float32)
+    assert not _column_pads(jax.make_jaxpr(wgrad)(x, dy).jaxpr)
+    # 16-bit rows of 32 are half a span: those activations are padded to the warpgroup's 64 rows.
+    half = jax.make_jaxpr(wgrad)(x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)).jaxpr
+    assert _column_pads(half) == [((m, k), (m, 64))]
