@@ -166,6 +166,8 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
+    if args.train_towers and config.vision is None and config.audio is None:
+        raise ValueError("--train-towers: this model has no media towers")
     tokenizer = ByteTokenizer() if args.preset else load_tokenizer(args.model)
     prompts = read_prompts(args.prompts, tokenizer, config.text.unpadded_vocab_size, image_reader(config))
     chat = ChatFormat(tokenizer) if any(p.chat for p in prompts) else None
