@@ -12,7 +12,8 @@ def executed_text(name: str) -> str:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
-    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": NOTEBOOKS}}).execute()
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": NOTEBOOKS}}).execute()
     return "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
 
 
