@@ -10,6 +10,8 @@ import dataclasses
 import itertools
 import threading
 
+import numpy as np
+
 from serve.engine.acceptance import Acceptance, summarize
 from serve.engine.engine import Engine
 from serve.engine.outputs import Output, Sample
@@ -25,6 +27,7 @@ class Generated:
     finish_reason: str | None = None
     prompt_logprobs: list[Sample] | None = None  # where asked (`SamplingParams.prompt_logprobs`)
     speculative_rounds: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (verified, accepted)
+    routed_experts: np.ndarray | None = None  # where the engine records routing (`Output.routed_experts`)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -76,5 +79,6 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams, *
     results = [request.parsers[seq.seq_id].result for seq in request.seqs]
     for seq, result in zip(request.seqs, results):
         result.finish_reason, result.prompt_logprobs = last[seq.index].finish_reason, last[seq.index].prompt_logprobs
+        result.routed_experts = last[seq.index].routed_experts
         result.speculative_rounds = list(seq.accepted)
     return results

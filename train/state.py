@@ -29,6 +29,7 @@ Flat = dict[str, Any]
 BIAS_NAME = "router_bias"
 # The text model; the media towers are not trained by the next-token loss, nor the MTP head unless its loss is on.
 TEXT_ROOTS = ("embed", "embed_norm", "layers", "norm", "unembed")
+TOWER_ROOTS = ("vision", "audio")  # trained only where asked (RL's --train-towers)
 
 
 def name_of(path: tuple) -> str:
@@ -117,15 +118,17 @@ def pretrained_params(path: str, config: InklingConfig, shardings: Flat, progres
     return model_params(load_pretrained(path, "float32", config=config, place=place, progress=progress))
 
 
-def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True) -> list[str]:
-    """Text weights the optimizer updates (none without `text`) and the MTP head's with `mtp`: all but the
-    selection biases and names matching a `freeze` regex."""
-    return [n for n in parts.paths if is_trainable(n, parts.dtypes[n], freeze, mtp, text)]
+def trainable_names(parts: ModelParts, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True,
+                    towers: bool = False) -> list[str]:
+    """Text weights the optimizer updates (none without `text`), the MTP head's with `mtp` and the media towers'
+    with `towers`: all but the selection biases and names matching a `freeze` regex."""
+    return [n for n in parts.paths if is_trainable(n, parts.dtypes[n], freeze, mtp, text, towers)]
 
 
-def is_trainable(name: str, dtype, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True) -> bool:
+def is_trainable(name: str, dtype, freeze: Iterable[str] = (), mtp: bool = False, text: bool = True,
+                 towers: bool = False) -> bool:
     """Whether the optimizer updates the weight `name` of this dtype (`trainable_names`)."""
-    roots = (TEXT_ROOTS if text else ()) + (("mtp",) if mtp else ())
+    roots = (TEXT_ROOTS if text else ()) + (("mtp",) if mtp else ()) + (TOWER_ROOTS if towers else ())
     return (name.split(".")[0] in roots and not name.endswith(BIAS_NAME) and jnp.issubdtype(dtype, jnp.floating)
             and not any(re.search(f, name) for f in freeze))
 

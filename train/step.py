@@ -47,6 +47,7 @@ class StepConfig:
     # the MTP head alone trains (the model frozen), each depth on the frozen model's own distribution of the token
     # it predicts (self-distillation: a head fitted to the model it drafts for); needs mtp_weight > 0
     mtp_distill: bool = False
+    train_towers: bool = False  # the media towers train too (full fine-tuning only; by default they are frozen)
     backend: Backend = Backend()  # the kernels the model runs (`inkling_jax.backend`)
 
 
@@ -61,6 +62,8 @@ class Trainer:
             raise ValueError("an MTP loss needs a model with an MTP head, trained in full (not with LoRA)")
         if step_config.mtp_distill and step_config.mtp_weight <= 0:
             raise ValueError("MTP self-distillation trains the head on mtp_weight times its loss: give it > 0")
+        if step_config.train_towers and step_config.lora_rank > 0:
+            raise ValueError("training the media towers is full fine-tuning: not with LoRA")
         self.config, self.mesh, self.cfg, self.optim_config = config, mesh, step_config, optim_config
         self.tx, self.schedule = make_optimizer(optim_config), schedule(optim_config)
         self.compiler_options = dict(compiler_options or {})
@@ -94,7 +97,8 @@ class Trainer:
             trained = {n: jnp.asarray(x, jnp.float32) for n, x in trained.items()}
         else:
             trained, bias, frozen = partition(self.parts, params, trainable_names(
-                self.parts, self.cfg.freeze, mtp=self.cfg.mtp_weight > 0, text=not self.cfg.mtp_distill))
+                self.parts, self.cfg.freeze, mtp=self.cfg.mtp_weight > 0, text=not self.cfg.mtp_distill,
+                towers=self.cfg.train_towers))
         trained = put(trained, self.shardings.flat(trained))
         opt_shardings = self.shardings.opt_state(self.tx, jax.eval_shape(self.tx.init, trained), trained)
         opt_state = jax.jit(self.tx.init, out_shardings=opt_shardings)(trained)

@@ -74,11 +74,13 @@ class InklingModel(nnx.Module):
                                               segment_ids=segment_ids, positions=positions)[0])
 
     def hidden_states(self, input_ids, pixel_values=None, audio_input_ids=None, audio_input_ids_mask=None, *,
-                      segment_ids=None, positions=None, expert_ids=None, remat: str = "none"):
+                      segment_ids=None, positions=None, expert_ids=None, embeds=None, remat: str = "none"):
         """Final-normed hidden states [B, T, hidden] and the MoE choices of each MoE layer (for routing replay:
-        pass the same list back as `expert_ids`). remat: a REMAT_POLICIES name, what each layer keeps for the
-        backward pass (training)."""
-        x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask)
+        pass the same list back as `expert_ids`; an entry's -1 rows are routed afresh). embeds [B, T, hidden]:
+        input embeddings to use instead of embedding input_ids (media merged by the caller, as `extend` takes
+        them). remat: a REMAT_POLICIES name, what each layer keeps for the backward pass (training)."""
+        x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask) if embeds is None \
+            else embeds
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(input_ids.shape[1])[None], input_ids.shape)
         chosen = []
@@ -141,19 +143,30 @@ class InklingModel(nnx.Module):
         head reads). Layer caches past the trunk's (a drafter's, appended by a server) pass through untouched.
         keep_conv_inputs: the ShortConv states come back with every input of the chunk, [B, width - 1 + T, C]
         (`ShortConv`), for a caller that keeps fewer than n_new tokens (speculative verification)."""
+        hidden, cache, _ = self.extend_routed(input_ids, cache, n_new, pixel_values, audio_input_ids,
+                                              audio_input_ids_mask, embeds=embeds, keep_conv_inputs=keep_conv_inputs)
+        return hidden, cache
+
+    def extend_routed(self, input_ids, cache: Cache, n_new=None, pixel_values=None, audio_input_ids=None,
+                      audio_input_ids_mask=None, *, embeds=None, keep_conv_inputs: bool = False):
+        """`extend_hidden`, and the experts each MoE layer chose for every position of the chunk, [B, T, MoE layers,
+        top_k] int32 (None without MoE layers): what routing replay records."""
         batch, seq = input_ids.shape
         if n_new is None:
             n_new = jnp.full((batch,), seq, jnp.int32)
         x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask) if embeds is None \
             else embeds
         positions = cache.lengths[:, None] + jnp.arange(seq)[None, :]
-        new_layers = []
+        new_layers, chosen = [], []
         for layer, layer_cache in zip(self.layers, cache.layers):
-            x, new_cache, _ = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table,
-                                    ring_rows=cache.ring_rows, keep_conv_inputs=keep_conv_inputs)
+            x, new_cache, ids = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table,
+                                      ring_rows=cache.ring_rows, keep_conv_inputs=keep_conv_inputs)
             new_layers.append(new_cache)
+            if ids is not None:
+                chosen.append(ids.reshape(batch, seq, -1))
         layers = tuple(new_layers) + cache.layers[len(new_layers):]
-        return self.norm(x), cache.replace(lengths=cache.lengths + n_new, layers=layers)
+        experts = jnp.stack(chosen, axis=2).astype(jnp.int32) if chosen else None
+        return self.norm(x), cache.replace(lengths=cache.lengths + n_new, layers=layers), experts
 
     # ------------------------------------------------------------------------------------------------------
     # Inputs

@@ -57,13 +57,14 @@ class MoE(nnx.Module):
         """x [N, hidden] -> (routed weights [N, k], expert ids [N, k], shared weights [N, S]), all fp32.
 
         Given `expert_ids` (routing replay: the choice recorded at rollout time) only the weights are
-        recomputed, so gradients reach the router while the choice stays the recorded one.
+        recomputed, so gradients reach the router while the choice stays the recorded one; its rows of -1 (no
+        record) take the router's own choice.
         """
         logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
         routed, shared = logits[:, : self.num_experts], logits[:, self.num_experts:]
-        if expert_ids is None:
-            choice = jax.nn.sigmoid(routed) + self.router_bias[...]
-            _, expert_ids = jax.lax.top_k(jax.lax.stop_gradient(choice), self.top_k)
+        choice = jax.nn.sigmoid(routed) + self.router_bias[...]
+        _, own = jax.lax.top_k(jax.lax.stop_gradient(choice), self.top_k)
+        expert_ids = own if expert_ids is None else jnp.where(expert_ids >= 0, expert_ids, own)
         active = jnp.concatenate([jnp.take_along_axis(routed, expert_ids, axis=-1), shared], axis=-1)
         weights = jax.nn.softmax(jax.nn.log_sigmoid(active), axis=-1)  # = sigmoid / sum(sigmoid)
         weights = weights * self.route_scale * self.router_scale[...]

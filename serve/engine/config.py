@@ -69,6 +69,9 @@ class EngineConfig:
     fuse_projections: bool = True  # q|k|v|r, MLP gate|up, shared experts as one MLP (placement.model_view)
     speculative: SpeculativeConfig | None = None  # None: one token per decode step
     lora: LoRAConfig | None = None  # LoRA adapters served beside the base (`serve.lora`)
+    # routing replay: every finished sequence's Output carries the experts each MoE layer chose at each position
+    # (`serve.runner.routing_record`); off, the step programs and the host do nothing more
+    record_experts: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -92,6 +95,8 @@ class EngineConfig:
             raise ValueError("memory_fraction must be in (0, 1]")
         if self.lora is not None and self.speculative is not None:
             raise ValueError("LoRA adapters are not served with speculative decoding yet")
+        if self.record_experts and self.speculative is not None:
+            raise ValueError("record_experts (routing replay) does not work with speculative decoding yet")
 
     @property
     def num_rows(self) -> int:

@@ -277,7 +277,7 @@ class Engine:
                 sample.finish_reason = seq.end_reason(sample.token_id, self.eos_token_id, self.config.max_model_len)
                 applied.append((seq, sample))
                 if sample.finish_reason:  # the device's later tokens of this row are discarded
-                    self.scheduler.finish(seq)
+                    self._release(seq)
                     break
         return applied
 
@@ -323,14 +323,21 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, deltas: list) -> None:
         request = self._owner.pop(seq.seq_id)
-        self.scheduler.finish(seq)
+        self._release(seq)
         self.metrics.requests.labels(reason).inc()
         request.remaining -= 1
         if request.remaining == 0:
             self._requests.pop(request.request_id, None)
             self.metrics.record_request(time.monotonic() - request.arrival, seq.adapter_name)
         scored = seq.params.prompt_logprobs is not None and not seq.scores_prompt
-        self._emit(request, Output(seq.index, deltas, reason, seq.num_output, seq.prompt_logprobs if scored else None))
+        self._emit(request, Output(seq.index, deltas, reason, seq.num_output, seq.prompt_logprobs if scored else None,
+                                   seq.routed_experts))
+
+    def _release(self, seq: Sequence) -> None:
+        """Take a sequence out of the scheduler (its slot and pages back), its recorded routing read first."""
+        if seq.block_ids:
+            seq.routed_experts = self.runner.routed_experts(seq)
+        self.scheduler.finish(seq)
 
     def _end_request(self, request_id: str, reason: str) -> None:
         request = self._requests.get(request_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass
 class Sample:
@@ -30,3 +32,6 @@ class Output:
     # With the sequence's last output, where its request asked for prompt logprobs: a Sample per prompt token after
     # the first (which has no logprob), `token_id` the prompt's own token, `top` its `prompt_logprobs` most likely
     prompt_logprobs: list[Sample] | None = None
+    # With the sequence's last output, where the engine records routing (`EngineConfig.record_experts`): the experts
+    # each MoE layer chose at every position but the last, [tokens - 1, MoE layers, top_k] int32
+    routed_experts: np.ndarray | None = None

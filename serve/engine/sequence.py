@@ -50,6 +50,7 @@ class Sequence:
         self.prompt_logprobs: list[Sample] = []  # of prompt tokens 1, 2, ... as far as computed (where asked)
         self.drafts: list[int] = []  # speculative decoding: tokens drafted after the last one, for the next round
         self.accepted: list[tuple[int, int]] = []  # speculative decoding: (drafts verified, accepted) per round
+        self.routed_experts = None  # where the engine records routing: read out as it ends (`Output`)
 
     @property
     def adapter_name(self) -> str | None:

@@ -31,6 +31,7 @@ from serve.runner import cache_rows
 from serve.runner.drafters import OracleDrafter, fill_drafts, read_rounds
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
+from serve.runner.routing_record import RoutingRecord
 from serve.runner.sampler import read_samples, unpack_samples
 from serve.runner.speculative import (SpeculativePrograms, cache_layout, check_speculative, drafter_layers,
                                      init_serving_cache, no_previous_round)
@@ -78,8 +79,9 @@ class ModelRunner(StepCompilation):
                              "of the memory: lower --max-num-seqs, --num-snapshots or --max-model-len)")
         self.reset()
         shared = (self._merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole)
-        self.programs = StepPrograms(*shared) if spec is None else SpeculativePrograms(
-            *shared, config=model.config, speculative=spec, drafter=self.drafter)
+        self.programs = StepPrograms(*shared, routing_page_size=config.page_size if config.record_experts else None) \
+            if spec is None else SpeculativePrograms(*shared, config=model.config, speculative=spec,
+                                                     drafter=self.drafter)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32) if spec is None else
@@ -127,6 +129,8 @@ class ModelRunner(StepCompilation):
                               f"({str(err).splitlines()[0]})") from None
         self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
                                                          jnp.zeros((cfg.num_rows, self.vocab), bool)))
+        self.routing = RoutingRecord(self.num_pages, cfg.page_size, self.model.config.text) if cfg.record_experts \
+            else None
 
     def check_params(self, leaves: list) -> None:
         """Raises unless `leaves` can replace `params` without a recompilation: as many arrays, each of the same
@@ -189,7 +193,10 @@ class ModelRunner(StepCompilation):
         acceptance to `Sequence.accepted` and `on_round`."""
         results = {}
         for group, outs, _, _, drafted in dispatched:
-            host = unpack_samples(np.concatenate(jax.device_get(outs)))
+            packed = np.concatenate(jax.device_get(outs))
+            if self.routing is not None:
+                packed = self.routing.take(packed, 2 + 2 * self.config.max_logprobs)
+            host = unpack_samples(packed)
             kept, drafts, verified = (None, None, None) if drafted is None else jax.device_get(drafted)
             for chunk, row in zip(group, self._row_index(group)):
                 seq = chunk.seq
@@ -203,6 +210,11 @@ class ModelRunner(StepCompilation):
                 picked = jax.tree.map(lambda x: x[np.asarray(index, int)], host)
                 results[seq.seq_id] = read_samples(picked, row, len(index), seq.params.logprobs or 0)
         return results
+
+    def routed_experts(self, seq) -> np.ndarray | None:
+        """Where routing is recorded, the experts chosen at the positions `seq` has computed (`RoutingRecord.read`);
+        read before its pages go back."""
+        return None if self.routing is None else self.routing.read(seq.block_ids, seq.num_cached)
 
     def collect_prompt_logprobs(self, dispatched: list) -> dict[int, list[Sample]]:
         """seq_id -> the Samples of the prompt tokens each scoring chunk of a dispatched step predicts (with the

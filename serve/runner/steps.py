@@ -35,6 +35,7 @@ from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Chunk
 from serve.lora.view import route
 from serve.runner import cache_rows, prompt_logprobs
+from serve.runner.routing_record import pool_slots, routing_columns
 from serve.runner.sampler import FLOAT_FIELDS, INT_FIELDS, NO_SEQUENCE, SamplingBatch, batch_of, pack_samples, sample
 
 
@@ -110,13 +111,17 @@ def init_penalties(penalties: PenaltyState, row, tokens, num_prompt) -> PenaltyS
 
 class StepPrograms:
     def __init__(self, merge: Callable, text_config, num_top: int, pages_per_row: int,
-                 constrain: Callable = lambda cache: cache, whole: Callable = lambda logits: logits):
+                 constrain: Callable = lambda cache: cache, whole: Callable = lambda logits: logits,
+                 routing_page_size: int | None = None):
+        """routing_page_size: the page size, where the programs record routing (`serve.runner.routing_record`);
+        None: they record nothing."""
         self.merge = merge  # parameter leaves -> model (see `flat_params`)
         self.pages_per_row = pages_per_row
         self.text = text_config
         self.num_top = num_top
         self.constrain = constrain
         self.whole = whole
+        self.routing_page_size = routing_page_size
 
     def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, targets=None, *,
                 gather: bool, full: bool):
@@ -132,7 +137,7 @@ class StepPrograms:
             tokens = model.embed_tokens(inp.ids)
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         last = jnp.maximum(inp.n_new - 1, 0)
-        hidden, sub = model.extend_hidden(inp.ids, sub, inp.n_new, embeds=embeds)
+        hidden, sub, experts = model.extend_routed(inp.ids, sub, inp.n_new, embeds=embeds)
         if targets is None:
             logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
         else:
@@ -141,7 +146,7 @@ class StepPrograms:
         out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
         sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
-        outputs = cache, penalties.replace(counts=counts), pack_samples(out)[None]
+        outputs = cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None]
         if targets is not None:
             outputs += (prompt_logprobs.score(every, targets, self.num_top),)
         return outputs if drafts is None else (*outputs, drafts)
@@ -154,7 +159,7 @@ class StepPrograms:
     def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
                gather: bool, full: bool):
         """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R, 2 + 2K]
-        (`sampler.pack_samples`), tokens [R]).
+        (`sampler.pack_samples`; recording routing, its columns after them: `_packed`), tokens [R]).
         `full`: the sampler with penalties, filters and logprobs (see `sampler.sample`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
@@ -163,12 +168,21 @@ class StepPrograms:
         inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
         sub = self._rows_in(cache, inp, gather)
         ids = jnp.where((step == 0) & (inp.ids[:, 0] >= 0), inp.ids[:, 0], previous)[:, None]
-        rows = ids.shape[0]
-        logits, sub = model.extend(ids, sub, active.astype(jnp.int32), logits_at=jnp.zeros((rows,), jnp.int32))
+        inp = inp.replace(n_new=active.astype(jnp.int32))
+        hidden, sub, experts = model.extend_routed(ids, sub, inp.n_new)
         params = inp.params.replace(index=inp.params.index + step)
-        out, counts = self._sample(logits, penalties, inp, params, active, full)
+        out, counts = self._sample(model.logits(hidden[:, 0]), penalties, inp, params, active, full)
         cache = self._rows_out(cache, inp, sub, gather)
-        return cache, penalties.replace(counts=counts), pack_samples(out)[None], out.tokens
+        return cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None], out.tokens
+
+    def _packed(self, out, experts, inp: StepInputs):
+        """The samples packed (`sampler.pack_samples`), followed where the programs record routing by each
+        position's pool slot and experts (`routing_record.routing_columns`)."""
+        packed = pack_samples(out)
+        if self.routing_page_size is None:
+            return packed
+        slots = pool_slots(inp.page_rows, inp.lengths, inp.n_new, self.routing_page_size, experts.shape[1])
+        return jnp.concatenate([packed, routing_columns(experts, slots)], axis=1)
 
     def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, full):
         """One token per row. Returns the samples and the output-token counts, with the active penalised rows'

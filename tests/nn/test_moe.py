@@ -144,6 +144,10 @@ def test_routing_replay_keeps_the_choice_and_gives_reference_gradients():
     assert (np.asarray(fresh) != np.asarray(recorded)).any()
     _, replayed = moe(x, expert_ids=recorded)
     np.testing.assert_array_equal(replayed, recorded)
+    # Rows without a record (-1) take the router's own choice; the others keep theirs.
+    _, mixed = moe(x, expert_ids=jnp.asarray(recorded).at[:8].set(-1))
+    np.testing.assert_array_equal(mixed[:8], fresh[:8])
+    np.testing.assert_array_equal(mixed[8:], recorded[8:])
 
     def replay_weights(router):
         logits = x @ router

@@ -1,8 +1,8 @@
 """`python -m train.rl` on a 2-layer `tiny` model in float32 with the reference kernels, trainer and engine alike.
 
 The tests' task: the reward is the share of ASCII characters in 8-token completions (a random model writes about a
-third; 256 of its 380 ids are bytes, half of them ASCII). Every run has the same engine setup, so the compiled
-engine (`train.rl.rollout`) and policy step (`train.rl.step`) serve them all.
+third; 256 of its 380 ids are bytes, half of them ASCII). The text runs have the same engine setup and share an
+`EnginePool`, so one compiled engine (`train.rl.rollout`) and policy step (`train.rl.step`) serve them all.
 """
 
 import json
@@ -19,11 +19,14 @@ from serve.engine.sampling_params import SamplingParams
 from serve.http.chat import ChatFormat
 from serve.http.tokenizer import ByteTokenizer
 from serve.offline import generate
+from tests.backends import REFERENCE
 from train import lora
 from train.checkpoint import Checkpoints
-from train.rl import command, rollout, tasks
+from train.rl import command, tasks
 from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
 from train.rl.prompts import completion_text, load_reward, read_prompts, score
+from train.rl.rollout import EnginePool, Rollouts, engine_config
+from train.rl.step import PolicyTrainer
 from train.rl.tasks import write_tasks
 from train.run import first_layers
 from train.state import seeded_params
@@ -45,18 +48,26 @@ def prompts(tmp_path_factory):
     return path
 
 
-def run(prompts, out, *extra):
+@pytest.fixture(scope="module")
+def engines():
+    with EnginePool() as pool:
+        yield pool
+
+
+def run(prompts, out, *extra, engines=None):
+    """The command's metrics; `engines`: the pool to take the engine from (None: the run's own, shut down at its
+    end)."""
     command.main(["--preset", "tiny", "--layers", "2", "--prompts", prompts, "--reward", f"{__name__}:ascii_share",
                   "--out", str(out), "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "8",
-                  "--lr", "3e-2", "--backend", "reference,moe=dense", *extra])
+                  "--lr", "3e-2", "--backend", "reference,moe=dense", *extra], engines)
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
 
 
 @pytest.fixture(scope="module")
-def long_run(prompts, tmp_path_factory):
+def long_run(prompts, engines, tmp_path_factory):
     out = tmp_path_factory.mktemp("long")
-    return out, run(prompts, out, "--steps", str(STEPS))
+    return out, run(prompts, out, "--steps", str(STEPS), engines=engines)
 
 
 def test_reward_rises_and_rollouts_match_the_trainer(long_run):
@@ -75,17 +86,18 @@ def test_reward_rises_and_rollouts_match_the_trainer(long_run):
     assert os.listdir(out / "tensorboard") and os.listdir(out / "checkpoints")
 
 
-def test_a_resumed_run_continues_with_the_same_metrics(prompts, long_run, tmp_path):
-    first = run(prompts, tmp_path, "--steps", "3")
-    resumed = run(prompts, tmp_path, "--steps", "6")
+def test_a_resumed_run_continues_with_the_same_metrics(prompts, engines, long_run, tmp_path):
+    first = run(prompts, tmp_path, "--steps", "3", engines=engines)
+    resumed = run(prompts, tmp_path, "--steps", "6", engines=engines)
     assert [r["step"] for r in resumed] == list(range(1, 7))
     for got, want in zip(resumed, long_run[1][:6]):
         assert {k: v for k, v in got.items() if k not in TIMING} == {k: v for k, v in want.items() if k not in TIMING}
     assert resumed[:3] == first
 
 
-def test_lora_trains_only_adapters_and_the_engine_samples_with_them(prompts, tmp_path):
-    rows = run(prompts, tmp_path, "--steps", "2", "--lora-rank", "4", "--loss", "dr_grpo", "--kl-coef", "0.1")
+def test_lora_trains_only_adapters_and_the_engine_samples_with_them(prompts, engines, tmp_path):
+    rows = run(prompts, tmp_path, "--steps", "2", "--lora-rank", "4", "--loss", "dr_grpo", "--kl-coef", "0.1",
+               engines=engines)
     adapters, alpha = lora.load_adapters(str(tmp_path / "adapters.safetensors"))
     assert alpha == 32.0 and adapters and any(np.abs(x).max() > 0 for n, x in adapters.items() if n.endswith(lora.B))
     # The checkpoint's trained parameters are the adapters alone; the model they give differs from the initial one
@@ -104,15 +116,49 @@ def test_lora_trains_only_adapters_and_the_engine_samples_with_them(prompts, tmp
     assert rows[1]["logprob_abs_diff_max"] < 1e-5 < 0.1 * np.sqrt(2 * rows[1]["kl_to_initial"])
 
 
-def test_gspo_at_another_temperature(prompts, tmp_path):
-    rows = run(prompts, tmp_path, "--steps", "2", "--loss", "gspo", "--temperature", "0.7")
+def test_gspo_at_another_temperature(prompts, engines, tmp_path):
+    rows = run(prompts, tmp_path, "--steps", "2", "--loss", "gspo", "--temperature", "0.7", engines=engines)
     for r in rows:
         assert 0 <= r["clip_fraction"] <= 1 and np.isfinite(r["loss"]) and r["logprob_abs_diff_max"] < 1e-5
     assert rows[1]["clip_fraction"] == 0.0  # the old policy is the trainer's own: ratios of exactly 1
 
 
-def test_the_engine_refuses_parameters_of_another_shape(long_run):
-    engine = next(iter(rollout._ENGINES.values()))  # the runs' engine
+def test_routing_replay_replays_the_choice_the_engine_recorded(prompts, engines, tmp_path):
+    rows = run(prompts, tmp_path, "--steps", "2", "--routing-replay", engines=engines)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["logprob_abs_diff_max"] < 1e-5 and abs(r["mismatch_kl"]) < 1e-6 and np.isfinite(r["loss"])
+    # At the weights that sampled them, the trainer's own routing of every recorded position is the engine's.
+    trainer = Trainer(CONFIG, make_mesh(None, jax.devices()[:1]), StepConfig(compute_dtype="float32",
+                                                                              backend=REFERENCE))
+    state, frozen = trainer.init(seeded_params(CONFIG, 0, trainer.param_shardings()), 0)
+    lines = read_prompts(prompts, ByteTokenizer(), 380)[:4]
+    config = engine_config(32, max(len(p.ids) for p in lines), 8, record_experts=True)
+    rollouts = Rollouts(trainer, state, frozen, config, engines)  # the run's engine, given the initial weights
+    groups = rollouts.generate([p.ids for p in lines], [1, 2, 3, 4], 8, 8, 1.0)
+    batch = command.policy_batch([p.ids for p in lines], [c for g in groups for c in g], np.ones((4, 8)), 32)
+    recorded = batch["expert_ids"]
+    assert recorded.shape == (32, 32, 1, 2)
+    assert (recorded[..., 0, 0] >= 0).sum() == batch["segment_ids"].sum() - 32  # all but each row's last token
+    params = trainer.model_params(state, frozen)
+    _, chosen = trainer.parts.merge(params).hidden_states(jnp.asarray(batch["input_ids"]),
+                                                           segment_ids=batch["segment_ids"],
+                                                           positions=batch["positions"])
+    own = np.asarray(chosen[0]).reshape(32, 32, 2)
+    mask = recorded[..., 0, 0] >= 0
+    np.testing.assert_array_equal(own[mask], recorded[..., 0, :][mask])
+    # The trainer's forward takes the record: the same logprobs as routing afresh here, other ones (by far more
+    # than float rounding; a random model's experts move them little) for another choice.
+    policy = PolicyTrainer(trainer, LossConfig(), 1.0)
+    logprobs = lambda b: np.asarray(policy._logprobs(params, b, 1.0)[1])  # noqa: E731
+    plain = logprobs({k: v for k, v in batch.items() if k != "expert_ids"})
+    np.testing.assert_allclose(logprobs(batch), plain, atol=1e-6)
+    moved = dict(batch, expert_ids=np.where(recorded >= 0, (recorded + 1) % CONFIG.text.num_experts, -1))
+    assert np.abs(logprobs(moved) - plain).max() > 2e-5
+
+
+def test_the_engine_refuses_parameters_of_another_shape(engines, long_run):
+    engine = next(iter(engines))  # the text runs' engine
     leaves = list(engine.runner.params)
     wrong = list(leaves)
     wrong[0] = leaves[0][..., :1]
@@ -122,8 +168,8 @@ def test_the_engine_refuses_parameters_of_another_shape(long_run):
         engine.update_params(leaves[:-1])
 
 
-def test_new_parameters_reach_the_engine_and_empty_its_prefix_cache(long_run):
-    engine = next(iter(rollout._ENGINES.values()))  # the runs' engine
+def test_new_parameters_reach_the_engine_and_empty_its_prefix_cache(engines, long_run):
+    engine = next(iter(engines))  # the text runs' engine
     hits = lambda: engine.metrics.registry.get_sample_value("inkling_prefix_cache_hit_tokens_total")  # noqa: E731
     prompt = list(range(40, 60))  # a full page and a bit: a second request reuses the page
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=0)
@@ -141,8 +187,8 @@ def test_new_parameters_reach_the_engine_and_empty_its_prefix_cache(long_run):
     assert generate(engine, [prompt], params)[0].logprobs == pytest.approx(first.logprobs, abs=1e-6)
 
 
-def test_a_failed_swap_is_raised_to_the_sender_and_the_engine_keeps_serving(long_run, monkeypatch):
-    engine = next(iter(rollout._ENGINES.values()))  # the runs' engine
+def test_a_failed_swap_is_raised_to_the_sender_and_the_engine_keeps_serving(engines, long_run, monkeypatch):
+    engine = next(iter(engines))  # the text runs' engine
     params = SamplingParams(max_tokens=3, temperature=0, logprobs=0)
     before = generate(engine, [[5, 6, 7]], params)[0]
 
@@ -199,8 +245,11 @@ def test_help_and_bad_input(prompts, tmp_path, capsys):
     image = tmp_path / "image.jsonl"
     image.write_text(json.dumps({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}) + "\n")
-    with pytest.raises(ValueError, match="vision-language RL is not yet available"):
+    with pytest.raises(ValueError, match="image.jsonl:1: the image cannot be decoded"):
         command.main([*base[:3], str(image), *base[4:]])
+    with pytest.raises(SystemExit):
+        command.parse_args(base + ["--train-towers", "--lora-rank", "4"])
+    assert "--train-towers trains the towers in full" in capsys.readouterr().err
 
 
 def test_prompts_rewards_and_tasks(tmp_path):

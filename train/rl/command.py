@@ -6,8 +6,10 @@
 
 Each step samples P prompts (seeded by --seed and the step), generates G completions of each with the serving
 engine in this process at the current weights, recording every sampled token's logprob; scores them with the
-reward; takes group-relative advantages; lets the trainer recompute the logprobs, measure the train-rollout
-mismatch and take one clipped policy-gradient step; then syncs the new weights into the engine (no disk).
+reward; takes group-relative advantages; lets the trainer recompute the logprobs (with --routing-replay, routing
+each position to the experts the engine chose), measure the train-rollout mismatch and take one clipped
+policy-gradient step; then syncs the new weights into the engine (no disk). Prompts may hold images (a model with
+a vision tower): engine and trainer run the same pixels through the tower, frozen unless --train-towers.
 Under --out: `metrics.jsonl` (one line per step), `tensorboard/`, `checkpoints/` (orbax), and with LoRA
 `adapters.safetensors` (as `train.run` writes them). Running the same command again resumes from the newest
 checkpoint. docs/rl.md explains the losses and the metrics.
@@ -34,8 +36,9 @@ from train.checkpoint import Checkpoints
 from train.metrics import MetricsWriter
 from train.optim import OptimConfig
 from train.rl.losses import DEFAULT_CLIP, LOSSES, LossConfig, group_advantages
+from train.rl.media import image_reader, step_pixels
 from train.rl.prompts import completion_text, load_reward, read_prompts, score
-from train.rl.rollout import Rollouts, engine_config
+from train.rl.rollout import EnginePool, Rollouts, engine_config
 from train.rl.step import PolicyTrainer
 from train.run import first_layers, initial_params
 from train.step import StepConfig, Trainer
@@ -46,8 +49,8 @@ ROW_MULTIPLE = 16  # the trainer's rows are padded to a multiple of this: one co
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.rl", description=__doc__.split("\n\n")[0],
-                                epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: routing "
-                                "replay, a batch-invariant mode, vision-language prompts, several processes.")
+                                epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: a "
+                                "batch-invariant mode, several processes.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model directory in the hub layout (its tokenizer.json encodes prompts)")
     src.add_argument("--preset", help="a named configuration with seeded random weights (tiny, inkling-tiny, ...) "
@@ -75,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="train LoRA adapters of this rank only (default 0: all weights)")
     p.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA scale alpha (the update is alpha / rank "
                    "x A @ B; default 32)")
+    p.add_argument("--routing-replay", action="store_true", help="the engine records each MoE layer's chosen "
+                   "experts at every position, and the trainer's forward takes that choice (its router still "
+                   "computes the weights, so gradients reach it)")
+    p.add_argument("--train-towers", action="store_true", help="train the media towers too (full fine-tuning; by "
+                   "default they are frozen)")
     p.add_argument("--dtype", help="compute dtype of trainer and engine (default: float32 on CPU, else bfloat16; "
                    "master weights and optimizer are fp32)")
     add_backend_flag(p)
@@ -92,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
               (0 < args.temperature <= 2, "--temperature must be in (0, 2]"), (args.lr > 0, "--lr must be > 0"),
               (args.kl_coef >= 0, "--kl-coef must be >= 0"), (args.lora_rank >= 0, "--lora-rank must be >= 0"),
               (args.clip_eps is None or args.clip_eps > 0, "--clip-eps must be > 0"),
+              (not (args.train_towers and args.lora_rank), "--train-towers trains the towers in full: not with "
+               "--lora-rank"),
               (not args.layers or args.preset, "--layers works with --preset only")]
     for ok, message in checks:
         if not ok:
@@ -105,10 +115,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def policy_batch(prompts: list[tuple[int, ...]], completions: list, advantages: np.ndarray, seq_len: int) -> dict:
-    """One row per completion (prompt-major, prompt i's G completions in rows i * G ...): the trainer's batch."""
+    """One row per completion (prompt-major, prompt i's G completions in rows i * G ...): the trainer's batch, with
+    the engine's routing record (`expert_ids`, -1 where none) where the completions carry one."""
     rows = len(completions)
     batch = {k: np.zeros((rows, seq_len), np.int32) for k in ("input_ids", "segment_ids", "positions", "loss_mask")}
     batch["rollout_logprobs"] = np.zeros((rows, seq_len), np.float32)
+    recorded = completions[0].routed_experts is not None
+    if recorded:
+        batch["expert_ids"] = np.full((rows, seq_len, *completions[0].routed_experts.shape[1:]), -1, np.int32)
     group = rows // len(prompts)
     for row, completion in enumerate(completions):
         prompt = prompts[row // group]
@@ -119,6 +133,11 @@ def policy_batch(prompts: list[tuple[int, ...]], completions: list, advantages: 
         batch["positions"][row, :n] = np.arange(n)
         batch["loss_mask"][row, start:n] = 1
         batch["rollout_logprobs"][row, start - 1:n - 1] = completion.logprobs  # where its token is predicted
+        if recorded:  # every position but the last, whose choice no sampled token depends on
+            if len(completion.routed_experts) != n - 1:
+                raise RuntimeError(f"the engine recorded routing at {len(completion.routed_experts)} positions of a "
+                                   f"sequence of {n} tokens; expected {n - 1}")
+            batch["expert_ids"][row, :n - 1] = completion.routed_experts
     batch["advantages"] = advantages.reshape(-1).astype(np.float32)
     return batch
 
@@ -131,23 +150,35 @@ def step_plan(seed: int, step: int, num_prompts: int, per_step: int) -> tuple[np
     return chosen, [int(s) for s in rng.integers(0, 2**31, per_step)]
 
 
-def main(argv=None) -> None:
+def main(argv=None, engines: EnginePool | None = None) -> None:
+    """`engines`: where the run's rollout engine comes from and stays (reused by later runs in the process); by
+    default the run makes its own and shuts it down at the end."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)  # where an import configured logging first (basicConfig then does nothing)
+    if engines is not None:
+        return train(args, engines)
+    with EnginePool() as own:
+        return train(args, own)
+
+
+def train(args: argparse.Namespace, engines: EnginePool) -> None:
     config = preset(args.preset) if args.preset else load_config(args.model)
     if args.layers:
         config = first_layers(config, args.layers)
+    if args.train_towers and config.vision is None and config.audio is None:
+        raise ValueError("--train-towers: this model has no media towers")
     tokenizer = ByteTokenizer() if args.preset else load_tokenizer(args.model)
-    prompts = read_prompts(args.prompts, tokenizer, config.text.unpadded_vocab_size)
+    prompts = read_prompts(args.prompts, tokenizer, config.text.unpadded_vocab_size, image_reader(config))
     chat = ChatFormat(tokenizer) if any(p.chat for p in prompts) else None
     reward = load_reward(args.reward)
     max_prompt = max(len(p.ids) for p in prompts)
     seq_len = -(-(max_prompt + args.max_new_tokens) // ROW_MULTIPLE) * ROW_MULTIPLE
+    image_width = max(p.image_tokens for p in prompts)  # the most image tokens of a prompt: a step's pixels
 
     trainer = Trainer(config, make_mesh(None, jax.devices()[:1]),
                       StepConfig(compute_dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                                 backend=args.backend),
+                                 backend=args.backend, train_towers=args.train_towers),
                       OptimConfig(learning_rate=args.lr, warmup_steps=0, total_steps=max(args.steps, 1),
                                   min_lr_ratio=1.0, weight_decay=0.0))
     state, frozen = trainer.init(initial_params(args, config, trainer), args.seed)
@@ -155,14 +186,15 @@ def main(argv=None) -> None:
                            args.temperature)
     reference = policy.reference_params(state, frozen)
     record = {"prompts": os.path.abspath(args.prompts), "reward": args.reward, "seed": args.seed,
-              "group_size": args.group_size, "prompts_per_step": args.prompts_per_step, "loss": args.loss}
+              "group_size": args.group_size, "prompts_per_step": args.prompts_per_step, "loss": args.loss,
+              "routing_replay": args.routing_replay, "train_towers": args.train_towers}
     checkpoints = Checkpoints(os.path.join(args.out, "checkpoints"), save_every=args.save_every, keep=args.keep)
     restored = checkpoints.restore_latest(trainer.abstract_state(state), record)
     state = restored[0] if restored else state
     start = int(state.step)
 
     rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
-                                                              args.max_new_tokens))
+                                                              args.max_new_tokens, args.routing_replay), engines)
     log.info("%d prompts; a step: %d prompts x %d completions of up to %d tokens, trainer rows [%d, %d]; from step "
              "%d to %d", len(prompts), args.prompts_per_step, args.group_size, args.max_new_tokens,
              args.prompts_per_step * args.group_size, seq_len, start, args.steps)
@@ -171,14 +203,18 @@ def main(argv=None) -> None:
     for step in bar:
         chosen, seeds = step_plan(args.seed, step, len(prompts), args.prompts_per_step)
         began = time.perf_counter()
+        images = {}
+        if image_width:  # the same pixels for the engine (through the current tower) and the trainer
+            pixels, positions = step_pixels([prompts[i] for i in chosen], image_width, config.vision)
+            images = {"pixels": pixels, "media_positions": positions}
         groups = rollouts.generate([prompts[i].ids for i in chosen], seeds, args.group_size, args.max_new_tokens,
-                                   args.temperature)
+                                   args.temperature, rollouts.media(state, frozen, **images) if images else None)
         rollout_s = time.perf_counter() - began
         completions = [c for group in groups for c in group]
         rewards = np.asarray([[score(reward, prompts[i], completion_text(prompts[i], c.token_ids, tokenizer, chat))
                                for c in group] for i, group in zip(chosen, groups)], np.float64)
         batch = policy_batch([prompts[i].ids for i in chosen], completions, group_advantages(rewards, args.loss),
-                             seq_len)
+                             seq_len) | images
         began = time.perf_counter()
         state, metrics = policy.step(state, frozen, reference, batch)
         metrics = jax.device_get(metrics)

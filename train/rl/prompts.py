@@ -2,8 +2,10 @@
 
 `--prompts FILE`: JSONL, one prompt per line, `{"prompt": "text"}` (encoded as it is, no chat format) or
 `{"messages": [{"role": ..., "content": ...}, ...]}` (rendered by the server's chat format, which ends with the
-assistant's turn opened). Every other field of a line is passed to the reward as a keyword argument. Image and
-audio content parts are not taken yet (vision-language RL is a later stage).
+assistant's turn opened). Every other field of a line is passed to the reward as a keyword argument. Image parts
+(`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`, as the chat API takes them) become
+the image's placeholder tokens, for a model with a vision tower; their pixels are decoded when a step draws the
+prompt (`train.rl.media`). Audio parts are not taken.
 
 `--reward MODULE:FUNCTION`: `f(prompt: str, completion: str, **fields) -> float`, imported from the Python path;
 `prompt` is the line's text (for messages, the last message's text), `completion` the decoded completion (special
@@ -18,6 +20,7 @@ import json
 from typing import Callable
 
 from serve.http.chat import ChatError, ChatFormat, ChatOutput
+from serve.http.media import MediaEncoder
 from serve.http.tokenizer import Tokenizer
 
 Reward = Callable[..., float]
@@ -29,6 +32,11 @@ class Prompt:
     text: str  # what the reward is given
     fields: dict  # the line's other fields, the reward's keyword arguments
     chat: bool  # given as messages (rendered by the chat format)
+    images: tuple = ()  # (start position, `serve.http.media.MediaItem`) of each image, in order
+
+    @property
+    def image_tokens(self) -> int:
+        return sum(item.count for _, item in self.images)
 
 
 def _message_text(message: dict) -> str:
@@ -38,17 +46,10 @@ def _message_text(message: dict) -> str:
     return "".join(part.get("text", "") for part in content or () if isinstance(part, dict))
 
 
-def _media_free(messages: list, where: str) -> None:
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type", "text") != "text":
-                raise ValueError(f"{where}: a {part.get('type')!r} content part; RL takes text prompts only for now "
-                                 "(vision-language RL is not yet available)")
-
-
-def read_prompts(path: str, tokenizer: Tokenizer, vocab_size: int) -> list[Prompt]:
-    """Every prompt of a JSONL file, tokenised; clear errors name the line."""
+def read_prompts(path: str, tokenizer: Tokenizer, vocab_size: int,
+                 media: MediaEncoder | None = None) -> list[Prompt]:
+    """Every prompt of a JSONL file, tokenised; clear errors name the line. `media`: reads image parts (a model
+    with a vision tower; None: text only)."""
     chat = None
     prompts = []
     with open(path, encoding="utf-8") as fh:
@@ -66,22 +67,23 @@ def read_prompts(path: str, tokenizer: Tokenizer, vocab_size: int) -> list[Promp
             if "prompt" in row:
                 if not isinstance(row["prompt"], str) or not row["prompt"]:
                     raise ValueError(f"{where}: 'prompt' must be a non-empty string")
-                ids, text = tokenizer.encode(row["prompt"]), row["prompt"]
+                ids, text, images = tokenizer.encode(row["prompt"]), row["prompt"], []
             else:
                 messages = row["messages"]
                 if not isinstance(messages, list) or not messages:
                     raise ValueError(f"{where}: 'messages' must be a non-empty list")
-                _media_free(messages, where)
-                chat = chat or ChatFormat(tokenizer)
+                chat = chat or ChatFormat(tokenizer, media)
                 try:
-                    ids = chat.render(messages)
+                    ids, images = chat.render_with_media(messages)
                 except ChatError as exc:
                     raise ValueError(f"{where}: {exc}") from None
+                if any(item.kind != "image" for _, item in images):
+                    raise ValueError(f"{where}: an audio part; RL takes text and image parts only")
                 text = _message_text(messages[-1])
             if not ids or max(ids) >= vocab_size:
                 raise ValueError(f"{where}: the prompt encodes to no tokens or to ids outside the model's "
                                  f"vocabulary of {vocab_size}")
-            prompts.append(Prompt(tuple(ids), text, fields, "messages" in row))
+            prompts.append(Prompt(tuple(ids), text, fields, "messages" in row, tuple(images)))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
     return prompts

@@ -8,15 +8,22 @@ host copy. With LoRA only the adapters changed: the program merges them into the
 
 Each prompt's G completions are one engine request with its own seed (from the run's seed, the step and the
 prompt's place), so a rerun samples the same tokens; all P requests run concurrently under continuous batching.
-Every sampled token's logprob is recorded, the EOS that ends a completion included.
+Every sampled token's logprob is recorded, the EOS that ends a completion included; with routing replay the
+engine also records each MoE layer's experts at every position (`EngineConfig.record_experts`). A prompt's images
+go to the engine as the current vision tower's rows (`train.rl.media`).
+
+Engines live in an `EnginePool`: the command makes one per run and closes it at the end; a caller running several
+runs in a process (tests, a notebook) passes its own, to reuse a compiled engine, and closes it when done.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import time
+from typing import Callable
 
 import jax
+import numpy as np
 
 from inkling_jax.generate import flat_params
 from serve.engine.config import EngineConfig
@@ -24,14 +31,44 @@ from serve.engine.engine import Engine
 from serve.engine.outputs import Sample
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import Generated, TokenRecorder, generate
+from train.rl.media import engine_media, tower_outputs
 from train.state import Flat, TrainState
 from train.step import Trainer
 
 PAGE_SIZE = 16
 CHUNKS = (16, 64, 256)  # prefill chunk sizes the rollout engine may compile
 MAX_CONCURRENCY = 64
-# Started engines by their setup: a second run in the process (a test, a resumed run) reuses one, compiled.
-_ENGINES: dict = {}
+
+
+class EnginePool:
+    """Started rollout engines by their setup (model, dtype, kernels, `EngineConfig`). `close`, or the end of a
+    `with` block, shuts them down (threads stopped, references dropped: their device memory goes back once no run
+    holds them)."""
+
+    def __init__(self):
+        self._engines: dict = {}
+
+    def engine(self, key, build: Callable[[], Engine]) -> Engine:
+        """The started engine of setup `key`, built and started (compiled) on first use."""
+        if key not in self._engines:
+            engine = build()
+            engine.start()
+            self._engines[key] = engine
+        return self._engines[key]
+
+    def __iter__(self):
+        return iter(list(self._engines.values()))
+
+    def close(self) -> None:
+        engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            engine.shutdown(drain_seconds=0)
+
+    def __enter__(self) -> "EnginePool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class RolloutRecorder(TokenRecorder):
@@ -44,31 +81,31 @@ class RolloutRecorder(TokenRecorder):
         return []
 
 
-def engine_config(sequences: int, max_prompt: int, max_new_tokens: int) -> EngineConfig:
+def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_experts: bool = False) -> EngineConfig:
     """Room for every sequence of a step at once (up to MAX_CONCURRENCY running, the rest queued), one row bucket
-    (all rows: the sequences of a step start together), prefill chunks up to the longest prompt."""
+    (all rows: the sequences of a step start together), prefill chunks up to the longest prompt; `record_experts`:
+    routing replay's record."""
     seqs = min(sequences, MAX_CONCURRENCY)
     max_len = -(-(max_prompt + max_new_tokens + 1) // PAGE_SIZE) * PAGE_SIZE
     top = next((c for c in CHUNKS if c >= max_prompt), CHUNKS[-1])  # longer prompts prefill in several chunks
     chunks = (1,) + tuple(c for c in CHUNKS if c <= top)
     return EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=PAGE_SIZE, chunk_buckets=chunks,
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
-                        num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256))
+                        num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256),
+                        record_experts=record_experts)
 
 
 class Rollouts:
-    def __init__(self, trainer: Trainer, state: TrainState, frozen: Flat, config: EngineConfig):
+    def __init__(self, trainer: Trainer, state: TrainState, frozen: Flat, config: EngineConfig, pool: EnginePool):
         self.trainer = trainer
-        key = (trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config)
-        self.engine = _ENGINES.get(key)
-        if self.engine is None:
-            model = trainer.parts.merge(trainer.model_params(state, frozen))
-            self.engine = Engine(model, config, eos_token_id=trainer.config.eos_token_id)
-            self.engine.start()
-            _ENGINES[key] = self.engine
+        self.engine = pool.engine((trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config),
+                                  lambda: Engine(trainer.parts.merge(trainer.model_params(state, frozen)), config,
+                                                 eos_token_id=trainer.config.eos_token_id))
         placement, fuse = self.engine.runner.placement, config.fuse_projections
         self._view = jax.jit(lambda s, f: flat_params(placement.model_view(
             trainer.parts.merge(trainer.model_params(s, f)), fuse))[0])
+        self._towers = jax.jit(lambda s, f, pixels: tower_outputs(trainer.parts.merge(trainer.model_params(s, f)),
+                                                                   pixels))
         # The engine's weights always come from this program: an engine of an earlier run gets this run's, and a
         # new one replaces its eager view's (LoRA's merge may round differently there), so that a resumed run
         # samples exactly what an uninterrupted one did.
@@ -82,14 +119,19 @@ class Rollouts:
         self.engine.update_params(leaves)
         return time.perf_counter() - began
 
+    def media(self, state: TrainState, frozen: Flat, pixels: np.ndarray, media_positions: np.ndarray) -> list:
+        """Per prompt, its images as the engine takes them (`train.rl.media.engine_media`), from the vision tower
+        of `state`."""
+        return engine_media(np.asarray(self._towers(state, frozen, pixels)), pixels, media_positions)
+
     def generate(self, prompts: list[tuple[int, ...]], seeds: list[int], group: int, max_new_tokens: int,
-                 temperature: float) -> list[list[Generated]]:
-        """For each prompt, `group` completions with their logprobs."""
-        def one(prompt, seed):
+                 temperature: float, media: list | None = None) -> list[list[Generated]]:
+        """For each prompt (with its `media`, where given), `group` completions with their logprobs."""
+        def one(prompt, seed, images):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0)
-            return generate(self.engine, [list(prompt)], params, n=group, recorder=RolloutRecorder)
+            return generate(self.engine, [list(prompt)], params, n=group, recorder=RolloutRecorder, media=images)
 
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(one, prompts, seeds))
+            return list(pool.map(one, prompts, seeds, media or [None] * len(prompts)))
 
 

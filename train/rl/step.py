@@ -4,7 +4,11 @@ measures the train-rollout mismatch, and takes one clipped policy-gradient step 
 It reuses `train.step.Trainer` for everything but the objective: the state and its shardings, the optimizer,
 LoRA and the parameter groups. A batch is one sequence per row, [N, T]: prompt then completion, `segment_ids`
 1 on real tokens and 0 on padding, `positions`, `loss_mask` 1 on completion tokens, and per row `advantages`;
-`rollout_logprobs` [N, T] holds at position t the engine's logprob of token t + 1.
+`rollout_logprobs` [N, T] holds at position t the engine's logprob of token t + 1. Optional: `expert_ids`
+[N, T, MoE layers, top_k], the engine's recorded choice at each position (-1: none), which the forward replays
+(routing replay: the choice only; the router's weights are recomputed, so gradients reach it); `pixels`
+[P, M, ...] and `media_positions` [P, M], the images of the P prompts whose completions the rows are
+(`train.rl.media`).
 
 The importance ratio's old policy is the rollout's own logprob where the engine sampled the distribution it
 reports (temperature 1): the clip then also bounds the train-rollout mismatch (decoupled, "bypass" PPO). At
@@ -23,6 +27,7 @@ import optax
 from inkling_jax.parallel.placement import use_mesh
 from train.loss import next_token_targets
 from train.rl.losses import LossConfig, mismatch_metrics, policy_loss, token_logprobs
+from train.rl.media import merge_media
 from train.state import Flat, TrainState
 from train.step import Trainer
 
@@ -47,8 +52,13 @@ class PolicyTrainer:
 
     def _logprobs(self, params: Flat, batch: dict, temperature: float):
         model = use_mesh(self.trainer.parts.merge(params), self.trainer.mesh)
+        embeds = experts = None
+        if "pixels" in batch:
+            embeds = merge_media(model, batch["input_ids"], batch["pixels"], batch["media_positions"])
+        if "expert_ids" in batch:
+            experts = [batch["expert_ids"][:, :, layer] for layer in range(batch["expert_ids"].shape[2])]
         hidden, _ = model.hidden_states(batch["input_ids"], segment_ids=batch["segment_ids"],
-                                        positions=batch["positions"])
+                                        positions=batch["positions"], expert_ids=experts, embeds=embeds)
         targets, mask = next_token_targets(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
         return (*token_logprobs(model.logits, hidden, targets, temperature, self.chunk), mask)
 
