@@ -307,17 +307,11 @@ class Engine:
 
     def _on_token(self, seq: Sequence, sample: Sample, now: float) -> None:
         request = self._owner[seq.seq_id]
-        parser = request.parsers[seq.seq_id]
         self.metrics.record_token(now, request.arrival, request.last_token.get(seq.seq_id), seq.adapter_name)
         request.last_token[seq.seq_id] = now
-        if sample.finish_reason == "stop":  # EOS or a stop id: not part of the text, but of the logprobs
-            self._finish(seq, "stop", parser.finish(sample if seq.params.logprobs is not None else None))
-            return
-        deltas = parser.feed(sample.token_id, sample if seq.params.logprobs is not None else None)
-        if parser.stopped:
-            self._finish(seq, "stop", deltas)
-        elif sample.finish_reason == "length":
-            self._finish(seq, "length", deltas + parser.finish())
+        deltas, reason = request.parse(seq, sample)
+        if reason is not None:
+            self._finish(seq, reason, deltas)
         else:  # every token, with text or not yet (a held-back stop string, part of a character): clients time it
             self._emit(request, Output(seq.index, deltas, None, seq.num_output))
 

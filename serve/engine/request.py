@@ -42,3 +42,17 @@ class Request:
         self.remaining = len(seqs)
         self.arrival = time.monotonic()
         self.last_token: dict[int, float] = {}
+
+    def parse(self, seq: Sequence, sample: Sample) -> tuple[list, str | None]:
+        """What its parser releases for one applied sample of `seq`, and the reason that sample ends the sequence
+        (None: it runs on). An EOS or stop id is no part of the text, but of the logprobs."""
+        parser = self.parsers[seq.seq_id]
+        wanted = sample if seq.params.logprobs is not None else None
+        if sample.finish_reason == "stop":
+            return parser.finish(wanted), "stop"
+        deltas = parser.feed(sample.token_id, wanted)
+        if parser.stopped:
+            return deltas, "stop"
+        if sample.finish_reason == "length":
+            return deltas + parser.finish(), "length"
+        return deltas, None
