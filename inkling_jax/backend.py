@@ -84,7 +84,7 @@ class Backend:
         auto = {name: "pallas" if gpu else ("ragged" if name == "moe" else "reference") for name in CHOICES}
         chosen = {name: auto[name] if getattr(self, name) == "auto" else getattr(self, name) for name in CHOICES}
         if self.batch_invariant:
-            chosen["moe"] = "pallas"
+            chosen.update(moe="pallas", shortconv="pallas")
         return Backend(**chosen, interpret=(not gpu) if self.interpret is None else self.interpret,
                        batch_invariant=self.batch_invariant)
 

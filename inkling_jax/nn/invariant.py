@@ -35,11 +35,15 @@ def tree_sum(x, axis: int = -1, keepdims: bool = False):
 
 
 def rms_norm(x, weight, eps):
-    """`attn_prologue.reference.head_rms_norm` with the mean of squares as a `tree_sum`."""
-    xf = x.astype(jnp.float32)
+    """`attn_prologue.reference.head_rms_norm` with the mean of squares as a `tree_sum`. The barriers keep XLA
+    from reassociating a product by the row's rsqrt with the products around it (x's own, the weight's), which
+    it does where that rsqrt is a scalar (one row of one token: a decode step of one sequence) and not
+    otherwise, and from fusing the weight's product into an add that follows as one fused multiply-add in some
+    programs and not in others."""
+    xf = jax.lax.optimization_barrier(x.astype(jnp.float32))
     mean = tree_sum(xf * xf, keepdims=True) / x.shape[-1]
-    normed = xf * jax.lax.rsqrt(mean + eps)
-    return (weight * normed.astype(x.dtype)).astype(x.dtype)
+    normed = jax.lax.optimization_barrier(xf * jax.lax.rsqrt(mean + eps))
+    return jax.lax.optimization_barrier((weight * normed.astype(x.dtype)).astype(x.dtype))
 
 
 def log_softmax(x):

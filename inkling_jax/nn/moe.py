@@ -98,7 +98,7 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, backend: 
     in `inkling_jax.parallel.expert_parallel`).
     """
     backend = backend.resolve()
-    if mesh is not None and backend.batch_invariant:
+    if mesh is not None and mesh.size > 1 and backend.batch_invariant:
         raise ValueError("the batch-invariant MoE runs on one device, not on a mesh")
     if mesh is not None:
         if mesh.shape[parallel.AXIS] > 1:
