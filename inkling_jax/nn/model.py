@@ -55,9 +55,9 @@ class InklingModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, backend=backend)
         self.unembed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.vision = None if config.vision is None else VisionTower(config.vision, cfg.hidden_size, dtype=dtype,
-                                                                       rngs=rngs)
+                                                                       rngs=rngs, backend=backend)
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
-                                                                    rngs=rngs)
+                                                                    rngs=rngs, backend=backend)
         self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs, backend=backend)
         self.mesh = None  # set by `placement.shard_model`: the embedding lookup then runs per vocabulary slice
 
