@@ -2,7 +2,7 @@
 weights, with the kernels the model picks: prefill tok/s, and the decode step's tok/s and achieved bytes/s
 against a device copy measured in the same run.
 
-    python -m benchmarks.model [--backend moe=ragged] [--quick] [--preset tiny]
+    python -m benchmarks.model [--backend moe=ragged] [--batch-invariant] [--quick] [--preset tiny]
 
 The decode step's bytes are `decode_step_bytes`: every text weight but the routed experts no token touches and
 the embedding rows not looked up, plus the K/V in use. `--preset tiny` starts the same cases on a CPU.
@@ -17,7 +17,7 @@ from flax import nnx
 
 from benchmarks.timing import copy_bandwidth, median_seconds, stamp, stamp_line
 from inkling_jax import preset
-from inkling_jax.backend import add_backend_flag
+from inkling_jax.backend import add_backend_flag, add_batch_invariant_flag
 from inkling_jax.generate import StepFunctions
 from inkling_jax.nn.moe_dispatch import ROUTED_FP8, ROUTED_NVFP4
 from serve.random_weights import device_random_model
@@ -59,6 +59,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_backend_flag(parser)
+    add_batch_invariant_flag(parser, "its times are the batch-invariant mode's (run once with, once without: the "
+                             "slowdown against the fast mode)")
     parser.add_argument("--quick", action="store_true", help="batch-1 cases only")
     parser.add_argument("--preset", default="bench", help="the model's configuration (tiny: a start on CPU)")
     args = parser.parse_args(argv)

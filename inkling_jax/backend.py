@@ -26,6 +26,17 @@ Fields, each "auto" by default:
 "auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are
 far slower than XLA's ops).
 
+batch_invariant (`--batch-invariant`): every token's logits are computed with the same reduction order whatever
+the batch, its rows, the concurrency and the chunking, so a decode step, a prefill chunk and a training forward
+give the same bits (`inkling_jax/nn/invariant.py`). Matmuls (projections, router, head, dense MLPs, shared
+experts) run the grouped-matmul kernel as one group with fixed tiles; the routed experts its SwiGLU kernels (never
+the decode layout); attention of every kind (training, prefill chunks, decode steps) the prefill-chunk kernel with
+fixed tiles, its key blocks aligned to absolute positions (the gradient is that of `attention`'s choice); norms,
+softmaxes and the top-k combine sum in a fixed order; a decode step runs the model's unfused prologue. It
+overrides `moe` and, for the forward, `attention` and `decode_attention`. Self-attention then takes one sequence
+per row (segment ids may mark only the padding after it), and the model runs on one device with its own, unfused
+projections.
+
 interpret: how a "pallas" kernel runs. True: in Pallas' interpreter, on any platform (slow: CPU tests). False:
 compiled for the GPU (on a machine without one such a program can only be lowered, as tests/test_gpu_lowering.py
 does). None (default): compiled on GPU, interpreted elsewhere.
@@ -69,6 +80,7 @@ class Backend:
     moe_forward: str = "auto"
     moe_backward: str = "auto"
     interpret: bool | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():
@@ -80,14 +92,20 @@ class Backend:
         if chosen and self.moe in ("dense", "ragged"):
             raise ValueError(f"backend {', '.join(chosen)}=jax_mgpu picks the grouped matmuls of moe=pallas, "
                              f"not of moe={self.moe}")
+        if self.batch_invariant not in (True, False):
+            raise ValueError(f"backend batch_invariant must be True or False, not {self.batch_invariant!r}")
 
     def resolve(self) -> Backend:
-        """The same choices with "auto" and interpret None replaced by what they mean on this platform."""
+        """The same choices with "auto" and interpret None replaced by what they mean on this platform (and the
+        MoE on "pallas" where batch_invariant)."""
         gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if gpu else ("ragged" if name == "moe" else "reference") for name in CHOICES}
         auto.update({name: "pallas" for name in MOE_MATMULS})
         chosen = {name: auto[name] if getattr(self, name) == "auto" else getattr(self, name) for name in CHOICES}
-        return Backend(**chosen, interpret=(not gpu) if self.interpret is None else self.interpret)
+        if self.batch_invariant:
+            chosen.update(moe="pallas", shortconv="pallas")
+        return Backend(**chosen, interpret=(not gpu) if self.interpret is None else self.interpret,
+                       batch_invariant=self.batch_invariant)
 
     @classmethod
     def parse(cls, spec: str) -> Backend:
@@ -123,13 +141,31 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
         except ValueError as exc:  # argparse prints an ArgumentTypeError's message, not a ValueError's
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parser.add_argument("--backend", type=spec, default=Backend(), metavar="SPEC",
+    class KeepBatchInvariant(argparse.Action):  # an earlier --batch-invariant stays set
+        def __call__(self, parser, namespace, values, option_string=None):
+            kept = getattr(namespace, self.dest, Backend()).batch_invariant
+            setattr(namespace, self.dest, dataclasses.replace(values, batch_invariant=kept))
+
+    parser.add_argument("--backend", type=spec, default=Backend(), metavar="SPEC", action=KeepBatchInvariant,
                         help="kernel implementations: auto | reference | pallas, then FIELD=VALUE items, e.g. "
                         "'moe=ragged,attention=pallas' (fields attention, decode_attention, shortconv, lora: "
                         "reference | pallas; moe: dense | ragged | pallas; moe_forward, moe_backward: the "
                         "grouped matmuls of moe=pallas, pallas (ours, the default) | jax_mgpu (jax's Mosaic-GPU "
                         "ragged dot; which is faster: see docs/performance.md); 'auto': Pallas on GPU; see "
                         "inkling_jax/backend.py)")
+
+
+def add_batch_invariant_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--batch-invariant`, after `add_backend_flag`: sets the Backend's batch_invariant (whatever the order of the
+    two flags). `what`: the sentence of the help saying what it gives in this command."""
+
+    class BatchInvariant(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None):
+            namespace.backend = dataclasses.replace(namespace.backend, batch_invariant=True)
+
+    parser.add_argument("--batch-invariant", action=BatchInvariant, nargs=0, dest="backend", default=argparse.SUPPRESS,
+                        help=f"batch-invariant kernels: fixed tiles and reduction orders, so that {what} (slower; "
+                        "one device, no fused projections, bf16/fp32 weights; see inkling_jax/backend.py)")
 
 
 def with_backend(module: Module, backend: Backend) -> Module:

@@ -23,7 +23,7 @@ import os
 
 import jax
 
-from inkling_jax.backend import add_backend_flag
+from inkling_jax.backend import add_backend_flag, add_batch_invariant_flag
 from inkling_jax.config.generation import SAMPLING_FIELDS
 from serve.engine.config import (MAX_DRAFT_TOKENS, MIN_TOKEN_BUDGET, PREFILL_CHUNKS_PER_STEP, EngineConfig,
                                  SpeculativeConfig, default_token_budget)
@@ -157,6 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--drain-seconds", type=number(float, 0.0), default=10.0,
       help="on shutdown, how long in-flight requests may finish; streams still open then end with an error event")
     add_backend_flag(p)
+    add_batch_invariant_flag(p, "a request's tokens and logprobs (greedy or seeded) do not depend on the requests "
+                             "running beside it, nor on how its prompt is chunked")
     a("--compilation-cache", default=os.path.expanduser("~/.cache/inkling-jax/xla"),
       help="persistent XLA compilation cache ('' to disable)")
     a("--log-level", default="info", help="debug, info, warning or error (default info)")
@@ -190,6 +192,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in ("max_prompt_tokens", "max_tokens"):
         if (getattr(args, flag) or 0) >= args.max_model_len:
             p.error(f"--{flag.replace('_', '-')} must be below --max-model-len ({args.max_model_len})")
+    quantised = {args.expert_precision, args.dense_precision} != {"bf16"}
+    if args.backend.batch_invariant and (args.mesh or args.lora_modules or args.lora_root or quantised):
+        p.error("--batch-invariant serves bf16 or float32 weights on one device, without LoRA adapters (no --mesh, "
+                "--lora-modules, --lora-root, fp8 or nvfp4 precisions)")
     if args.api_key_file:
         with args.api_key_file as file:
             args.api_key = file.readline().strip()
@@ -211,7 +217,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens or default_token_budget(seqs, chunks[-1]),
         page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
-        prefix_caching=not args.no_prefix_caching, fuse_projections=not args.no_fuse_projections,
+        prefix_caching=not args.no_prefix_caching,
+        fuse_projections=not (args.no_fuse_projections or args.backend.batch_invariant),
         num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps,
         speculative=SpeculativeConfig(args.speculative_algorithm,
                                       args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)

@@ -105,7 +105,8 @@ def model():
 def test_with_backend_gives_another_model_sharing_the_arrays(model):
     other = with_backend(model, Backend(moe="ragged"))
     held = [(type(m).__name__, m.backend) for _, m in nnx.iter_graph(other) if hasattr(m, "backend")]
-    assert {name for name, _ in held} == {"InklingModel", "Attention", "ShortConv", "MoE"}
+    assert {name for name, _ in held} == {"InklingModel", "Attention", "ShortConv", "MoE", "Linear", "RMSNorm",
+                                          "DenseMLP"}
     assert {backend for _, backend in held} == {Backend(moe="ragged")}
     assert {m.backend for _, m in nnx.iter_graph(model) if hasattr(m, "backend")} == {REFERENCE}
     assert other.layers[1].mlp.w_gate[...] is model.layers[1].mlp.w_gate[...]

@@ -157,3 +157,19 @@ def test_narrow_expert_widths_lower_for_cuda(dtype):
 def _record(traced, name, kernel, *args, **kwargs):
     traced.append(name)
     return kernel(*args, **kwargs)
+
+
+@pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])
+def test_batch_invariant_steps_lower_for_cuda(rows, tokens):
+    """`Backend(batch_invariant=True)`: every matmul and the routed experts in the grouped-matmul kernels (Mosaic
+    GPU), every attention in the chunk kernel and every ShortConv in its kernel (Triton), decode steps included."""
+    invariant = dataclasses.replace(COMPILED, batch_invariant=True)
+
+    def build():
+        return InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=invariant)
+    kernels = _step_kernels(nnx.eval_shape(build), rows, tokens)
+    # Kernel calls in the lowered module (a function called from several places counts once), decode and prefill
+    # alike: Triton, the chunk attention of each layer kind and the ShortConv at each width; Mosaic GPU, the
+    # grouped-matmul kernel at each weight shape (projections, dense MLP, router, shared expert, head) and the
+    # routed experts' SwiGLU and down projection.
+    assert kernels == {"mosaic": 23, "triton": 5}

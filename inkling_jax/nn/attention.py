@@ -25,15 +25,15 @@ class Attention(nnx.Module):
         self.d_rel = cfg.d_rel
         self.log_scaling = (cfg.log_scaling_n_floor, cfg.log_scaling_alpha) if s.log_scaling else None
         hidden, kv_width = cfg.hidden_size, s.num_kv_heads * s.head_dim
-        self.wq = Linear(hidden, s.num_heads * s.head_dim, dtype=dtype, rngs=rngs)
-        self.wk = Linear(hidden, kv_width, dtype=dtype, rngs=rngs)
-        self.wv = Linear(hidden, kv_width, dtype=dtype, rngs=rngs)
-        self.wr = Linear(hidden, s.num_heads * cfg.d_rel, dtype=dtype, rngs=rngs)
-        self.wo = Linear(s.num_heads * s.head_dim, hidden, dtype=dtype, rngs=rngs)
+        self.wq = Linear(hidden, s.num_heads * s.head_dim, dtype=dtype, rngs=rngs, backend=backend)
+        self.wk = Linear(hidden, kv_width, dtype=dtype, rngs=rngs, backend=backend)
+        self.wv = Linear(hidden, kv_width, dtype=dtype, rngs=rngs, backend=backend)
+        self.wr = Linear(hidden, s.num_heads * cfg.d_rel, dtype=dtype, rngs=rngs, backend=backend)
+        self.wo = Linear(s.num_heads * s.head_dim, hidden, dtype=dtype, rngs=rngs, backend=backend)
         self.k_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True, backend=backend)
         self.v_sconv = ShortConv(kv_width, cfg.conv_kernel_size, rngs=rngs, split_channels=True, backend=backend)
-        self.q_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.k_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.q_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype, backend=backend)
+        self.k_norm = RMSNorm(s.head_dim, cfg.rms_norm_eps, dtype=dtype, backend=backend)
         # One bank of bias-vs-distance profiles per layer, shared by all heads: P [d_rel, E].
         self.rel_proj = nnx.Param(normal(rngs, (cfg.d_rel, s.extent), dtype))
         self.mesh = None  # set by `placement.shard_model`: the kernels then run per device on its own heads
@@ -113,7 +113,8 @@ class Attention(nnx.Module):
         """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
         batch, seq = positions.shape
         cached = positions[:, 0]
-        if self.local and seq > 1:  # one page per row: [the ring as it was before this chunk, oldest first | chunk]
+        step = seq == 1 and not self.backend.batch_invariant  # batch-invariant decode steps are one-token chunks
+        if self.local and not step:  # one page per row: [the ring as it was before this chunk, oldest first | chunk]
             window = cache.k.shape[1]
             rows = jnp.arange(batch) if ring_rows is None else ring_rows
             slots = jnp.mod(cached[:, None] - window + jnp.arange(window)[None, :], window)
@@ -130,7 +131,7 @@ class Attention(nnx.Module):
         flat = self._cache_index(cache, page_table, ring_rows, positions, n_new)
         k, v = (pin_heads(self.mesh, (self.num_heads, self.num_kv_heads), a, 2) for a in (k, v))
         new_k, new_v = scatter_rows(cache.k, flat, k), scatter_rows(cache.v, flat, v)
-        if seq == 1:  # a decode step: attend straight over the cache
+        if step:  # a decode step: attend straight over the cache
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)
             return out, new_k, new_v
         if not self.local:  # the paged cache, with the chunk already written
@@ -138,7 +139,7 @@ class Attention(nnx.Module):
             q_start, key_start, key_end = cached, jnp.zeros_like(cached), cached + n_new
         out = kernels.chunk_attention(q, k_pages, v_pages, table, r, self.rel_proj[...], backend=self.backend,
                                       q_start=q_start, key_start=key_start, key_end=key_end, window=self.window,
-                                      tau=tau, mesh=self.mesh)
+                                      tau=tau, mesh=self.mesh, first_position=cached if self.local else None)
         return out, new_k, new_v
 
 

@@ -15,12 +15,12 @@ class DecoderLayer(nnx.Module):
     def __init__(self, cfg: TextConfig, *, local: bool, dense: bool, dtype, rngs: nnx.Rngs,
                  backend: Backend = Backend()):
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.attn_norm = RMSNorm(hidden, eps, dtype=dtype)
+        self.attn_norm = RMSNorm(hidden, eps, dtype=dtype, backend=backend)
         self.attn = Attention(cfg, local, dtype=dtype, rngs=rngs, backend=backend)
         self.attn_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs, backend=backend)
-        self.mlp_norm = RMSNorm(hidden, eps, dtype=dtype)
+        self.mlp_norm = RMSNorm(hidden, eps, dtype=dtype, backend=backend)
         if dense:
-            self.mlp = DenseMLP(hidden, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = DenseMLP(hidden, cfg.dense_intermediate_size, dtype=dtype, rngs=rngs, backend=backend)
         else:
             self.mlp = MoE(cfg, dtype=dtype, rngs=rngs, backend=backend)
         self.mlp_sconv = ShortConv(hidden, cfg.conv_kernel_size, rngs=rngs, backend=backend)

@@ -3,7 +3,9 @@
 and the model never calls a kernel directly. The choice is made while tracing, from the static backend.
 
 Every function but `lora_add` (LoRA adapters are served on one device) takes the `mesh` of a sharded model (None:
-one device) and then runs once per device on its own heads and rows (`kernel_sharding`).
+one device) and then runs once per device on its own heads and rows (`kernel_sharding`). Under the backend's
+`batch_invariant` the matmuls and every kind of attention run the batch-invariant implementations (`invariant`,
+`invariant_attention`; one device only).
 """
 
 import functools
@@ -13,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.backend import Backend
+from inkling_jax.nn import invariant, invariant_attention
 from inkling_jax.parallel.kernel_sharding import split
 from pallas_kernels import decode_attention as decode
 from pallas_kernels.attn_prologue import attn_prologue
@@ -22,6 +25,18 @@ from pallas_kernels.rel_attention import rel_chunk_attention, rel_flash_attentio
 from pallas_kernels.rel_attention import reference as attention_reference
 from pallas_kernels.shortconv import reference as shortconv_reference
 from pallas_kernels.shortconv import shortconv_prefill as shortconv_kernel
+
+
+def matmul(x, w, *, backend: Backend):
+    """x [..., K] @ w [K, N]: XLA's dot, or under `batch_invariant` the fixed-tile kernel (`invariant.matmul`)."""
+    if backend.batch_invariant:
+        return invariant.matmul(x, w, interpret=backend.resolve().interpret)
+    return x @ w
+
+
+def _one_device(mesh, what: str):
+    if mesh is not None and mesh.size > 1:
+        raise ValueError(f"the batch-invariant {what} runs on one device, not on a mesh")
 
 
 def shortconv_prefill(x, w, state=None, *, backend: Backend, segment_ids=None, lengths=None, mesh=None,
@@ -65,10 +80,17 @@ _shortconv_kernel.defvjp(_shortconv_fwd, _shortconv_bwd)
 
 
 def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, backend: Backend, q_start, key_start,
-                    key_end, window=None, tau=None, mesh=None):
+                    key_end, window=None, tau=None, mesh=None, first_position=None):
     """Prefill chunks continuing a cache, keys read through a page table (contract and layouts in
-    `pallas_kernels/rel_attention/chunk.py`); by the backend's `attention`."""
+    `pallas_kernels/rel_attention/chunk.py`); by the backend's `attention`. first_position [B]: the absolute
+    position of each row's query 0 where key indices are not positions (`invariant_attention.chunk_attention`,
+    which `batch_invariant` runs, and which decode steps then run too)."""
     use = backend.resolve()
+    if use.batch_invariant:
+        _one_device(mesh, "attention")
+        return invariant_attention.chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, q_start=q_start,
+                                                   key_start=key_start, key_end=key_end, window=window, tau=tau,
+                                                   interpret=use.interpret, first_position=first_position)
     if use.attention == "pallas":
         fn = functools.partial(rel_chunk_attention, interpret=use.interpret)
     else:
@@ -100,6 +122,13 @@ def self_attention(q, k, v, r, rel_proj, positions, *, backend: Backend, window=
                                                      tau=tau, q_segment=segment_ids, k_segment=segment_ids,
                                                      index_distances=True)
 
+    if use.batch_invariant:  # one sequence per row; the gradient is that of `attention`'s choice
+        _one_device(mesh, "attention")
+
+        def forward(q, k, v, r, rel_proj, positions, tau, segment_ids):
+            return invariant_attention.self_attention(q, k, v, r, rel_proj, window=window, tau=tau,
+                                                      interpret=use.interpret)
+        call = invariant_attention.with_gradient_of(forward, call)
     how = split(mesh, (q.shape[2], k.shape[2]), batch=q.shape[0])
     if how:
         heads, rows = how.spec(2, 0), how.spec(None, 0)
@@ -111,7 +140,8 @@ def fused_decode_prologue(backend: Backend) -> bool:
     """Whether a decode step (one token per row) runs its attention prologue as `decode_prologue` (the backend's
     `decode_attention` is "pallas") rather than as the model's separate jnp ops (ShortConv, norms, cache
     scatter)."""
-    return backend.resolve().decode_attention == "pallas"
+    use = backend.resolve()
+    return use.decode_attention == "pallas" and not use.batch_invariant  # batch-invariant: the chunk path's ops
 
 
 def decode_prologue(q, k, v, k_conv_w, v_conv_w, q_norm_w, k_norm_w, k_state, v_state, k_cache, v_cache,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.backend import Backend
-from inkling_jax.nn import kernels
+from inkling_jax.nn import invariant, kernels
 from pallas_kernels.attn_prologue.reference import head_rms_norm as rms_norm  # the one RMSNorm definition
 
 INIT_STD = 0.02  # the reference initialiser's std, used for random (test and benchmark) weights
@@ -27,8 +27,9 @@ def swiglu(gate, up):
 class Linear(nnx.Module):
     """Bias-free linear map (Inkling has no biases anywhere)."""
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         self.kernel = nnx.Param(normal(rngs, (in_features, out_features), dtype))
+        self.backend = backend  # which kernels run (`inkling_jax.backend`): the batch-invariant matmul or XLA's
 
     @classmethod
     def from_kernel(cls, kernel) -> "Linear":
@@ -38,18 +39,20 @@ class Linear(nnx.Module):
         return linear
 
     def __call__(self, x):
-        return x @ self.kernel[...]
+        return kernels.matmul(x, self.kernel[...], backend=self.backend)
 
 
 class RMSNorm(nnx.Module):
     """weight * x / rms(x): statistics in fp32, cast back to the input dtype before the (non 1+) weight."""
 
-    def __init__(self, dim: int, eps: float, *, dtype):
+    def __init__(self, dim: int, eps: float, *, dtype, backend: Backend = Backend()):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
+        self.backend = backend  # which kernels run (`inkling_jax.backend`): the batch-invariant sum or XLA's
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        norm = invariant.rms_norm if self.backend.batch_invariant else rms_norm
+        return norm(x, self.weight[...], self.eps)
 
 
 class ShortConv(nnx.Module):

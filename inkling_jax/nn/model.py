@@ -14,6 +14,7 @@ from flax import nnx
 
 from inkling_jax.backend import Backend
 from inkling_jax.config import InklingConfig
+from inkling_jax.nn import kernels
 from inkling_jax.nn.cache import Cache, init_cache
 from inkling_jax.nn.decoder import DecoderLayer
 from inkling_jax.nn.layers import RMSNorm, normal
@@ -46,17 +47,17 @@ class InklingModel(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.backend = backend
         self.embed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
-        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, backend=backend)
         self.layers = nnx.List([
             DecoderLayer(cfg, local=cfg.is_local(i), dense=cfg.is_dense(i), dtype=dtype, rngs=rngs, backend=backend)
             for i in range(cfg.num_layers)
         ])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, backend=backend)
         self.unembed = nnx.Param(normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
         self.vision = None if config.vision is None else VisionTower(config.vision, cfg.hidden_size, dtype=dtype,
-                                                                       rngs=rngs)
+                                                                       rngs=rngs, backend=backend)
         self.audio = None if config.audio is None else AudioTower(config.audio, cfg.hidden_size, dtype=dtype,
-                                                                    rngs=rngs)
+                                                                    rngs=rngs, backend=backend)
         self.mtp = None if config.mtp is None else MTPHead(config, dtype=dtype, rngs=rngs, backend=backend)
         self.mesh = None  # set by `placement.shard_model`: the embedding lookup then runs per vocabulary slice
 
@@ -108,7 +109,7 @@ class InklingModel(nnx.Module):
     def _head(self, x):
         """x @ the head's [vocab, hidden] weight transposed. Serving forms hold it quantised
         (`inkling_jax.quant.head`)."""
-        return x @ self.unembed[...].T
+        return kernels.matmul(x, self.unembed[...].T, backend=self.backend)
 
     def mtp_logits(self, input_ids):
         """Teacher-forced MTP drafts of a text sequence: one logits array [B, T, V] per depth."""

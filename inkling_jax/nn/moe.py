@@ -7,6 +7,7 @@ from flax import nnx
 
 from inkling_jax.backend import Backend
 from inkling_jax.config import TextConfig
+from inkling_jax.nn import invariant, kernels
 from inkling_jax.nn.layers import normal
 from inkling_jax.nn.moe_dispatch import local_experts
 from inkling_jax.parallel import expert_parallel as parallel
@@ -60,13 +61,14 @@ class MoE(nnx.Module):
         recomputed, so gradients reach the router while the choice stays the recorded one; its rows of -1 (no
         record) take the router's own choice.
         """
-        logits = x.astype(jnp.float32) @ self.router[...].astype(jnp.float32)
+        logits = kernels.matmul(x.astype(jnp.float32), self.router[...].astype(jnp.float32), backend=self.backend)
         routed, shared = logits[:, : self.num_experts], logits[:, self.num_experts:]
         choice = jax.nn.sigmoid(routed) + self.router_bias[...]
         _, own = jax.lax.top_k(jax.lax.stop_gradient(choice), self.top_k)
         expert_ids = own if expert_ids is None else jnp.where(expert_ids >= 0, expert_ids, own)
         active = jnp.concatenate([jnp.take_along_axis(routed, expert_ids, axis=-1), shared], axis=-1)
-        weights = jax.nn.softmax(jax.nn.log_sigmoid(active), axis=-1)  # = sigmoid / sum(sigmoid)
+        softmax = invariant.softmax if self.backend.batch_invariant else jax.nn.softmax
+        weights = softmax(jax.nn.log_sigmoid(active))  # = sigmoid / sum(sigmoid)
         weights = weights * self.route_scale * self.router_scale[...]
         return weights[:, : self.top_k], expert_ids, weights[:, self.top_k:]
 
@@ -101,6 +103,8 @@ def experts(x, routed, shared, expert_ids, weights, shared_weights, *, backend: 
     in `inkling_jax.parallel.expert_parallel`).
     """
     backend = backend.resolve()
+    if mesh is not None and mesh.size > 1 and backend.batch_invariant:
+        raise ValueError("the batch-invariant MoE runs on one device, not on a mesh")
     if mesh is not None:
         if mesh.shape[parallel.AXIS] > 1:
             return parallel.experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh, backend)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from inkling_jax.backend import Backend
+from inkling_jax.nn import invariant
 from inkling_jax.nn.layers import swiglu
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, moe_ffn, moe_ffn_decode
 
@@ -28,6 +29,8 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
     """`experts` on the arrays one device holds: all of them, or (inside a shard_map) its tokens and its
     slice of every expert's width (over the mesh axis `width_axis`), whose fp32 output is then a partial sum.
     backend: resolved (`Backend.resolve`)."""
+    if backend.batch_invariant:
+        return _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, backend)
     if backend.moe == "dense" and precision_of(routed) == "bf16":
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
@@ -36,6 +39,26 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
     y = grouped_rows(x, source, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width_axis))
     out = y.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(1)
     return out + shared_dense(x, shared, shared_weights)
+
+
+def _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, backend: Backend):
+    """`local_experts` in the batch-invariant arithmetic (`inkling_jax.nn.invariant`), bf16 or fp32 experts."""
+    if precision_of(routed) != "bf16":
+        raise ValueError("the batch-invariant MoE runs bf16 or fp32 experts, not quantised ones")
+    num_tokens, top_k = expert_ids.shape
+    source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
+    y = grouped_rows(x, source, expert_ids.reshape(-1), weights.reshape(-1), routed,
+                     invariant.expert_ffn(backend.interpret))
+    out = invariant.combine_top_k(y, num_tokens, top_k)
+    if shared is None:
+        return out
+    outs = []
+    for s, (gate, up, down) in enumerate(zip(*shared)):
+        h = swiglu(invariant.matmul(x, gate, interpret=backend.interpret),
+                   invariant.matmul(x, up, interpret=backend.interpret))
+        h = h * shared_weights[:, s:s + 1].astype(x.dtype)
+        outs.append(invariant.matmul(h, down, interpret=backend.interpret).astype(jnp.float32))
+    return out + invariant.tree_sum(jnp.stack(outs), axis=0)
 
 
 def grouped_rows(x, source, group, row_weights, stack, ffn):

@@ -25,9 +25,9 @@ from inkling_jax.nn.layers import Linear, RMSNorm
 class MTPLayer(nnx.Module):
     def __init__(self, config: InklingConfig, depth: int, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         cfg = config.text
-        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.input_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, backend=backend)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, backend=backend)
+        self.input_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs, backend=backend)
         self.block = DecoderLayer(cfg, local=depth in config.mtp.local_layer_ids, dense=True, dtype=dtype,
                                   rngs=rngs, backend=backend)
 

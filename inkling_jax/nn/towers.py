@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import AudioConfig, VisionConfig
 from inkling_jax.nn.layers import Linear, RMSNorm, normal
 
@@ -64,7 +65,7 @@ def fold_to_depth(x, t_fold: int, hw_fold: int):
 
 
 class VisionTower(nnx.Module):
-    def __init__(self, cfg: VisionConfig, hidden: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, hidden: int, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         scales = plan_scales(cfg)
         self.folds = []
         linears, norms = [], []
@@ -74,11 +75,11 @@ class VisionTower(nnx.Module):
             self.folds.append((t_fold, hw_fold))
             in_dim = int(start[3]) * t_fold * hw_fold * hw_fold
             out_dim = hidden if i == last else int(end[3])
-            linears.append(Linear(in_dim, out_dim, dtype=dtype, rngs=rngs))
+            linears.append(Linear(in_dim, out_dim, dtype=dtype, rngs=rngs, backend=backend))
             if i != last:
-                norms.append(RMSNorm(out_dim, TOWER_NORM_EPS, dtype=dtype))
+                norms.append(RMSNorm(out_dim, TOWER_NORM_EPS, dtype=dtype, backend=backend))
         self.linears, self.norms = nnx.List(linears), nnx.List(norms)
-        self.final_norm = RMSNorm(hidden, TOWER_NORM_EPS, dtype=dtype)
+        self.final_norm = RMSNorm(hidden, TOWER_NORM_EPS, dtype=dtype, backend=backend)
 
     def __call__(self, pixel_values):
         """pixel_values [N, T, P, P, C] (one patch each) -> [N, hidden]."""
@@ -93,10 +94,10 @@ class VisionTower(nnx.Module):
 
 
 class AudioTower(nnx.Module):
-    def __init__(self, cfg: AudioConfig, hidden: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: AudioConfig, hidden: int, *, dtype, rngs: nnx.Rngs, backend: Backend = Backend()):
         self.levels = cfg.mel_vocab_size
         self.embedding = nnx.Param(normal(rngs, (cfg.n_mel_bins * cfg.mel_vocab_size, hidden), dtype))
-        self.final_norm = RMSNorm(hidden, TOWER_NORM_EPS, dtype=dtype)
+        self.final_norm = RMSNorm(hidden, TOWER_NORM_EPS, dtype=dtype, backend=backend)
 
     def __call__(self, audio_ids):
         """audio_ids [N, n_mel_bins] quantised levels -> [N, hidden]."""

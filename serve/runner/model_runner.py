@@ -60,6 +60,9 @@ class ModelRunner(StepCompilation):
         self.text = cache_layout(model.config.text, self.drafter)  # the cache's layers: the model's, the drafter's
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuses_projections
+        if model.backend.batch_invariant and (fused or config.lora is not None or self.placement.mesh is not None):
+            raise ValueError("a batch-invariant model (Backend.batch_invariant) is served on one device, with its own "
+                             "projections (EngineConfig(fuse_projections=False)) and without LoRA adapters")
         log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is

@@ -4,7 +4,10 @@ host's side of it: the rows' parameters in (`batch_of`), their samples out (`unp
 Order: penalties -> temperature -> top-k -> top-p -> min-p -> Gumbel-max draw (greedy rows: the same argmax
 without noise). Reported logprobs are those of the model's own distribution (before penalties and temperature),
 as OpenAI reports them. The random draw of a row depends only on (seed, index of the token in its output), so a
-seeded request gives the same tokens alone or batched with others, and after a preemption.
+seeded request gives the same tokens alone or batched with others, and after a preemption. With `invariant` (a
+batch-invariant model: `inkling_jax.backend.Backend.batch_invariant`) the sums over the vocabulary (logprobs, top-p
+mass) are fixed-order trees and the logprobs are `invariant.log_softmax`'s, a trainer's formula, so that they do not
+depend on the other rows either.
 """
 
 import dataclasses
@@ -14,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from inkling_jax.nn import invariant as fixed_order
 from serve.engine.outputs import Sample
 from serve.engine.sampling_params import SamplingParams
 
@@ -89,7 +93,8 @@ def read_samples(host: Sampled, row: int, count: int, num_top: int) -> list[Samp
             for k in range(count)]
 
 
-def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool = True) -> Sampled:
+def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool = True,
+           invariant: bool = False) -> Sampled:
     """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties.
 
     Branch-free: a data-dependent `lax.cond` makes the GPU program wait for its predicate on the host, which
@@ -98,21 +103,25 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
     `num_top` ones (~20 passes and a top-k over [R, V]); without it, a temperature draw that reads the logits
     once, so that XLA fuses the LM head's epilogue into it (its logprobs are zeros; counts and prompt_mask are
     not read): the common request's decode step skips the penalties' counts and the passes for logprobs and
-    min-p (see docs/performance.md)."""
+    min-p (see docs/performance.md). `invariant`: see the module doc."""
     if not full:
         return without_logprobs(_draw(logits.astype(jnp.float32), params, filtered=False), num_top)
     logits = logits.astype(jnp.float32)
-    return with_logprobs(logits, _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=True),
-                         num_top)
+    tokens = _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=True, invariant=invariant)
+    return with_logprobs(logits, tokens, num_top, invariant)
 
 
-def with_logprobs(logits, tokens, num_top: int) -> Sampled:
+def with_logprobs(logits, tokens, num_top: int, invariant: bool = False) -> Sampled:
     """tokens [R] with their logprobs and the `num_top` most likely tokens under the model's own distribution,
     logits [R, V] float32. logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V]
-    log-softmax."""
+    log-softmax; with `invariant`, `invariant.log_softmax` gathered at them."""
+    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    if invariant:
+        logp = fixed_order.log_softmax(logits)
+        pick = lambda ids: jnp.take_along_axis(logp, ids, axis=-1)  # noqa: E731
+        return Sampled(tokens, pick(tokens[:, None])[:, 0], top_ids.astype(jnp.int32), pick(top_ids))
     lse = jax.nn.logsumexp(logits, axis=-1)
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
-    top_logits, top_ids = jax.lax.top_k(logits, num_top)
     return Sampled(tokens, chosen, top_ids.astype(jnp.int32), top_logits - lse[:, None])
 
 
@@ -130,23 +139,24 @@ def apply_penalties(x, counts, prompt_mask, params: SamplingBatch):
     return x - params.frequency_penalty[:, None] * counts - params.presence_penalty[:, None] * (counts > 0)
 
 
-def _draw(x, params: SamplingBatch, filtered: bool):
+def _draw(x, params: SamplingBatch, filtered: bool, invariant: bool = False):
     """Each row's token: a Gumbel-max draw from x / temperature after the filters (`filtered`: top-k, top-p,
     min-p), or for greedy rows (temperature 0) the argmax of x. One argmax serves both (an argmax over [R, V]
     fewer than a greedy argmax beside the draw): greedy rows get no noise, and the filters keep every row's
     largest entry."""
-    x = target_logits(x, params, filtered)
+    x = target_logits(x, params, filtered, invariant)
     noise = jnp.where((params.temperature > 0)[:, None], gumbel_noise(params.seed, params.index, x.shape[-1]), 0.0)
     return jnp.argmax(x + noise, axis=-1).astype(jnp.int32)
 
 
-def target_logits(x, params: SamplingBatch, filtered: bool):
+def target_logits(x, params: SamplingBatch, filtered: bool, invariant: bool = False):
     """The logits whose softmax a sampling row draws from: x / temperature, then (`filtered`) top-k, top-p and
-    min-p as -inf; greedy rows' x as it is (filtered too: the filters keep the largest entry)."""
+    min-p as -inf; greedy rows' x as it is (filtered too: the filters keep the largest entry). `invariant`: the
+    top-p mass summed in a fixed order."""
     sampling = params.temperature > 0
     x = x / jnp.where(sampling, params.temperature, 1.0)[:, None]
     if filtered:
-        x = top_k_top_p(x, params.top_k, params.top_p)
+        x = top_k_top_p(x, params.top_k, params.top_p, invariant=invariant)
         floor = jnp.log(jnp.maximum(params.min_p, 1e-30))[:, None]
         x = jnp.where((params.min_p[:, None] > 0) & (x - x.max(-1, keepdims=True) < floor), -jnp.inf, x)
     return x
@@ -182,7 +192,7 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-def top_k_top_p(x, top_k, top_p, digit_bits: int = DIGIT_BITS):
+def top_k_top_p(x, top_k, top_p, digit_bits: int = DIGIT_BITS, invariant: bool = False):
     """Keep the top_k largest (<= 0: all), then the smallest head of those whose probability reaches top_p.
 
     Without a sort (a sort of [R, V] is slow on GPUs): the kept entries of a row are those at or above a cutoff,
@@ -190,17 +200,18 @@ def top_k_top_p(x, top_k, top_p, digit_bits: int = DIGIT_BITS):
     sum) per digit over [R, V] for all of a digit's values at once. First the k-th largest key; then the largest
     key above which the top-k head still holds top_p of its mass. The definition through a sort keeps the same
     entries except where the mass crosses top_p within float32 rounding, and where values tie at the k-th largest
-    (then all of the tied ones count toward the mass)."""
+    (then all of the tied ones count toward the mass). `invariant`: the masses are fixed-order sums."""
     vocab = x.shape[-1]
     key = _order_key(x)
     k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)[:, None]
     kth, _ = _largest_true(lambda t: _count_at_least(key, t) >= k, key.shape[0], digit_bits)
     e = jnp.exp(x - x.max(-1, keepdims=True))
-    head_mass = jnp.sum(jnp.where(key >= kth, e, 0.0), -1, keepdims=True)
+    total = fixed_order.tree_sum if invariant else jnp.sum
+    head_mass = total(jnp.where(key >= kth, e, 0.0), -1, keepdims=True)
     mass = jnp.where(top_p[:, None] < 1.0, top_p[:, None] * head_mass, jnp.inf)
     # the largest t with at least `mass` strictly above it (t + 1 wraps only at t = 2**32 - 1, probed only if mass
     # lay above 2**32 - 16: a NaN)
-    cut, cutting = _largest_true(lambda t: _count_at_least(key, t + 1, e) >= mass, key.shape[0], digit_bits)
+    cut, cutting = _largest_true(lambda t: _count_at_least(key, t + 1, e, total) >= mass, key.shape[0], digit_bits)
     keep = (key >= kth) & (~cutting | (key > cut))
     return jnp.where(keep, x, -jnp.inf)
 
@@ -211,13 +222,13 @@ def _order_key(x):
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
 
 
-def _count_at_least(key, t, weight=None):
-    """key [R, V], thresholds t [R, P] -> [R, P]: how many keys of the row are >= t (or the sum of their weights).
-    One pass over key for all P thresholds of a row."""
+def _count_at_least(key, t, weight=None, total=jnp.sum):
+    """key [R, V], thresholds t [R, P] -> [R, P]: how many keys of the row are >= t (or the sum of their weights,
+    by `total`). One pass over key for all P thresholds of a row."""
     hit = key[:, :, None] >= t[:, None, :]
     if weight is None:
         return jnp.sum(hit, axis=1)
-    return jnp.sum(jnp.where(hit, weight[:, :, None], 0.0), axis=1)
+    return total(jnp.where(hit, weight[:, :, None], 0.0), axis=1)
 
 
 def _largest_true(holds, rows: int, digit_bits: int):

@@ -143,7 +143,7 @@ class StepPrograms:
         else:
             every = model.logits(hidden)
             logits = every[jnp.arange(every.shape[0]), last]
-        out, counts = self._sample(logits, penalties, inp, inp.params, inp.steps > 0, full)
+        out, counts = self._sample(model, logits, penalties, inp, inp.params, inp.steps > 0, full)
         sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
         outputs = cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None]
@@ -171,7 +171,7 @@ class StepPrograms:
         inp = inp.replace(n_new=active.astype(jnp.int32))
         hidden, sub, experts = model.extend_routed(ids, sub, inp.n_new)
         params = inp.params.replace(index=inp.params.index + step)
-        out, counts = self._sample(model.logits(hidden[:, 0]), penalties, inp, params, active, full)
+        out, counts = self._sample(model, model.logits(hidden[:, 0]), penalties, inp, params, active, full)
         cache = self._rows_out(cache, inp, sub, gather)
         return cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None], out.tokens
 
@@ -184,15 +184,17 @@ class StepPrograms:
         slots = pool_slots(inp.page_rows, inp.lengths, inp.n_new, self.routing_page_size, experts.shape[1])
         return jnp.concatenate([packed, routing_columns(experts, slots)], axis=1)
 
-    def _sample(self, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, full):
+    def _sample(self, model, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, full):
         """One token per row. Returns the samples and the output-token counts, with the active penalised rows'
-        new tokens added (`full` only: penalised rows always run the full sampler). The full sampler applies
+        new tokens added (`full` only: penalised rows always run the full sampler). A batch-invariant model's
+        rows are sampled in fixed-order sums (`sampler.sample`'s `invariant`). The full sampler applies
         penalties to every row (neutral values change nothing): a branch on whether any row uses them would
         cost a host round-trip (see `sampler.sample`)."""
         if not full:
             return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
         rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        out = sample(self.whole(logits), p, rows(penalties.counts), rows(penalties.prompt_mask), self.num_top)
+        out = sample(self.whole(logits), p, rows(penalties.counts), rows(penalties.prompt_mask), self.num_top,
+                     invariant=model.backend.batch_invariant)
         counts = penalties.counts.at[inp.rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
                                                                mode="drop")
         return out, counts

@@ -224,7 +224,7 @@ def test_help_and_bad_input(prompts, tmp_path, capsys):
     text = capsys.readouterr().out
     for flag in ("--preset", "--model", "--prompts", "--reward", "--steps", "--out", "--group-size",
                  "--prompts-per-step", "--max-new-tokens", "--temperature", "--lr", "--loss", "--kl-coef",
-                 "--lora-rank", "--seed"):
+                 "--lora-rank", "--seed", "--batch-invariant"):
         assert flag in text
     base = ["--preset", "tiny", "--prompts", prompts, "--reward", "m:f", "--steps", "1", "--out", str(tmp_path)]
     for extra, message in ((["--group-size", "1"], "--group-size must be >= 2"),
@@ -292,3 +292,14 @@ def test_prompts_rewards_and_tasks(tmp_path):
             assert tasks.exact_match(prompt, fields["answer"], **fields) == 1.0
             assert tasks.answer_prefix(prompt, fields["answer"][:1] + "#", **fields) == 1 / len(fields["answer"])
     assert tasks.final_number("", "19 or 20", answer="20") == 1.0 and tasks.final_number("", "none", answer=1) == 0.0
+
+
+def test_batch_invariant_rollouts_match_the_trainer_bit_for_bit(tmp_path):
+    """--batch-invariant with prompts of 3 to 40 bytes (one to three prefill chunks) and all 16 sequences running
+    at once: the first step's trainer and engine logprobs are equal, so its ratios are exactly 1."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "digits: " + "x" * n}) + "\n" for n in (1, 9, 20, 32)))
+    rows = run(str(path), tmp_path / "out", "--steps", "1", "--layers", "3", "--group-size", "4",
+               "--max-new-tokens", "4", "--batch-invariant", "--no-tensorboard")
+    assert rows[0]["logprob_abs_diff_max"] == 0.0 and rows[0]["mismatch_kl"] == 0.0
+    assert rows[0]["clip_fraction"] == 0.0

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from inkling_jax.backend import add_backend_flag
+from inkling_jax.backend import add_backend_flag, add_batch_invariant_flag
 from inkling_jax.config import load_config, preset
 from inkling_jax.parallel.mesh import make_mesh
 from serve.http.chat import ChatFormat
@@ -49,8 +49,8 @@ ROW_MULTIPLE = 16  # the trainer's rows are padded to a multiple of this: one co
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.rl", description=__doc__.split("\n\n")[0],
-                                epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: a "
-                                "batch-invariant mode, several processes.")
+                                epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: "
+                                "several processes.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model directory in the hub layout (its tokenizer.json encodes prompts)")
     src.add_argument("--preset", help="a named configuration with seeded random weights (tiny, inkling-tiny, ...) "
@@ -86,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", help="compute dtype of trainer and engine (default: float32 on CPU, else bfloat16; "
                    "master weights and optimizer are fp32)")
     add_backend_flag(p)
+    add_batch_invariant_flag(p, "the engine's logprobs equal the trainer's bit for bit at any concurrency "
+                             "(logprob_abs_diff_max 0, the first update's ratios exactly 1)")
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--save-every", type=int, default=50,
                    help="checkpoint every N steps and after the last (default 50)")
@@ -194,7 +196,8 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     start = int(state.step)
 
     rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
-                                                              args.max_new_tokens, args.routing_replay), engines)
+                                                              args.max_new_tokens, args.routing_replay,
+                                                              args.backend.batch_invariant), engines)
     log.info("%d prompts; a step: %d prompts x %d completions of up to %d tokens, trainer rows [%d, %d]; from step "
              "%d to %d", len(prompts), args.prompts_per_step, args.group_size, args.max_new_tokens,
              args.prompts_per_step * args.group_size, seq_len, start, args.steps)

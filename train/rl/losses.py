@@ -44,10 +44,11 @@ def group_advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
     return centred / (rewards.std(axis=1, keepdims=True) + 1e-6)
 
 
-def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int):
+def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int, log_softmax=jax.nn.log_softmax):
     """(logp of the targets at `temperature`, logp at temperature 1, entropy at `temperature`), each [B, T] fp32.
     The head runs on `chunk` positions of every row at a time, rematerialised in the backward pass, so whole
-    [B, T, vocab] logits never exist at once."""
+    [B, T, vocab] logits never exist at once. log_softmax: over the last axis (a batch-invariant model's is
+    `inkling_jax.nn.invariant.log_softmax`, the engine's)."""
     batch, length, _ = hidden.shape
     chunk = length if length % chunk else chunk
     n = length // chunk
@@ -56,8 +57,8 @@ def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int):
     def one(args):
         h, t = args
         logits = logits_fn(h).astype(jnp.float32)
-        raw = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), t[..., None], axis=-1)[..., 0]
-        scaled = jax.nn.log_softmax(logits / temperature, -1)
+        raw = jnp.take_along_axis(log_softmax(logits), t[..., None], axis=-1)[..., 0]
+        scaled = log_softmax(logits / temperature)
         logp = jnp.take_along_axis(scaled, t[..., None], axis=-1)[..., 0]
         return logp, raw, -jnp.sum(jnp.exp(scaled) * scaled, -1)
 

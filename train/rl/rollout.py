@@ -81,10 +81,11 @@ class RolloutRecorder(TokenRecorder):
         return []
 
 
-def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_experts: bool = False) -> EngineConfig:
+def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_experts: bool = False,
+                  batch_invariant: bool = False) -> EngineConfig:
     """Room for every sequence of a step at once (up to MAX_CONCURRENCY running, the rest queued), one row bucket
     (all rows: the sequences of a step start together), prefill chunks up to the longest prompt; `record_experts`:
-    routing replay's record."""
+    routing replay's record. A batch-invariant model's engine runs the trainer's own (unfused) projections."""
     seqs = min(sequences, MAX_CONCURRENCY)
     max_len = -(-(max_prompt + max_new_tokens + 1) // PAGE_SIZE) * PAGE_SIZE
     top = next((c for c in CHUNKS if c >= max_prompt), CHUNKS[-1])  # longer prompts prefill in several chunks
@@ -92,7 +93,7 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_e
     return EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=PAGE_SIZE, chunk_buckets=chunks,
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
                         num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256),
-                        record_experts=record_experts)
+                        record_experts=record_experts, fuse_projections=not batch_invariant)
 
 
 class Rollouts:

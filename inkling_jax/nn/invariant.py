@@ -1,0 +1,88 @@
+"""Batch-invariant arithmetic (`Backend.batch_invariant`): each row's result is computed by the same operations in
+the same order however many rows there are and wherever the row sits, so a token's logits do not depend on the
+batch, the concurrency or the chunking.
+
+XLA's own reductions and dots do not promise that: on CPU a row of `x.sum(-1)` changes once there are more than a
+dozen rows, and a row of `X[:M] @ W` with M (on the H200 too: docs/rl.md). Here
+- sums are halving trees of elementwise adds (`tree_sum`), on which RMSNorm, softmax and log-softmax are built;
+- matmuls run the grouped-matmul kernel (`pallas_kernels.moe`) as one group: fixed tiles per weight shape, each
+  output element accumulated over K in one fixed order, no split of K, rows padded to the tile;
+- the routed experts run its SwiGLU kernels (never the decode layout, whose tiles follow the row count): a row
+  block shared by several experts adds exact zeros for the rows of the others.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import ops
+from pallas_kernels.moe.jax_mgpu import MatmulKernels
+from pallas_kernels.moe.tuning import KernelConfigs
+
+# The kernels take widths that are multiples of this (a tiny model's router, head or projections are padded).
+WIDTH_MULTIPLE = 16
+
+
+def tree_sum(x, axis: int = -1, keepdims: bool = False):
+    """The sum over `axis` as a halving tree of elementwise adds (zero-padded to a power of two): every element's
+    order of additions is fixed by the axis' length alone."""
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while width > 1:
+        width //= 2
+        x = x[..., :width] + x[..., width:]
+    return jnp.moveaxis(x, -1, axis) if keepdims else x[..., 0]
+
+
+def rms_norm(x, weight, eps):
+    """`attn_prologue.reference.head_rms_norm` with the mean of squares as a `tree_sum`. The barriers keep XLA
+    from reassociating a product by the row's rsqrt with the products around it (x's own, the weight's), which
+    it does where that rsqrt is a scalar (one row of one token: a decode step of one sequence) and not
+    otherwise, and from fusing the weight's product into an add that follows as one fused multiply-add in some
+    programs and not in others."""
+    xf = jax.lax.optimization_barrier(x.astype(jnp.float32))
+    mean = tree_sum(xf * xf, keepdims=True) / x.shape[-1]
+    normed = jax.lax.optimization_barrier(xf * jax.lax.rsqrt(mean + eps))
+    return jax.lax.optimization_barrier((weight * normed.astype(x.dtype)).astype(x.dtype))
+
+
+def log_softmax(x):
+    """`jax.nn.log_softmax` over the last axis, its sum a `tree_sum` (the max is exact in any order)."""
+    shifted = x - jax.lax.stop_gradient(x.max(-1, keepdims=True))
+    return shifted - jnp.log(tree_sum(jnp.exp(shifted), keepdims=True))
+
+
+def softmax(x):
+    """`jax.nn.softmax` over the last axis, its sum a `tree_sum`."""
+    e = jnp.exp(x - jax.lax.stop_gradient(x.max(-1, keepdims=True)))
+    return e / tree_sum(e, keepdims=True)
+
+
+def matmul(x, w, *, interpret: bool):
+    """x [..., K] @ w [K, N] by the grouped-matmul kernel as one group (differentiable: its own backward kernels).
+    K and N are zero-padded to WIDTH_MULTIPLE where needed (the padding adds exact zeros)."""
+    k, n = w.shape
+    rows = x.reshape(-1, k).astype(w.dtype)
+    pad_k, pad_n = -k % WIDTH_MULTIPLE, -n % WIDTH_MULTIPLE
+    if pad_k or pad_n:
+        rows, w = jnp.pad(rows, ((0, 0), (0, pad_k))), jnp.pad(w, ((0, pad_k), (0, pad_n)))
+    sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+    out = ops.grouped_matmul(rows, w[None], sizes, interpret=interpret, configs=KernelConfigs())
+    return out[:, :n].reshape(*x.shape[:-1], n)
+
+
+def expert_ffn(interpret: bool):
+    """The routed experts on rows sorted by expert, as `moe_dispatch.grouped_ffn` returns them: the SwiGLU and
+    down-projection kernels at the default tiles, whatever the number of rows."""
+    def ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
+        w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
+        return ops.moe_ffn_core(rows, w_gate, w_up, w_down, group_sizes, row_weights, interpret, KernelConfigs(),
+                                MatmulKernels())  # ours, at fixed tiles
+    return ffn
+
+
+def combine_top_k(y, num_tokens: int, top_k: int):
+    """The weighted expert outputs of each token's top-k copies, [N * k, H] in token-major order, summed per
+    token in fp32 by a `tree_sum` over k."""
+    return tree_sum(y.astype(jnp.float32).reshape(num_tokens, top_k, -1), axis=1)
