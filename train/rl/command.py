@@ -31,10 +31,12 @@ from inkling_jax.config import load_config, preset
 from inkling_jax.parallel.mesh import make_mesh
 from serve.http.chat import ChatFormat
 from serve.http.tokenizer import ByteTokenizer, load_tokenizer
-from train import lora
+from train import distributed, lora
 from train.checkpoint import Checkpoints
+from train.distributed import add_distributed_flags, check_distributed_flags
 from train.metrics import MetricsWriter
 from train.optim import OptimConfig
+from train.rl.colocation import engine_mesh
 from train.rl.losses import DEFAULT_CLIP, LOSSES, LossConfig, group_advantages
 from train.rl.media import image_reader, step_pixels
 from train.rl.prompts import completion_text, load_reward, read_prompts, score
@@ -50,7 +52,7 @@ ROW_MULTIPLE = 16  # the trainer's rows are padded to a multiple of this: one co
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.rl", description=__doc__.split("\n\n")[0],
                                 epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: a "
-                                "batch-invariant mode, several processes.")
+                                "batch-invariant mode.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model directory in the hub layout (its tokenizer.json encodes prompts)")
     src.add_argument("--preset", help="a named configuration with seeded random weights (tiny, inkling-tiny, ...) "
@@ -86,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", help="compute dtype of trainer and engine (default: float32 on CPU, else bfloat16; "
                    "master weights and optimizer are fp32)")
     add_backend_flag(p)
+    p.add_argument("--mesh", help='the trainer\'s mesh, e.g. "fsdp=4,tensor=2" (devices left over go to data; '
+                   "default: one device); the engine runs on the same devices over its tensor and expert axes")
+    p.add_argument("--free-engine-cache", action="store_true", help="free the engine's KV cache while the trainer "
+                   "runs and allocate it again for the next rollouts (default: kept)")
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--save-every", type=int, default=50,
                    help="checkpoint every N steps and after the last (default 50)")
@@ -93,7 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0,
                    help="seeds a preset's weights, the prompts' order and the sampling (default 0)")
     p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs (metrics.jsonl only)")
+    add_distributed_flags(p)
     args = p.parse_args(argv)
+    check_distributed_flags(p, args)
     checks = [(args.steps >= 0, "--steps must be >= 0"), (args.group_size >= 2, "--group-size must be >= 2 (the "
               "advantages compare completions of one prompt)"), (args.prompts_per_step >= 1,
               "--prompts-per-step must be >= 1"), (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
@@ -110,7 +118,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if path and not os.path.exists(path):
             p.error(f"{flag} {path}: no such file or directory")
     args.clip_eps = DEFAULT_CLIP[args.loss] if args.clip_eps is None else args.clip_eps
-    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     return args
 
 
@@ -156,6 +163,11 @@ def main(argv=None, engines: EnginePool | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)  # where an import configured logging first (basicConfig then does nothing)
+    distributed.initialize(args)  # before anything touches a device
+    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if args.prompts_per_step % jax.process_count():
+        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must split evenly over the "
+                         f"{jax.process_count()} processes (each process's engine rolls out its share)")
     if engines is not None:
         return train(args, engines)
     with EnginePool() as own:
@@ -176,7 +188,8 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     seq_len = -(-(max_prompt + args.max_new_tokens) // ROW_MULTIPLE) * ROW_MULTIPLE
     image_width = max(p.image_tokens for p in prompts)  # the most image tokens of a prompt: a step's pixels
 
-    trainer = Trainer(config, make_mesh(None, jax.devices()[:1]),
+    several = args.mesh or jax.process_count() > 1  # else one device
+    trainer = Trainer(config, make_mesh(args.mesh, jax.devices() if several else jax.devices()[:1]),
                       StepConfig(compute_dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                  backend=args.backend, train_towers=args.train_towers),
                       OptimConfig(learning_rate=args.lr, warmup_steps=0, total_steps=max(args.steps, 1),
@@ -193,13 +206,15 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     state = restored[0] if restored else state
     start = int(state.step)
 
-    rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
-                                                              args.max_new_tokens, args.routing_replay), engines)
+    share = args.prompts_per_step // jax.process_count() * args.group_size  # each process's engine's sequences
+    rollouts = Rollouts(trainer, state, frozen, engine_config(share, max_prompt, args.max_new_tokens,
+                                                              args.routing_replay), engines,
+                        engine_mesh(trainer.mesh), args.free_engine_cache)
     log.info("%d prompts; a step: %d prompts x %d completions of up to %d tokens, trainer rows [%d, %d]; from step "
              "%d to %d", len(prompts), args.prompts_per_step, args.group_size, args.max_new_tokens,
              args.prompts_per_step * args.group_size, seq_len, start, args.steps)
     writer = MetricsWriter(args.out, tensorboard=not args.no_tensorboard)
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl")
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", disable=jax.process_index() > 0)
     for step in bar:
         chosen, seeds = step_plan(args.seed, step, len(prompts), args.prompts_per_step)
         began = time.perf_counter()
