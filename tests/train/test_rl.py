@@ -54,12 +54,17 @@ def engines():
         yield pool
 
 
+def arguments(prompts, out, *extra) -> list[str]:
+    """The tests' command line."""
+    return ["--preset", "tiny", "--layers", "2", "--prompts", prompts, "--reward", f"{__name__}:ascii_share",
+            "--out", str(out), "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "8",
+            "--lr", "3e-2", "--backend", "reference,moe=dense", *extra]
+
+
 def run(prompts, out, *extra, engines=None):
     """The command's metrics; `engines`: the pool to take the engine from (None: the run's own, shut down at its
     end)."""
-    command.main(["--preset", "tiny", "--layers", "2", "--prompts", prompts, "--reward", f"{__name__}:ascii_share",
-                  "--out", str(out), "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "8",
-                  "--lr", "3e-2", "--backend", "reference,moe=dense", *extra], engines)
+    command.main(arguments(prompts, out, *extra), engines)
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
 

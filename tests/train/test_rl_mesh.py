@@ -1,7 +1,9 @@
 """`python -m train.rl --mesh` on 8 simulated CPU devices: the trainer on fsdp=2, tensor=2, expert=2 and the
-rollout engine on the same devices (data=2, tensor=2, expert=2, `train.rl.colocation`), its cache freed while the
+rollout engine on the same devices (data=2, tensor=2, expert=2: `train.rl.colocation`), its cache freed while the
 trainer runs. Its metrics equal those of the one-device run of test_rl.py's setup; freeing the cache drops its
-arrays, and the next rollout allocates them again and samples what it sampled before."""
+arrays, and the next rollout allocates them again and samples what it sampled before. The same command as a job
+of two processes with 4 devices each (an engine per process, rolling out half the prompts) logs the same metrics
+as the one process."""
 
 import weakref
 
@@ -10,10 +12,12 @@ import pytest
 
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
-from tests.train.test_rl import TIMING, prompts, run  # noqa: F401 (the prompts fixture)
+from tests.train.test_multiprocess import finish, log_of, rows, spawn
+from tests.train.test_rl import TIMING, arguments, prompts, run  # noqa: F401 (the prompts fixture)
 from train.rl.rollout import EnginePool
 
 MESH = "fsdp=2,tensor=2,expert=2"
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 
 def same_metrics(got: list[dict], want: list[dict]) -> None:
@@ -26,24 +30,41 @@ def same_metrics(got: list[dict], want: list[dict]) -> None:
             assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-5), key
 
 
-@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-def test_a_colocated_mesh_run_equals_one_device_and_frees_the_engine_cache(prompts, tmp_path):  # noqa: F811
-    with EnginePool() as pool:
-        one = run(prompts, tmp_path / "one", "--steps", "2", engines=pool)
-        sharded = run(prompts, tmp_path / "mesh", "--steps", "2", "--mesh", MESH, "--free-engine-cache",
-                      engines=pool)
-        engine = next(e for e in pool if e.runner.placement.mesh is not None)
-        assert dict(engine.runner.placement.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 2}
-        assert len(engine.runner.params[0].sharding.device_set) == 8
-        assert any(not x.sharding.is_fully_replicated for x in engine.runner.params)
-        assert engine.runner.cache is None  # freed after the last rollout
+@pytest.fixture(scope="module")
+def pool():
+    with EnginePool() as engines:
+        yield engines
 
-        params = SamplingParams(max_tokens=4, temperature=0, logprobs=0)
-        first = generate(engine, [[5, 6, 7]], params)[0]  # allocates the cache again
-        arrays = [weakref.ref(x) for x in jax.tree.leaves((engine.runner.cache, engine.runner.snapshots))]
-        assert arrays and all(r() is not None for r in arrays)
-        engine.free_cache()
-        assert all(r() is None for r in arrays)  # nothing holds them: their device memory is back
-        again = generate(engine, [[5, 6, 7]], params)[0]
-        assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
-    same_metrics(sharded, one)
+
+@pytest.fixture(scope="module")
+def sharded(prompts, pool, tmp_path_factory):  # noqa: F811
+    """The --mesh run's metrics (its engine stays in `pool`)."""
+    return run(prompts, tmp_path_factory.mktemp("mesh"), "--steps", "2", "--mesh", MESH, "--free-engine-cache",
+               engines=pool)
+
+
+def test_a_colocated_mesh_run_equals_one_device_and_frees_the_engine_cache(prompts, pool, sharded,  # noqa: F811
+                                                                            tmp_path):
+    engine = next(iter(pool))
+    assert dict(engine.runner.placement.mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "expert": 2}
+    assert len(engine.runner.params[0].sharding.device_set) == 8
+    assert any(not x.sharding.is_fully_replicated for x in engine.runner.params)
+    assert engine.runner.cache is None  # freed after the last rollouts
+
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0)
+    first = generate(engine, [[5, 6, 7]], params)[0]  # allocates the cache again
+    arrays = [weakref.ref(x) for x in jax.tree.leaves((engine.runner.cache, engine.runner.snapshots))]
+    assert arrays and all(r() is not None for r in arrays)
+    engine.free_cache()
+    assert all(r() is None for r in arrays)  # nothing holds them: their device memory is back
+    again = generate(engine, [[5, 6, 7]], params)[0]
+    assert again.token_ids == first.token_ids and again.logprobs == first.logprobs
+    same_metrics(sharded, run(prompts, tmp_path, "--steps", "2"))
+
+
+def test_a_two_process_job_equals_one_process(prompts, sharded, tmp_path):  # noqa: F811
+    out = tmp_path / "job"
+    procs = spawn("train.rl", out, arguments(prompts, out, "--steps", "2", "--mesh", MESH, "--free-engine-cache",
+                                             "--no-tensorboard"))
+    assert finish(procs, timeout=200) == [0, 0], log_of(out, 0)[-3000:] + log_of(out, 1)[-3000:]
+    same_metrics(rows(out), sharded)  # written once, by process 0

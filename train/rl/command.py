@@ -13,6 +13,11 @@ a vision tower): engine and trainer run the same pixels through the tower, froze
 Under --out: `metrics.jsonl` (one line per step), `tensorboard/`, `checkpoints/` (orbax), and with LoRA
 `adapters.safetensors` (as `train.run` writes them). Running the same command again resumes from the newest
 checkpoint. docs/rl.md explains the losses and the metrics.
+
+With --mesh the trainer is sharded over that mesh and the engine runs on the same devices (`train.rl.colocation`);
+--free-engine-cache frees its cache while the trainer runs. Multi-host: run the same command on every host with
+`--coordinator HOST0:PORT --num-processes N --process-id I` (none under SLURM or Open MPI): each process's engine
+rolls out its share of the prompts on its own devices, and every process trains on all of them.
 """
 
 from __future__ import annotations
@@ -213,6 +218,8 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     log.info("%d prompts; a step: %d prompts x %d completions of up to %d tokens, trainer rows [%d, %d]; from step "
              "%d to %d", len(prompts), args.prompts_per_step, args.group_size, args.max_new_tokens,
              args.prompts_per_step * args.group_size, seq_len, start, args.steps)
+    log.info("trainer on mesh %s; rollout engine on %s", dict(trainer.mesh.shape),
+             rollouts.engine.runner.placement.devices)
     writer = MetricsWriter(args.out, tensorboard=not args.no_tensorboard)
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", disable=jax.process_index() > 0)
     for step in bar:

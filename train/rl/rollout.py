@@ -12,6 +12,11 @@ Every sampled token's logprob is recorded, the EOS that ends a completion includ
 engine also records each MoE layer's experts at every position (`EngineConfig.record_experts`). A prompt's images
 go to the engine as the current vision tower's rows (`train.rl.media`).
 
+On a mesh the engine runs on the trainer's devices (`train.rl.colocation`): the view's program puts its arrays
+on the engine's shardings, and across processes each process's engine takes its own shards of them and rolls out
+its share of the prompts, the completions then gathered in every process. With `free_cache` the engine's cache is
+freed after each step's rollouts (while the trainer runs) and allocated again by the next.
+
 Engines live in an `EnginePool`: the command makes one per run and closes it at the end; a caller running several
 runs in a process (tests, a notebook) passes its own, to reuse a compiled engine, and closes it when done.
 """
