@@ -10,14 +10,16 @@ import weakref
 import jax
 import pytest
 
+from inkling_jax.parallel.mesh import MeshError
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from tests.train.test_multiprocess import finish, log_of, rows, spawn
 from tests.train.test_rl import TIMING, arguments, prompts, run  # noqa: F401 (the prompts fixture)
+from train.rl import command
 from train.rl.rollout import EnginePool
 
 MESH = "fsdp=2,tensor=2,expert=2"
-pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+EIGHT = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
 
 def same_metrics(got: list[dict], want: list[dict]) -> None:
@@ -43,6 +45,7 @@ def sharded(prompts, pool, tmp_path_factory):  # noqa: F811
                engines=pool)
 
 
+@EIGHT
 def test_a_colocated_mesh_run_equals_one_device_and_frees_the_engine_cache(prompts, pool, sharded,  # noqa: F811
                                                                             tmp_path):
     engine = next(iter(pool))
@@ -62,9 +65,24 @@ def test_a_colocated_mesh_run_equals_one_device_and_frees_the_engine_cache(promp
     same_metrics(sharded, run(prompts, tmp_path, "--steps", "2"))
 
 
+@EIGHT
 def test_a_two_process_job_equals_one_process(prompts, sharded, tmp_path):  # noqa: F811
     out = tmp_path / "job"
     procs = spawn("train.rl", out, arguments(prompts, out, "--steps", "2", "--mesh", MESH, "--free-engine-cache",
                                              "--no-tensorboard"))
     assert finish(procs, timeout=200) == [0, 0], log_of(out, 0)[-3000:] + log_of(out, 1)[-3000:]
     same_metrics(rows(out), sharded)  # written once, by process 0
+
+
+def test_help_and_bad_flags(prompts, tmp_path, capsys):  # noqa: F811
+    with pytest.raises(SystemExit):
+        command.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--mesh", "--free-engine-cache", "--coordinator", "--num-processes", "--process-id"):
+        assert flag in text
+    base = arguments(prompts, tmp_path, "--steps", "1")
+    with pytest.raises(SystemExit):
+        command.parse_args(base + ["--coordinator", "127.0.0.1:1234"])
+    assert "go together" in capsys.readouterr().err
+    with pytest.raises(MeshError, match="needs"):
+        command.main(base + ["--mesh", f"tensor={jax.device_count() + 1}"])
