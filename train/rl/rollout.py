@@ -112,7 +112,7 @@ class Rollouts:
         next allocates it again), leaving its memory to the trainer."""
         self.trainer, self.free_cache, self.local = trainer, free_cache, local_mesh(mesh)
         self.engine = pool.engine((trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config, self.local),
-                                  lambda: Engine(trainer.parts.merge(self._host_params(state, frozen)), config,
+                                  lambda: Engine(trainer.parts.merge(self._initial_params(state, frozen)), config,
                                                  eos_token_id=trainer.config.eos_token_id,
                                                  placement=Placement(self.local)))
         placement, fuse = Placement(mesh), config.fuse_projections
@@ -136,9 +136,9 @@ class Rollouts:
         self.engine.update_params(leaves)
         return time.perf_counter() - began
 
-    def _host_params(self, state: TrainState, frozen: Flat) -> Flat:
-        """The trainer's complete parameters, where this process's engine can place them: as they are in one
-        process; across processes whole in every process (once, to build the engine)."""
+    def _initial_params(self, state: TrainState, frozen: Flat) -> Flat:
+        """The trainer's complete parameters, where this process's engine can place them to start from: as they
+        are in one process; across processes whole on every process's host."""
         params = self.trainer.model_params(state, frozen)
         return params if jax.process_count() == 1 else host_copy(params)
 
