@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pickle
 import sys
 import traceback
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,16 @@ def initialize(args: argparse.Namespace) -> bool:
 def host_copy(tree):
     """Every array of `tree` whole on the host of every process (arrays other processes hold shards of too)."""
     return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def gather_objects(obj) -> list:
+    """Every process's `obj` (picklable), in process order, in every process."""
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = multihost_utils.process_allgather(np.int32(data.size))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    every = multihost_utils.process_allgather(padded)
+    return [pickle.loads(every[i, :size].tobytes()) for i, size in enumerate(sizes)]
 
 
 def _exit_at_once(kind, value, tb) -> None:

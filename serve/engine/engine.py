@@ -29,7 +29,7 @@ from serve.engine.block_manager import BlockManager
 from serve.engine.config import EngineConfig
 from serve.engine.metrics import Metrics
 from serve.engine.outputs import Output, Sample
-from serve.engine.params_mailbox import ParamsMailbox
+from serve.engine.idle_mailbox import IdleMailbox
 from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
@@ -71,7 +71,7 @@ class Engine:
         self._cancel_all = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._new_params = ParamsMailbox()  # applied once idle
+        self._idle_work = IdleMailbox()  # done once idle
 
     def _new_state(self) -> None:
         self.blocks = BlockManager(self.runner.num_pages, self.config.page_size, self.config.snapshots)
@@ -148,7 +148,13 @@ class Engine:
         nothing recompiles), swapped in by the engine thread once no sequence runs (RL weight sync,
         `train.rl.rollout`). The prefix cache starts empty: its pages hold the old weights' keys and values."""
         self.runner.check_params(leaves)
-        self._new_params.send(leaves, self._wake.set, timeout)
+        self._idle_work.send(lambda: self.runner.swap_params(leaves), "swap in the new parameters", self._wake.set,
+                             timeout)
+
+    def free_cache(self, timeout: float = 600.0) -> None:
+        """Free the device state (KV pool, snapshots, sampler state) once no sequence runs, so that another
+        program has the memory (RL's trainer step); the next step allocates it afresh, with an empty prefix cache."""
+        self._idle_work.send(self.runner.free_cache, "free its cache", self._wake.set, timeout)
 
     def shutdown(self, drain_seconds: float = 10.0) -> None:
         """`drain`, then stop the engine thread."""
@@ -170,7 +176,8 @@ class Engine:
                 return
             if self.scheduler.idle:
                 self._inflight = None  # every sequence of a run still in flight has ended
-                self._swap_params()
+                if self._idle_work.deliver():  # new parameters or a freed cache: the prefix cache is stale
+                    self._new_state()
                 self._report()
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
@@ -192,10 +199,6 @@ class Engine:
                     return
                 self._new_state()
             self._update_gauges()
-
-    def _swap_params(self) -> None:
-        if self._new_params.deliver(self.runner.swap_params):
-            self._new_state()
 
     def _fail_requests(self) -> None:
         self._unreported, self._inflight = [], None

@@ -135,6 +135,11 @@ class ModelRunner(StepCompilation):
         self.routing = RoutingRecord(self.num_pages, cfg.page_size, self.model.config.text) if cfg.record_experts \
             else None
 
+    def free_cache(self) -> None:
+        """Drop the device state (`reset` makes it): its memory goes back once nothing else holds it, and the next
+        `dispatch` allocates it afresh."""
+        self.cache = self.snapshots = self.penalties = self.routing = None
+
     def check_params(self, leaves: list) -> None:
         """Raises unless `leaves` can replace `params` without a recompilation: as many arrays, each of the same
         shape, dtype and sharding."""
@@ -170,6 +175,8 @@ class ModelRunner(StepCompilation):
         waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
         there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`:
         the last tokens of the decode run that continuation chunks (`Chunk.ahead`) follow, on device."""
+        if self.cache is None:  # freed while idle (`free_cache`)
+            self.reset()
         put = self.placement.put
         for chunk in chunks:
             seq = chunk.seq

@@ -47,21 +47,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(out, data, mesh, *extra) -> list[subprocess.Popen]:
-    """Both processes of a job, with this process's XLA flags but 4 devices each."""
+def spawn(module: str, out, args: list[str]) -> list[subprocess.Popen]:
+    """Both processes of a job of `python -m module *args`, with this process's XLA flags but 4 devices each;
+    process i logs to `{out}.{i}.log`."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", "JAX_DEFAULT_MATMUL_PRECISION": "highest",
            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=4"}
     port = free_port()
     procs = []
     for i in range(2):
-        args = [*COMMON, "--data", str(data), "--out", str(out), "--mesh", mesh, "--no-tensorboard",
-                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
-                "--heartbeat-timeout", str(HEARTBEAT), *extra]
+        joined = [*args, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                  "--heartbeat-timeout", str(HEARTBEAT)]
         log = open(f"{out}.{i}.log", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "train.run", *args], cwd=ROOT, env=env, stdout=log,
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *joined], cwd=ROOT, env=env, stdout=log,
                                       stderr=subprocess.STDOUT))
     return procs
+
+
+def launch(out, data, mesh, *extra) -> list[subprocess.Popen]:
+    return spawn("train.run", out, [*COMMON, "--data", str(data), "--out", str(out), "--mesh", mesh,
+                                    "--no-tensorboard", *extra])
 
 
 def rows(out) -> list[dict]:

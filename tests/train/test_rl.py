@@ -54,12 +54,17 @@ def engines():
         yield pool
 
 
+def arguments(prompts, out, *extra) -> list[str]:
+    """The tests' command line."""
+    return ["--preset", "tiny", "--layers", "2", "--prompts", prompts, "--reward", f"{__name__}:ascii_share",
+            "--out", str(out), "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "8",
+            "--lr", "3e-2", "--backend", "reference,moe=dense", *extra]
+
+
 def run(prompts, out, *extra, engines=None):
     """The command's metrics; `engines`: the pool to take the engine from (None: the run's own, shut down at its
     end)."""
-    command.main(["--preset", "tiny", "--layers", "2", "--prompts", prompts, "--reward", f"{__name__}:ascii_share",
-                  "--out", str(out), "--group-size", "8", "--prompts-per-step", "4", "--max-new-tokens", "8",
-                  "--lr", "3e-2", "--backend", "reference,moe=dense", *extra], engines)
+    command.main(arguments(prompts, out, *extra), engines)
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         return [json.loads(line) for line in fh]
 
@@ -230,7 +235,8 @@ def test_help_and_bad_input(prompts, tmp_path, capsys):
     for extra, message in ((["--group-size", "1"], "--group-size must be >= 2"),
                            (["--temperature", "0"], "--temperature must be in (0, 2]"),
                            (["--loss", "ppo"], "invalid choice"),
-                           (["--model", "x"], "not allowed with argument --preset")):
+                           (["--model", "x"], "not allowed with argument --preset"),
+                           (["--batch-invariant", "--mesh", "tensor=2"], "--batch-invariant runs on one device")):
         with pytest.raises(SystemExit) as exit_:
             command.parse_args(base + extra)
         assert exit_.value.code == 2 and message in capsys.readouterr().err

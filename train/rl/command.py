@@ -13,6 +13,11 @@ a vision tower): engine and trainer run the same pixels through the tower, froze
 Under --out: `metrics.jsonl` (one line per step), `tensorboard/`, `checkpoints/` (orbax), and with LoRA
 `adapters.safetensors` (as `train.run` writes them). Running the same command again resumes from the newest
 checkpoint. docs/rl.md explains the losses and the metrics.
+
+With --mesh the trainer is sharded over that mesh and the engine runs on the same devices (`train.rl.colocation`);
+--free-engine-cache frees its cache while the trainer runs. Multi-host: run the same command on every host with
+`--coordinator HOST0:PORT --num-processes N --process-id I` (none under SLURM or Open MPI): each process's engine
+rolls out its share of the prompts on its own devices, and every process trains on all of them.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from inkling_jax.config import load_config, preset
 from inkling_jax.parallel.mesh import make_mesh
 from serve.http.chat import ChatFormat
 from serve.http.tokenizer import ByteTokenizer, load_tokenizer
-from train import lora
+from train import distributed, lora
 from train.checkpoint import Checkpoints
+from train.distributed import add_distributed_flags, check_distributed_flags
 from train.metrics import MetricsWriter
 from train.optim import OptimConfig
+from train.rl.colocation import engine_mesh
 from train.rl.losses import DEFAULT_CLIP, LOSSES, LossConfig, group_advantages
 from train.rl.media import image_reader, step_pixels
 from train.rl.prompts import completion_text, load_reward, read_prompts, score
@@ -49,8 +56,8 @@ ROW_MULTIPLE = 16  # the trainer's rows are padded to a multiple of this: one co
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train.rl", description=__doc__.split("\n\n")[0],
-                                epilog="docs/rl.md: the losses, the metrics and a demo. Not yet available: "
-                                "several processes.")
+                                epilog="docs/rl.md: the losses, the metrics, a mesh and several processes, and a "
+                                "demo.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a model directory in the hub layout (its tokenizer.json encodes prompts)")
     src.add_argument("--preset", help="a named configuration with seeded random weights (tiny, inkling-tiny, ...) "
@@ -88,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_backend_flag(p)
     add_batch_invariant_flag(p, "the engine's logprobs equal the trainer's bit for bit at any concurrency "
                              "(logprob_abs_diff_max 0, the first update's ratios exactly 1)")
+    p.add_argument("--mesh", help='the trainer\'s mesh, e.g. "fsdp=4,tensor=2" (devices left over go to data; '
+                   "default: one device); the engine runs on the same devices over its tensor and expert axes")
+    p.add_argument("--free-engine-cache", action="store_true", help="free the engine's KV cache while the trainer "
+                   "runs and allocate it again for the next rollouts (default: kept)")
     p.add_argument("--layers", type=int, help="keep only the first N layers (presets only)")
     p.add_argument("--save-every", type=int, default=50,
                    help="checkpoint every N steps and after the last (default 50)")
@@ -95,7 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0,
                    help="seeds a preset's weights, the prompts' order and the sampling (default 0)")
     p.add_argument("--no-tensorboard", action="store_true", help="no TensorBoard logs (metrics.jsonl only)")
+    add_distributed_flags(p)
     args = p.parse_args(argv)
+    check_distributed_flags(p, args)
     checks = [(args.steps >= 0, "--steps must be >= 0"), (args.group_size >= 2, "--group-size must be >= 2 (the "
               "advantages compare completions of one prompt)"), (args.prompts_per_step >= 1,
               "--prompts-per-step must be >= 1"), (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
@@ -104,7 +117,9 @@ def parse_args(argv=None) -> argparse.Namespace:
               (args.clip_eps is None or args.clip_eps > 0, "--clip-eps must be > 0"),
               (not (args.train_towers and args.lora_rank), "--train-towers trains the towers in full: not with "
                "--lora-rank"),
-              (not args.layers or args.preset, "--layers works with --preset only")]
+              (not args.layers or args.preset, "--layers works with --preset only"),
+              (not (args.backend.batch_invariant and (args.mesh or args.coordinator)), "--batch-invariant runs on "
+               "one device: not with --mesh or several processes")]
     for ok, message in checks:
         if not ok:
             p.error(message)
@@ -112,7 +127,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if path and not os.path.exists(path):
             p.error(f"{flag} {path}: no such file or directory")
     args.clip_eps = DEFAULT_CLIP[args.loss] if args.clip_eps is None else args.clip_eps
-    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
     return args
 
 
@@ -158,6 +172,11 @@ def main(argv=None, engines: EnginePool | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log.setLevel(logging.INFO)  # where an import configured logging first (basicConfig then does nothing)
+    distributed.initialize(args)  # before anything touches a device
+    args.dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if args.prompts_per_step % jax.process_count():
+        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must split evenly over the "
+                         f"{jax.process_count()} processes (each process's engine rolls out its share)")
     if engines is not None:
         return train(args, engines)
     with EnginePool() as own:
@@ -178,7 +197,8 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     seq_len = -(-(max_prompt + args.max_new_tokens) // ROW_MULTIPLE) * ROW_MULTIPLE
     image_width = max(p.image_tokens for p in prompts)  # the most image tokens of a prompt: a step's pixels
 
-    trainer = Trainer(config, make_mesh(None, jax.devices()[:1]),
+    several = args.mesh or jax.process_count() > 1  # else one device
+    trainer = Trainer(config, make_mesh(args.mesh, jax.devices() if several else jax.devices()[:1]),
                       StepConfig(compute_dtype=args.dtype, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
                                  backend=args.backend, train_towers=args.train_towers),
                       OptimConfig(learning_rate=args.lr, warmup_steps=0, total_steps=max(args.steps, 1),
@@ -195,14 +215,17 @@ def train(args: argparse.Namespace, engines: EnginePool) -> None:
     state = restored[0] if restored else state
     start = int(state.step)
 
-    rollouts = Rollouts(trainer, state, frozen, engine_config(args.prompts_per_step * args.group_size, max_prompt,
-                                                              args.max_new_tokens, args.routing_replay,
-                                                              args.backend.batch_invariant), engines)
+    share = args.prompts_per_step // jax.process_count() * args.group_size  # each process's engine's sequences
+    rollouts = Rollouts(trainer, state, frozen, engine_config(share, max_prompt, args.max_new_tokens,
+                                                              args.routing_replay, args.backend.batch_invariant),
+                        engines, engine_mesh(trainer.mesh), args.free_engine_cache)
     log.info("%d prompts; a step: %d prompts x %d completions of up to %d tokens, trainer rows [%d, %d]; from step "
              "%d to %d", len(prompts), args.prompts_per_step, args.group_size, args.max_new_tokens,
              args.prompts_per_step * args.group_size, seq_len, start, args.steps)
+    log.info("trainer on mesh %s; rollout engine on %s", dict(trainer.mesh.shape),
+             rollouts.engine.runner.placement.devices)
     writer = MetricsWriter(args.out, tensorboard=not args.no_tensorboard)
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl")
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="rl", disable=jax.process_index() > 0)
     for step in bar:
         chosen, seeds = step_plan(args.seed, step, len(prompts), args.prompts_per_step)
         began = time.perf_counter()

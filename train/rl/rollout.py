@@ -12,6 +12,11 @@ Every sampled token's logprob is recorded, the EOS that ends a completion includ
 engine also records each MoE layer's experts at every position (`EngineConfig.record_experts`). A prompt's images
 go to the engine as the current vision tower's rows (`train.rl.media`).
 
+On a mesh the engine runs on the trainer's devices (`train.rl.colocation`): the view's program puts its arrays
+on the engine's shardings, and across processes each process's engine takes its own shards of them and rolls out
+its share of the prompts, the completions then gathered in every process. With `free_cache` the engine's cache is
+freed after each step's rollouts (while the trainer runs) and allocated again by the next.
+
 Engines live in an `EnginePool`: the command makes one per run and closes it at the end; a caller running several
 runs in a process (tests, a notebook) passes its own, to reuse a compiled engine, and closes it when done.
 """
@@ -24,6 +29,7 @@ from typing import Callable
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from inkling_jax.generate import flat_params
 from serve.engine.config import EngineConfig
@@ -31,6 +37,9 @@ from serve.engine.engine import Engine
 from serve.engine.outputs import Sample
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import Generated, TokenRecorder, generate
+from serve.runner.placement import Placement
+from train.distributed import gather_objects, host_copy
+from train.rl.colocation import global_sharding, local_arrays, local_mesh
 from train.rl.media import engine_media, tower_outputs
 from train.state import Flat, TrainState
 from train.step import Trainer
@@ -97,16 +106,24 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_e
 
 
 class Rollouts:
-    def __init__(self, trainer: Trainer, state: TrainState, frozen: Flat, config: EngineConfig, pool: EnginePool):
-        self.trainer = trainer
-        self.engine = pool.engine((trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config),
-                                  lambda: Engine(trainer.parts.merge(trainer.model_params(state, frozen)), config,
-                                                 eos_token_id=trainer.config.eos_token_id))
-        placement, fuse = self.engine.runner.placement, config.fuse_projections
+    def __init__(self, trainer: Trainer, state: TrainState, frozen: Flat, config: EngineConfig, pool: EnginePool,
+                 mesh: Mesh | None = None, free_cache: bool = False):
+        """`mesh`: the engine's mesh over the whole job (`colocation.engine_mesh`; None: one device), of which this
+        process's engine runs on its own part; `free_cache`: free the engine's cache after each `generate` (the
+        next allocates it again), leaving its memory to the trainer."""
+        self.trainer, self.free_cache, self.local = trainer, free_cache, local_mesh(mesh)
+        self.engine = pool.engine((trainer.config, trainer.cfg.compute_dtype, trainer.cfg.backend, config, self.local),
+                                  lambda: Engine(trainer.parts.merge(self._initial_params(state, frozen)), config,
+                                                 eos_token_id=trainer.config.eos_token_id,
+                                                 placement=Placement(self.local)))
+        placement, fuse = Placement(mesh), config.fuse_projections
+        # The view comes out laid out as the engine's arrays are (on the whole job's engine mesh: each process's
+        # shards on its own devices), so that the engine takes them as they are.
         self._view = jax.jit(lambda s, f: flat_params(placement.model_view(
-            trainer.parts.merge(trainer.model_params(s, f)), fuse))[0])
+            trainer.parts.merge(trainer.model_params(s, f)), fuse))[0],
+            out_shardings=[global_sharding(x.sharding, mesh) for x in self.engine.runner.params])
         self._towers = jax.jit(lambda s, f, pixels: tower_outputs(trainer.parts.merge(trainer.model_params(s, f)),
-                                                                   pixels))
+                                                                   pixels), out_shardings=trainer.shardings.replicated)
         # The engine's weights always come from this program: an engine of an earlier run gets this run's, and a
         # new one replaces its eager view's (LoRA's merge may round differently there), so that a resumed run
         # samples exactly what an uninterrupted one did.
@@ -116,9 +133,15 @@ class Rollouts:
         """Give the engine the weights of `state`; returns the seconds it took (the view's arrays computed and
         swapped in)."""
         began = time.perf_counter()
-        leaves = jax.block_until_ready(self._view(state, frozen))
+        leaves = local_arrays(jax.block_until_ready(self._view(state, frozen)), self.local)
         self.engine.update_params(leaves)
         return time.perf_counter() - began
+
+    def _initial_params(self, state: TrainState, frozen: Flat) -> Flat:
+        """The trainer's complete parameters, where this process's engine can place them to start from: as they
+        are in one process; across processes whole on every process's host."""
+        params = self.trainer.model_params(state, frozen)
+        return params if jax.process_count() == 1 else host_copy(params)
 
     def media(self, state: TrainState, frozen: Flat, pixels: np.ndarray, media_positions: np.ndarray) -> list:
         """Per prompt, its images as the engine takes them (`train.rl.media.engine_media`), from the vision tower
@@ -127,12 +150,21 @@ class Rollouts:
 
     def generate(self, prompts: list[tuple[int, ...]], seeds: list[int], group: int, max_new_tokens: int,
                  temperature: float, media: list | None = None) -> list[list[Generated]]:
-        """For each prompt (with its `media`, where given), `group` completions with their logprobs."""
+        """For each prompt (with its `media`, where given), `group` completions with their logprobs. Across
+        processes each process's engine generates its share of the prompts (as many as the others; the same
+        seeds, so the same tokens as one process would sample), and every process gets them all."""
         def one(prompt, seed, images):
             params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0)
             return generate(self.engine, [list(prompt)], params, n=group, recorder=RolloutRecorder, media=images)
 
-        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-            return list(pool.map(one, prompts, seeds, media or [None] * len(prompts)))
+        count, media = jax.process_count(), media or [None] * len(prompts)
+        if len(prompts) % count:
+            raise ValueError(f"{len(prompts)} prompts do not split evenly over {count} processes")
+        share = slice(jax.process_index() * len(prompts) // count, (jax.process_index() + 1) * len(prompts) // count)
+        with concurrent.futures.ThreadPoolExecutor(share.stop - share.start) as pool:
+            groups = list(pool.map(one, prompts[share], seeds[share], media[share]))
+        if self.free_cache:
+            self.engine.free_cache()
+        return groups if count == 1 else [g for part in gather_objects(groups) for g in part]
 
 

@@ -29,7 +29,7 @@ from inkling_jax.parallel.placement import use_mesh
 from train.loss import next_token_targets
 from train.rl.losses import LossConfig, mismatch_metrics, policy_loss, token_logprobs
 from train.rl.media import merge_media
-from train.state import Flat, TrainState
+from train.state import Flat, TrainState, put
 from train.step import Trainer
 
 BATCH_KEYS = ("input_ids", "segment_ids", "positions", "loss_mask", "advantages", "rollout_logprobs")
@@ -96,5 +96,5 @@ class PolicyTrainer:
         if key not in _COMPILED:
             _COMPILED[key] = jax.jit(self._step, out_shardings=(t.shardings.state(t.tx, state), t.shardings.replicated),
                                      compiler_options=t.compiler_options or None)
-        batch = jax.device_put(batch, t.shardings.replicated)
+        batch = put(batch, dict.fromkeys(batch, t.shardings.replicated))  # every process has the whole batch
         return _COMPILED[key](state, frozen, reference, batch)
