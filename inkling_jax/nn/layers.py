@@ -32,9 +32,9 @@ class Linear(nnx.Module):
         self.backend = backend  # which kernels run (`inkling_jax.backend`): the batch-invariant matmul or XLA's
 
     @classmethod
-    def from_kernel(cls, kernel) -> "Linear":
-        """A Linear holding `kernel [in, out]` (no random draw)."""
-        linear = nnx.eval_shape(lambda: cls(*kernel.shape, dtype=kernel.dtype, rngs=nnx.Rngs(0)))
+    def from_kernel(cls, kernel, backend: Backend) -> "Linear":
+        """A Linear holding `kernel [in, out]` (no random draw), running `backend` (its source module's)."""
+        linear = nnx.eval_shape(lambda: cls(*kernel.shape, dtype=kernel.dtype, rngs=nnx.Rngs(0), backend=backend))
         linear.kernel = nnx.Param(kernel)
         return linear
 

@@ -26,7 +26,7 @@ class FusedAttention(ServingForm, Attention):
     def fuse(cls, attention: Attention) -> FusedAttention:
         """From an attention with the four maps: their kernels side by side."""
         kernels = [getattr(attention, name).kernel[...] for name in PROJECTIONS]
-        return cls(attention, Linear.from_kernel(jnp.concatenate(kernels, axis=1)), attention.wo)
+        return cls(attention, Linear.from_kernel(jnp.concatenate(kernels, axis=1), attention.wq.backend), attention.wo)
 
     def _project(self, u):
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -44,7 +44,8 @@ class FusedMLP(_ServingMLP):
     def fuse(cls, mlp: DenseMLP) -> FusedMLP:
         """From the model's MLP: its gate and up kernels side by side."""
         gate_up = jnp.concatenate([mlp.w_gate[...], mlp.w_up[...]], axis=1)
-        return cls(Linear.from_kernel(gate_up), Linear.from_kernel(mlp.w_down[...]), mlp.global_scale)
+        return cls(Linear.from_kernel(gate_up, mlp.backend), Linear.from_kernel(mlp.w_down[...], mlp.backend),
+                   mlp.global_scale)
 
     def _gate_up(self, x):
         return jnp.split(self.w_gate_up(x), 2, axis=-1)

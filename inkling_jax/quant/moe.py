@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from inkling_jax.backend import Backend
 from inkling_jax.nn.layers import Linear, swiglu
 from inkling_jax.nn.moe import MoE
 from inkling_jax.nn.moe_dispatch import ROUTED_BF16, SHARED_NAMES
@@ -56,7 +57,7 @@ class WidenedSharedExperts(ServingForm):
         self.w_gate_up, self.w_down = w_gate_up, w_down
 
     @classmethod
-    def widen(cls, stacks: SharedExpertStacks) -> WidenedSharedExperts:
+    def widen(cls, stacks: SharedExpertStacks, backend: Backend) -> WidenedSharedExperts:
         gate, up, down = stacks.stacks()
         s, h, i = gate.shape
 
@@ -64,7 +65,7 @@ class WidenedSharedExperts(ServingForm):
             return w.transpose(1, 0, 2).reshape(h, s * i)
 
         gate_up = jnp.concatenate([wide(gate), wide(up)], axis=1)
-        return cls(Linear.from_kernel(gate_up), SummedUnitsLinear(down.reshape(s * i, h), units=s))
+        return cls(Linear.from_kernel(gate_up, backend), SummedUnitsLinear(down.reshape(s * i, h), units=s))
 
     def stacks(self):
         return None

@@ -95,7 +95,7 @@ def moe_view(moe: MoE, quant: QuantConfig = QuantConfig(), *, fuse: bool = False
     if quant.fp8_twins and isinstance(experts, Nvfp4RoutedExperts):
         experts = experts.with_twin()
     if fuse and isinstance(shared, SharedExpertStacks):
-        shared = WidenedSharedExperts.widen(shared)
+        shared = WidenedSharedExperts.widen(shared, moe.backend)
     if isinstance(shared, WidenedSharedExperts):
         shared = WidenedSharedExperts(_held(shared.w_gate_up, quant, moe.backend),
                                       _held(shared.w_down, quant, moe.backend))

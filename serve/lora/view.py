@@ -50,7 +50,8 @@ def lora_view(model: InklingModel, slots: int, rank: int) -> InklingModel:
             layer.mlp = adapted_moe(mlp, f"{p}mlp.", model.config.text, slots, rank, rows)
             continue
         if type(mlp) is DenseMLP:  # the model's own form: its matrices become linear modules to adapt
-            mlp = SplitMLP(*(Linear.from_kernel(w[...]) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)), mlp.global_scale)
+            mlp = SplitMLP(*(Linear.from_kernel(w[...], mlp.backend) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)),
+                           mlp.global_scale)
         if isinstance(mlp, SplitMLP):
             mlp.w_gate = adapted(mlp.w_gate, (f"{p}mlp.w_gate",), hidden)
             mlp.w_up = adapted(mlp.w_up, (f"{p}mlp.w_up",), hidden)
