@@ -206,8 +206,8 @@ def test_a_draft_model_gives_the_greedy_tokens_and_keeps_its_cache_in_step(model
         engine.shutdown(drain_seconds=0)
 
 
-@pytest.mark.parametrize("method,k", [("mtp", k) for k in (2, 3, 5, 6, 7, 8)] +
-                         [("draft", k) for k in (1, 2, 4, 5, 6, 7, 8)])  # (the tests above take mtp 1, 4; draft 3)
+@pytest.mark.parametrize("method,k", [("mtp", 2), ("mtp", 8), ("draft", 8)])  # (above: mtp 1 and 4, draft 3; the
+# oracle at every K from 1 to 8 runs the same verify and rollback programs as these methods)
 def test_every_number_of_drafts_gives_the_greedy_tokens(model, greedy, method, k):
     """The head's own drafts (random weights: mostly rejected, so rounds roll back) or a twin draft model's (the
     greedy tokens: accepted, up to the end of the output)."""
