@@ -43,7 +43,8 @@ def _shrink_kernel(slots_ref, ends_ref, x_ref, a_ref, h_ref, *, blocks: Segmente
             x = tiles.read(x_ref, pl.ds(first, blocks.rows), pl.ds(k0, blocks.k), mask=mask)
             return h + tiles.matmul(x, tiles.adapter_tile(a_ref, slot, k0, blocks.k, 0, rank))
 
-        return lax.fori_loop(0, jnp.where(slot == 0, 0, pl.cdiv(fan_in, blocks.k)), step, h)
+        steps = pl.cdiv(fan_in, blocks.k)  # bounds as in gathered.py: slot 0 starts at the end
+        return lax.fori_loop(jnp.where(slot == 0, steps, 0), steps, step, h)
 
     h_ref[...] = _fold_runs(slots_ref, ends_ref, first, blocks.rows, run,
                             jnp.zeros((blocks.rows, rank), jnp.float32))
