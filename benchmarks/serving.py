@@ -25,6 +25,7 @@ levels above it: `--concurrency 32` alone decodes 33 rows and prefills one promp
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -137,11 +138,13 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
 
 
 def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int,
-             separate: bool = False):
+             separate: bool = False, adapters: list[str | None] | None = None):
     """`concurrency` prompts submitted together as one engine request (as /v1/completions takes a list of
     prompts), so that they all arrive before the engine's next step, as the peer's batch does; or, `separate`,
     as one request each, submitted in a loop as a burst of clients would: the engine thread wakes on the first
-    and may prefill the rest in a later step."""
+    and may prefill the rest in a later step. `adapters`: each prompt's LoRA adapter (None: the base), a request's
+    own, so given, the prompts are separate requests."""
+    separate = separate or adapters is not None
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     times: list[list[float]] = [[] for _ in range(concurrency)]
@@ -158,7 +161,8 @@ def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens
     start = time.perf_counter()
     if separate:
         for i, prompt in enumerate(prompts):
-            engine.submit(f"bench-{seed}-{i}", [prompt], params, 1, Timestamps, lambda out, i=i: sink(out, i))
+            engine.submit(f"bench-{seed}-{i}", [prompt], params, 1, Timestamps, lambda out, i=i: sink(out, i),
+                          adapter=None if adapters is None else adapters[i])
     else:
         engine.submit(f"bench-{seed}", prompts, params, 1, Timestamps, sink)
     if not done.wait(600):
@@ -210,9 +214,9 @@ def run_peer(prompt_tokens: int, output_tokens: int) -> dict:
     return json.loads(peer.stdout.strip().splitlines()[-1])
 
 
-def build_engine(args, levels, placement, results):
+def build_engine(args, levels, placement, results, **changes):
     """The preset's model with random weights in the requested precisions, and a started engine whose buckets
-    fit the levels (module doc)."""
+    fit the levels (module doc); `changes`: EngineConfig fields set otherwise (a benchmark's own)."""
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
@@ -229,6 +233,7 @@ def build_engine(args, levels, placement, results):
                                  max_queued=max(levels) + 1, decode_steps=args.decode_steps,
                                  fuse_projections=not args.no_fuse_projections,
                                  memory_fraction=args.memory_fraction)
+    engine_config = dataclasses.replace(engine_config, **changes)
     model = placement.model_view(model, engine_config.fuse_projections)  # as serve.app: the unfused weights freed
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
