@@ -5,24 +5,28 @@ the base alone measured in the same run, and the time to load one adapter.
     python -m benchmarks.multi_lora --preset tiny --adapters 0,1,2 --concurrency 2 --prompt-tokens 16 \\
         --output-tokens 4 --passes 1 --experts             # a functional check on CPU
 
-One engine (`benchmarks.serving.build_engine`: random weights, bf16, fused projections) with an adapter slot for
-each of the most distinct adapters asked for. Random adapters of `--rank` on every weight the server adapts
-(attention q, k, v, r, o and the dense MLPs; with `--experts` also the routed and shared experts), written as
-`train.run --lora-rank` writes them and loaded as `/v1/load_lora_adapter` loads them. For each adapter count N
-(0 always among them: the base every ratio divides by), `--concurrency` random prompts (greedy, fixed output
-length, EOS ignored) are submitted as separate requests at once, row i taking adapter i mod N (N = 0: all the
-base); a first, shorter pass with the same adapters runs before the timed ones (`--passes`), so that they neither
-compile nor load an adapter. Each row reports the median pass's output tok/s, its ratio to the base's and its
-TPOT (time per output token after the first, per request, p50). The engine has one row bucket, every row, and a
-token budget that prefills every prompt in one step. The load of one adapter (median of a few, each under a new name) is timed from its
-file to ready in a device slot: read and checked, then its factors written into the slot and the step's
-parameters taken anew, on the device.
+One engine (`benchmarks.serving.build_engine`: random weights, bf16, fused projections; one row bucket, every row,
+and a token budget that prefills every prompt in one step) with an adapter slot for each of the most distinct
+adapters asked for. Random adapters of `--rank` on every weight the server adapts (attention q, k, v, r, o and the
+dense MLPs; with `--experts` also the routed and shared experts), written as `train.run --lora-rank` writes them
+and loaded as `/v1/load_lora_adapter` loads them. For each adapter count N (0 always among them: the base every
+ratio divides by), `--concurrency` random prompts (greedy, fixed output length, EOS ignored) are submitted at once
+as separate requests, row i taking adapter i mod N (N = 0: all the base). A first, shorter pass with the same
+adapters puts them in their slots, so the timed passes (`--passes`) load none (the engine compiled every step
+at its start). Each row reports the median pass's output tok/s, its ratio to the base's and its TPOT (time per
+output token after the first, per request, p50). The JSON also counts the tokens each adapter generated (the
+engine's metrics): every row ran with its adapter. The load of one adapter (median of a few, each under a new
+name) is timed from its file to ready in a device slot: read and checked, then its factors written into the slot
+and the step's parameters taken anew, on the device.
 
 Adapter slots hold `--rank` factors (fp32) for every adaptable weight, the experts' included, whether the adapters
-use them or not; the run prints their bytes.
+use them or not; the run prints their bytes (the `bench` preset at rank 16: 50.5 MiB for attention and the dense
+MLPs and 229.5 MiB for the experts per slot, 9.0 GiB for 33 slots).
 """
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -33,7 +37,8 @@ import jax
 import numpy as np
 
 from benchmarks.serving import build_engine, run_load
-from benchmarks.timing import stamp, stamp_line
+from benchmarks.timing import attempt, stamp, stamp_line
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.generate import flat_params
 from serve.engine.config import EngineConfig
 from serve.lora.config import LoRAConfig
@@ -66,6 +71,7 @@ def parse_args(argv=None):
                    help="token budget of a step (default: every prompt prefills in one step)")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
                    help="share of the free device memory the KV pool may take")
+    add_backend_flag(p)
     p.add_argument("--out", help="directory for multi_lora.json")
     # what `build_engine` reads beyond these: bf16 weights (expert adapters need bf16 routed experts), fused
     # projections (the adapters of fused projections stay fused)
@@ -121,20 +127,27 @@ def load_ms(engine, path: str, label: str) -> dict[str, float]:
             "total_ms": 1e3 * statistics.median(np.add(reads, slots))}
 
 
-def measure(args, engine, names: dict[str, list[str]], vocab: int) -> list[dict]:
-    """A warm-up pass, then the timed one, for every adapter count of every kind of adapter."""
+def measure_row(args, engine, adapters: list[str | None], vocab: int, seed: int) -> dict:
+    """The warm-up pass, then `args.passes` timed ones, of the rows' `adapters`; the median timed pass."""
+    run_load(engine, args.concurrency, args.prompt_tokens, 4, vocab, seed=1000 + seed, adapters=adapters)
+    passes = sorted((run_load(engine, args.concurrency, args.prompt_tokens, args.output_tokens, vocab, seed=seed,
+                              adapters=adapters) for _ in range(args.passes)), key=lambda r: r["tok_s"])
+    return {**passes[len(passes) // 2], "passes_tok_s": [r["tok_s"] for r in passes]}
+
+
+def measure(args, engine, names: dict[str, list[str]], vocab: int, errors: dict) -> list[dict]:
+    """A row for every adapter count of every kind of adapter (a failed one recorded in `errors`, the rest go
+    on), each with its ratio to the base's."""
     runs = [("dense", n) for n in args.counts] + [("experts", n) for n in args.counts if n and "experts" in names]
     found = []
     for seed, (kind, count) in enumerate(runs):
         adapters = [names[kind][i % count] if count else None for i in range(args.concurrency)]
-        run_load(engine, args.concurrency, args.prompt_tokens, 4, vocab, seed=1000 + seed, adapters=adapters)
-        passes = sorted((run_load(engine, args.concurrency, args.prompt_tokens, args.output_tokens, vocab,
-                                  seed=seed, adapters=adapters) for _ in range(args.passes)), key=lambda r: r["tok_s"])
-        found.append({"adapters": count, "targets": "base" if count == 0 else kind, **passes[len(passes) // 2],
-                      "passes_tok_s": [r["tok_s"] for r in passes]})
-    base = found[0]["tok_s"]
+        targets = "base" if count == 0 else kind
+        row = attempt(f"{count} {targets}", functools.partial(measure_row, args, engine, adapters, vocab, seed), errors)
+        found += [] if row is None else [{"adapters": count, "targets": targets, **row}]
+    base = next((row["tok_s"] for row in found if row["targets"] == "base"), None)
     for row in found:
-        row["x_base"] = row["tok_s"] / base
+        row["x_base"] = None if base is None else row["tok_s"] / base
     return found
 
 
@@ -154,7 +167,8 @@ def report(args, results) -> None:
     print("| distinct adapters | adapted weights | output tok/s | x base | TPOT p50 ms | TTFT p50 ms |")
     print("|---:|---|---:|---:|---:|---:|")
     for r in results["runs"]:
-        print(f"| {r['adapters']} | {KINDS.get(r['targets'], 'base')} | {r['tok_s']:.1f} | {r['x_base']:.3f} | "
+        ratio = "-" if r["x_base"] is None else f"{r['x_base']:.3f}"
+        print(f"| {r['adapters']} | {KINDS.get(r['targets'], 'base')} | {r['tok_s']:.1f} | {ratio} | "
               f"{r['tpot_p50_ms']:.2f} | {r['ttft_p50_ms']:.1f} |")
     if args.out:
         with open(os.path.join(args.out, "multi_lora.json"), "w") as f:
@@ -165,7 +179,7 @@ def main(argv=None):
     args = parse_args(argv)
     kinds = ["dense"] + (["experts"] if args.experts else [])
     largest = max(args.counts[-1], 1)
-    results = {"args": vars(args), "stamp": stamp()}
+    results = {"args": {**vars(args), "backend": dataclasses.asdict(args.backend)}, "stamp": stamp()}
     with tempfile.TemporaryDirectory(prefix="multi-lora-") as directory:
         # Adapters are loaded at run time from under `directory`; host memory keeps every one of them.
         config = LoRAConfig((), max_loras=largest, max_rank=args.rank, root=directory,
@@ -181,10 +195,15 @@ def main(argv=None):
             paths = write_adapters(directory, runner.lora.shapes, kind, largest, args.rank)
             names[kind] = [runner.lora.register(f"{kind}-{i + 1}", p).name for i, p in enumerate(paths)]
             results["file_bytes"][kind] = os.path.getsize(paths[0])
-        results["runs"] = measure(args, engine, names, model.config.text.unpadded_vocab_size)
+        results["errors"] = {}
+        results["runs"] = measure(args, engine, names, model.config.text.unpadded_vocab_size, results["errors"])
+        sample = engine.metrics.registry.get_sample_value
+        results["tokens_per_adapter"] = {name: sample("inkling_lora_generation_tokens_total", {"adapter": name}) or 0
+                                         for kind in kinds for name in names[kind]}
         engine.shutdown(drain_seconds=0)
-        results["load"] = {kind: load_ms(engine, os.path.join(directory, f"{kind}-1.safetensors"), kind)
-                           for kind in kinds}
+        loads = {kind: attempt(f"load {kind}", functools.partial(load_ms, engine, os.path.join(
+            directory, f"{kind}-1.safetensors"), kind), results["errors"]) for kind in kinds}
+        results["load"] = {kind: found for kind, found in loads.items() if found is not None}
     report(args, results)
 
 

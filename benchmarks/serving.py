@@ -40,6 +40,7 @@ import numpy as np
 from benchmarks.model import decode_step_bytes
 from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
 from inkling_jax import preset
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
@@ -200,6 +201,7 @@ def parse_args(argv=None):
                    help="dense weights (MLPs, LM head; nvfp4 also attention, shared experts), as serve.app's flag")
     p.add_argument("--fp8-twins", action="store_true", help="fp8 copies of the NVFP4 weights for wide steps, as "
                    "serve.app's flag")
+    add_backend_flag(p)
     p.add_argument("--out", help="directory for serve.json")
     return p.parse_args(argv)
 
@@ -221,7 +223,7 @@ def build_engine(args, levels, placement, results, **changes):
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
     config = preset(args.preset)
-    model = random_weights(config, dtype)
+    model = random_weights(config, dtype, backend=args.backend)
     model = serving_view(model, QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins), fuse=False)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
@@ -313,7 +315,7 @@ def main(argv=None):
     placement = Placement.from_spec(args.mesh)
     placement.check(preset(args.preset).text, dense_precision=args.dense_precision)
     levels = sorted(int(c) for c in args.concurrency.split(","))
-    results = {"args": vars(args)}
+    results = {"args": {**vars(args), "backend": dataclasses.asdict(args.backend)}}
     if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
         results.update(run_peer(args.prompt_tokens, args.output_tokens))
     results["stamp"] = stamp(transformers=results.get("transformers"), torch=results.get("torch"))
