@@ -25,6 +25,7 @@ levels above it: `--concurrency 32` alone decodes 33 rows and prefills one promp
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,6 +40,7 @@ import numpy as np
 from benchmarks.model import decode_step_bytes
 from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
 from inkling_jax import preset
+from inkling_jax.backend import add_backend_flag
 from inkling_jax.quant import QuantConfig, serving_view
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
@@ -137,11 +139,13 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
 
 
 def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int,
-             separate: bool = False):
+             separate: bool = False, adapters: list[str | None] | None = None):
     """`concurrency` prompts submitted together as one engine request (as /v1/completions takes a list of
     prompts), so that they all arrive before the engine's next step, as the peer's batch does; or, `separate`,
     as one request each, submitted in a loop as a burst of clients would: the engine thread wakes on the first
-    and may prefill the rest in a later step."""
+    and may prefill the rest in a later step. `adapters`: each prompt's LoRA adapter (None: the base), a request's
+    own, so given, the prompts are separate requests."""
+    separate = separate or adapters is not None
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     times: list[list[float]] = [[] for _ in range(concurrency)]
@@ -158,7 +162,8 @@ def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens
     start = time.perf_counter()
     if separate:
         for i, prompt in enumerate(prompts):
-            engine.submit(f"bench-{seed}-{i}", [prompt], params, 1, Timestamps, lambda out, i=i: sink(out, i))
+            engine.submit(f"bench-{seed}-{i}", [prompt], params, 1, Timestamps, lambda out, i=i: sink(out, i),
+                          adapter=None if adapters is None else adapters[i])
     else:
         engine.submit(f"bench-{seed}", prompts, params, 1, Timestamps, sink)
     if not done.wait(600):
@@ -196,6 +201,7 @@ def parse_args(argv=None):
                    help="dense weights (MLPs, LM head; nvfp4 also attention, shared experts), as serve.app's flag")
     p.add_argument("--fp8-twins", action="store_true", help="fp8 copies of the NVFP4 weights for wide steps, as "
                    "serve.app's flag")
+    add_backend_flag(p)
     p.add_argument("--out", help="directory for serve.json")
     return p.parse_args(argv)
 
@@ -210,14 +216,14 @@ def run_peer(prompt_tokens: int, output_tokens: int) -> dict:
     return json.loads(peer.stdout.strip().splitlines()[-1])
 
 
-def build_engine(args, levels, placement, results):
+def build_engine(args, levels, placement, results, **changes):
     """The preset's model with random weights in the requested precisions, and a started engine whose buckets
-    fit the levels (module doc)."""
+    fit the levels (module doc); `changes`: EngineConfig fields set otherwise (a benchmark's own)."""
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
     config = preset(args.preset)
-    model = random_weights(config, dtype)
+    model = random_weights(config, dtype, backend=args.backend)
     model = serving_view(model, QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins), fuse=False)
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
@@ -229,6 +235,7 @@ def build_engine(args, levels, placement, results):
                                  max_queued=max(levels) + 1, decode_steps=args.decode_steps,
                                  fuse_projections=not args.no_fuse_projections,
                                  memory_fraction=args.memory_fraction)
+    engine_config = dataclasses.replace(engine_config, **changes)
     model = placement.model_view(model, engine_config.fuse_projections)  # as serve.app: the unfused weights freed
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
@@ -308,7 +315,7 @@ def main(argv=None):
     placement = Placement.from_spec(args.mesh)
     placement.check(preset(args.preset).text, dense_precision=args.dense_precision)
     levels = sorted(int(c) for c in args.concurrency.split(","))
-    results = {"args": vars(args)}
+    results = {"args": {**vars(args), "backend": dataclasses.asdict(args.backend)}}
     if not args.no_peer:  # first, in its own process: JAX would otherwise hold most of the GPU's memory
         results.update(run_peer(args.prompt_tokens, args.output_tokens))
     results["stamp"] = stamp(transformers=results.get("transformers"), torch=results.get("torch"))

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inkling_jax import preset
+from serve.lora.random_adapters import random_factors
 from serve.random_weights import random_model
 from tests.backends import REFERENCE
 from train import lora
@@ -21,19 +22,13 @@ def base_model():
 
 
 def random_adapters(model, rank: int, seed: int, layers=(0, 1), experts: bool = True) -> dict[str, np.ndarray]:
-    """Nonzero A and B on every attention projection of `layers`, the dense MLP of layer 0 and (with `experts`)
-    the routed and shared experts of layer 1, in `train.lora`'s names, large enough to change greedy tokens."""
+    """Random factors (`serve.lora.random_adapters`) on every attention projection of `layers`, the dense MLP of
+    layer 0 and (with `experts`) the routed and shared experts of layer 1."""
     flat = model_params(model)
-    rng = np.random.default_rng(seed)
     targets = [f"layers.{i}.attn.{n}.kernel" for i in layers for n in ATTENTION]
     targets += [f"layers.0.mlp.{n}" for n in ("w_gate", "w_up", "w_down")] if 0 in layers else []
     targets += [f"layers.1.mlp.{n}" for n in EXPERTS] if experts and 1 in layers else []
-    out = {}
-    for name in targets:
-        *lead, fan_in, fan_out = flat[name].shape
-        out[name + lora.A] = (rng.standard_normal((*lead, fan_in, rank)) / np.sqrt(fan_in)).astype(np.float32)
-        out[name + lora.B] = (rng.standard_normal((*lead, rank, fan_out)) * 0.5).astype(np.float32)
-    return out
+    return random_factors({name: flat[name].shape for name in targets}, rank, seed)
 
 
 def without_experts(adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
