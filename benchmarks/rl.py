@@ -200,7 +200,7 @@ def terminate(signum, frame):
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION)  # read when the GPU is first used
-    signal.signal(signal.SIGTERM, terminate)
+    previous = signal.signal(signal.SIGTERM, terminate)
     gpu = jax.default_backend() == "gpu"
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     base = preset(args.preset)
@@ -240,6 +240,7 @@ def main(argv=None):
         print(f"bf16 matmul ceiling {found['ceiling_flops'] / 1e12:.1f} TFLOP/s; model FLOPs per trained token "
               f"{flops_per_token / 1e9:.2f} G")
         print(table(found["modes"], flops_per_token, found["ceiling_flops"]), flush=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":
