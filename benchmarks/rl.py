@@ -228,6 +228,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     try:
         for mode in args.modes:
+            if MODES[mode][0] and not moe_layers:  # the engine would refuse to record: say why, and go on
+                found["modes"][mode] = {"error": f"no MoE layer in the first {args.layers} layers: nothing to replay"}
+                continue
             errors: dict = {}
             found["modes"][mode] = attempt(mode, lambda: run_mode(args, config, mode, seq_len), errors) or \
                 {"error": errors.get(mode, "failed")}
