@@ -93,8 +93,8 @@ def plan_lines(plan: dict, budget: int | None) -> list[str]:
     """The plan as a markdown table, in GB."""
     counts, parts = plan["parameters"], plan["bytes"]
     limit = f"{budget / 1e9:.1f}" if budget else "(not reported)"
-    return [f"parameters: {counts['total'] / 1e9:.3f} B, trained {counts['trained'] / 1e9:.3f} B, frozen "
-            f"{counts['frozen'] / 1e9:.3f} B", "| memory (GB) | " + " | ".join(parts) + " | device |",
+    return [(f"parameters: {counts['total'] / 1e9:.3f} B, trained {counts['trained'] / 1e9:.3f} B, frozen "
+             f"{counts['frozen'] / 1e9:.3f} B"), "| memory (GB) | " + " | ".join(parts) + " | device |",
             "|---|" + "---:|" * (len(parts) + 1),
             "| planned | " + " | ".join(f"{v / 1e9:.1f}" for v in parts.values()) + f" | {limit} |"]
 
