@@ -2,6 +2,7 @@
 runs a module, in this process), and the timing module they share measures what it says on CPU: the calls it
 times, the ceilings, the stamp, the guard that keeps a failed measurement from stopping a run."""
 
+import json
 import math
 import runpy
 import sys
@@ -9,13 +10,13 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import timing
+from benchmarks import rl, timing
 
 
 # runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("name", ["model", "serving", "serving_sweep", "speculative", "training", "kernels", "moe",
-                                  "conversion", "timing", "multi_lora"])
+                                  "conversion", "timing", "multi_lora", "rl"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:
@@ -77,3 +78,22 @@ def test_attempt_returns_the_result_or_records_the_failure_and_goes_on(capsys):
     assert timing.attempt("too big", fails, errors) is None
     assert errors == {"too big": "MemoryError: out of memory while trying to allocate 37.5GiB"}
     assert "too big FAILED MemoryError" in capsys.readouterr().out
+
+
+def test_the_rl_benchmark_runs_every_mode_and_reports_each(tmp_path, capsys):
+    """`python -m benchmarks.rl` at the tiny preset, one timed step per mode: rl.json holds every mode's steps and
+    figures, the batch-invariant mode's mismatch is exactly 0, and the table comes last."""
+    rl.main(["--preset", "tiny", "--layers", "2", "--concurrency", "4", "--group-size", "2", "--prompt-tokens", "8",
+             "--output-tokens", "4", "--steps", "1", "--backend", "reference,moe=dense", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "rl.json").read_text())
+    assert list(found["modes"]) == list(rl.MODES)
+    for mode, result in found["modes"].items():
+        assert "error" not in result, result
+        assert len(result["steps"]) == 2 and all(s["generated_tokens"] > 0 for s in result["steps"])
+        for key in ("rollout_tokens_per_s", "serving_tokens_per_s", "train_tokens_per_s", "weight_sync_s"):
+            assert math.isfinite(result[key]) and result[key] > 0, (mode, key)
+    assert all(s["logprob_abs_diff_max"] == 0.0 for s in found["modes"]["invariant"]["steps"])
+    assert found["memory_plan"]["parameters"]["frozen"] > 0  # the embedding and the head, by default
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-5].startswith("| mode |") and [line.split(" | ")[0] for line in lines[-3:]] == [
+        f"| {mode}" for mode in rl.MODES]
