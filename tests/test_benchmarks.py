@@ -82,18 +82,20 @@ def test_attempt_returns_the_result_or_records_the_failure_and_goes_on(capsys):
 
 def test_the_rl_benchmark_runs_every_mode_and_reports_each(tmp_path, capsys):
     """`python -m benchmarks.rl` at the tiny preset, one timed step per mode: rl.json holds every mode's steps and
-    figures, the batch-invariant mode's mismatch is exactly 0, and the table comes last."""
+    figures, and the table comes last. The fast modes only (CI time): the batch-invariant one is train.rl's
+    `--batch-invariant`, whose exact zero tests/train/test_rl.py asserts."""
+    modes = ("fast", "replay")
     rl.main(["--preset", "tiny", "--layers", "2", "--concurrency", "4", "--group-size", "2", "--prompt-tokens", "8",
-             "--output-tokens", "4", "--steps", "1", "--backend", "reference,moe=dense", "--out", str(tmp_path)])
+             "--output-tokens", "4", "--steps", "1", "--backend", "reference,moe=dense", "--modes", ",".join(modes),
+             "--out", str(tmp_path)])
     found = json.loads((tmp_path / "rl.json").read_text())
-    assert list(found["modes"]) == list(rl.MODES)
+    assert list(found["modes"]) == list(modes)
     for mode, result in found["modes"].items():
         assert "error" not in result, result
         assert len(result["steps"]) == 2 and all(s["generated_tokens"] > 0 for s in result["steps"])
         for key in ("rollout_tokens_per_s", "serving_tokens_per_s", "train_tokens_per_s", "weight_sync_s"):
             assert math.isfinite(result[key]) and result[key] > 0, (mode, key)
-    assert all(s["logprob_abs_diff_max"] == 0.0 for s in found["modes"]["invariant"]["steps"])
     assert found["memory_plan"]["parameters"]["frozen"] > 0  # the embedding and the head, by default
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-5].startswith("| mode |") and [line.split(" | ")[0] for line in lines[-3:]] == [
-        f"| {mode}" for mode in rl.MODES]
+    header, rows = lines[-2 - len(modes)], lines[-len(modes):]
+    assert header.startswith("| mode |") and [row.split(" | ")[0] for row in rows] == [f"| {m}" for m in modes]
