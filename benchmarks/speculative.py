@@ -128,8 +128,12 @@ def throughput(args) -> dict:
                                     "tok_s": level * args.output_tokens / seconds,
                                     "mean_acceptance_length": acceptance.mean_length,
                                     "position_rates": acceptance.position_rates})
+            print(f"{label}, {level} rows: {results['runs'][-1]['tok_s']:.1f} tok/s, "
+                  f"compile {engine.warm_up_seconds:.0f} s", flush=True)  # progress, should the run be cut short
         engine.shutdown(drain_seconds=0)
         results["rows"][label] = {n: 1e3 * round_seconds(engine, n) for n in ROWS}
+        print(f"{label} program ms at {', '.join(map(str, ROWS))} rows: "
+              + ", ".join(f"{ms:.2f}" for ms in results["rows"][label].values()), flush=True)
         del engine
         gc.collect()  # the engine's cache and programs, before the next engine allocates its own
     return results
