@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-PACKAGES = ("inkling_jax", "pallas_kernels", "serve", "train", "benchmarks")
+PACKAGES = ("inkling_jax", "pallas_kernels", "serve", "train", "plan", "benchmarks")
 MAX_LINES = 360
 
 
@@ -83,6 +83,19 @@ def test_no_import_cycles():
     assert len(graph) > 50  # the walk found the packages
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# What each package may import besides itself: the kernels and the model know nothing of serving, training or
+# the tools built on them (serve and train use each other: the engine reads train's adapters, RL runs the engine).
+MAY_IMPORT = {"pallas_kernels": set(), "inkling_jax": {"pallas_kernels"},
+              "serve": {"pallas_kernels", "inkling_jax", "train"}, "train": {"pallas_kernels", "inkling_jax", "serve"},
+              "plan": {"pallas_kernels", "inkling_jax", "serve", "train"}, "benchmarks": set(PACKAGES)}
+
+
+def test_packages_import_only_the_layers_below_them():
+    wrong = sorted(f"{name} -> {target}" for name, targets in _graph().items() for target in targets
+                   if (low := target.split(".")[0]) != name.split(".")[0] and low not in MAY_IMPORT[name.split(".")[0]])
+    assert not wrong, "imports against the layering: " + ", ".join(wrong)
 
 
 def test_modules_are_short():

@@ -16,11 +16,11 @@ from inkling_jax import preset
 from inkling_jax.nn.model import InklingModel
 from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model
-from inkling_jax.plan.__main__ import main
-from inkling_jax.plan.aot import compare
-from inkling_jax.plan.serving import serving_plan
-from inkling_jax.plan.training import training_plan
-from inkling_jax.plan.weights import abstract_mesh, bytes_by_kind, kind_of, model_weights
+from plan.__main__ import main
+from plan.aot import compare
+from plan.serving import serving_plan
+from plan.training import training_plan
+from plan.weights import abstract_mesh, bytes_by_kind, kind_of, model_weights
 from inkling_jax.quant import QuantConfig, serving_view
 from serve.engine.config import EngineConfig
 from serve.runner.placement import Placement
@@ -113,7 +113,7 @@ def test_the_command_says_whether_it_fits_and_refuses_bad_meshes(capsys):
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_the_compiled_steps_arguments_are_the_plans_state(lora_rank):
-    """The AOT cross-check (`inkling_jax.plan.aot`) on the tiny preset: what XLA's step takes as arguments, to the
+    """The AOT cross-check (`plan.aot`) on the tiny preset: what XLA's step takes as arguments, to the
     byte, is what the plan counts as the trainer's state (the towers and MTP head left out: jit drops them)."""
     config = dataclasses.replace(preset("tiny"), vision=None, audio=None, mtp=None)
     rows = compare(config, "fsdp=2,tensor=2,expert=2", lora_rank=lora_rank, micro_batch=8, seq_len=16)

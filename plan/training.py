@@ -9,7 +9,7 @@ they are reduce-scattered: the largest layer's, twice, in the compute dtype. Act
 token and layer, the tensors each policy keeps (`REMAT_POLICIES`) in the compute dtype, with heads and MLP
 widths split over `tensor` and rows over the batch axes, not the attention scores (the attention kernels
 recompute them), plus one loss chunk's logits and their gradient in fp32. The AOT cross-check
-(`inkling_jax.plan.aot`) sets them beside what XLA's compiled step says.
+(`plan.aot`) sets them beside what XLA's compiled step says.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh
 
 from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.parallel.rules import logical_axes, spec_for
-from inkling_jax.plan.weights import Weight, model_weights
+from plan.weights import Weight, model_weights
 from train.lora import TARGETS, adapter_axes
 from train.optim import OptimConfig, make_optimizer
 from train.state import BIAS_NAME, is_trainable

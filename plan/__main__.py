@@ -1,9 +1,9 @@
-"""`python -m inkling_jax.plan`: what a model takes on each device, for serving or training, before any device
+"""`python -m plan`: what a model takes on each device, for serving or training, before any device
 is touched (docs/scale.md).
 
-    python -m inkling_jax.plan --preset inkling --devices 8 --device-memory-gib 140 --mesh tensor=2,expert=4 \\
+    python -m plan --preset inkling --devices 8 --device-memory-gib 140 --mesh tensor=2,expert=4 \\
         --expert-precision nvfp4 --max-num-seqs 32 --max-model-len 32768
-    python -m inkling_jax.plan --preset inkling --devices 256 --device-memory-gib 140 --mesh fsdp=32,expert=8 \\
+    python -m plan --preset inkling --devices 256 --device-memory-gib 140 --mesh fsdp=32,expert=8 \\
         --train --lora-rank 16 --micro-batch 32 --seq-len 4096
 
 Serving: the weights in the served form, the KV pool the server would size for the memory left
@@ -23,16 +23,16 @@ import jax.numpy as jnp
 from inkling_jax.config import preset
 from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import MeshError, parse_mesh_spec
-from inkling_jax.plan.serving import serving_plan
-from inkling_jax.plan.training import training_plan
-from inkling_jax.plan.weights import GIB, abstract_mesh, bytes_by_kind, model_weights
+from plan.serving import serving_plan
+from plan.training import training_plan
+from plan.weights import GIB, abstract_mesh, bytes_by_kind, model_weights
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
 from serve.engine.config import EngineConfig
 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m inkling_jax.plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m plan", description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--preset", required=True, help="a named configuration: inkling, inkling-small, bench, tiny, ...")
     a("--devices", type=int, required=True)

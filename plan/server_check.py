@@ -1,7 +1,7 @@
 """The serving plan beside the server itself, on this machine's first GPU: a preset's model made there with
 random weights, the allocator's figures once it is in, and the KV pool the engine sizes, each next to the plan's.
 
-    python -m inkling_jax.plan.server_check --preset bench --max-num-seqs 32 --max-model-len 208
+    python -m plan.server_check --preset bench --max-num-seqs 32 --max-model-len 208
 
 The plan is given the allocator's own limit (`bytes_limit`), so the weights and the pool compare directly; the
 engine is built but not started (its warm-up may still shrink the pool where a compiled program needs more than
@@ -19,8 +19,8 @@ from flax import nnx
 
 from inkling_jax.config import preset
 from inkling_jax.nn.model import InklingModel
-from inkling_jax.plan.serving import serving_plan
-from inkling_jax.plan.weights import GIB, abstract_mesh
+from plan.serving import serving_plan
+from plan.weights import GIB, abstract_mesh
 from inkling_jax.quant import QuantConfig, serving_view
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -29,7 +29,7 @@ from serve.runner.placement import Placement
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m inkling_jax.plan.server_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m plan.server_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="bench")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=208)

@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.cache import init_cache
 from inkling_jax.parallel.kernel_sharding import head_shards
-from inkling_jax.plan.weights import Weight, bytes_by_kind, model_weights
+from plan.weights import Weight, bytes_by_kind, model_weights
 from inkling_jax.quant import QuantConfig
 from serve.engine.config import EngineConfig
 from serve.engine.memory_plan import beside_pool_bytes, page_bytes, pages_in

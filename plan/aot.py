@@ -2,7 +2,7 @@
 simulated CPU devices, from shapes alone (no weight is made), at the released per-layer shapes with one layer of
 each kind (`weights.probe`), and its `memory_analysis()` set beside `training_plan` for the same layers.
 
-    python -m inkling_jax.plan.aot --preset inkling --mesh fsdp=2,tensor=2,expert=2 --micro-batch 8 --seq-len 256
+    python -m plan.aot --preset inkling --mesh fsdp=2,tensor=2,expert=2 --micro-batch 8 --seq-len 256
 
 The arguments (masters, moments, frozen weights, biases, counters) agree to the byte: both count the same shapes
 and shardings. The temporaries do not carry from a CPU compile to a GPU (docs/scale.md says why); `--platform
@@ -24,8 +24,8 @@ from inkling_jax.config import preset
 from inkling_jax.nn.model import REMAT_POLICIES, InklingModel
 from inkling_jax.parallel.mesh import make_mesh, parse_mesh_spec
 from inkling_jax.parallel.rules import activation_sharding
-from inkling_jax.plan.training import training_plan
-from inkling_jax.plan.weights import GIB, abstract_mesh, probe
+from plan.training import training_plan
+from plan.weights import GIB, abstract_mesh, probe
 from train.state import abstract_like, model_params
 from train.step import BATCH_KEYS, StepConfig, Trainer
 
@@ -69,7 +69,7 @@ def compare(config, mesh_spec: str, *, lora_rank: int = 0, remat: str = "full", 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m inkling_jax.plan.aot", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m plan.aot", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="inkling")
     p.add_argument("--mesh", default="fsdp=2,tensor=2,expert=2")
     p.add_argument("--lora-rank", type=int, default=0)

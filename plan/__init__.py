@@ -1,2 +1,2 @@
 """Memory plans: what a model takes on each device of a mesh, serving or training, from shapes alone
-(`python -m inkling_jax.plan`, docs/scale.md)."""
+(`python -m plan`, docs/scale.md)."""
