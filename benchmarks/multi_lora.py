@@ -19,9 +19,9 @@ engine's metrics): every row ran with its adapter. The load of one adapter (medi
 name) is timed from its file to ready in a device slot: read and checked, then its factors written into the slot
 and the step's parameters taken anew, on the device.
 
-Adapter slots hold `--rank` factors (fp32) for every adaptable weight, the experts' included, whether the adapters
-use them or not; the run prints their bytes (the `bench` preset at rank 16: 50.5 MiB for attention and the dense
-MLPs and 229.5 MiB for the experts per slot, 9.0 GiB for 33 slots).
+Adapter slots hold `--rank` factors (fp32) for every adaptable weight, the experts' only with `--experts` (the
+server's `--lora-experts`); the run prints their bytes (the `bench` preset at rank 16: 50.5 MiB for attention and
+the dense MLPs and 229.5 MiB for the experts per slot).
 """
 
 import argparse
@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--experts", action=argparse.BooleanOptionalAction, default=False,
                    help="also run adapters that add the routed and shared experts, as separate rows: a step with "
                    "any such row runs its MoE layers on the adapted path (jnp ragged products, no MoE kernels), "
-                   "slower than the base's")
+                   "slower than the base's; on a GPU XLA pads those products to every row per group, which at the "
+                   "`bench` preset's prefill needs more memory than an H200 has")
     p.add_argument("--passes", type=int, default=3, help="timed passes per row; the row reports the median one")
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--max-num-batched-tokens", type=int,
@@ -183,7 +184,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="multi-lora-") as directory:
         # Adapters are loaded at run time from under `directory`; host memory keeps every one of them.
         config = LoRAConfig((), max_loras=largest, max_rank=args.rank, root=directory,
-                            max_cpu_loras=largest * len(kinds))
+                            max_cpu_loras=largest * len(kinds), experts=args.experts)
         # One row bucket, every row: every step of the benchmark runs all of them.
         model, engine = build_engine(args, [args.concurrency], Placement(), results, lora=config,
                                      row_buckets=(args.concurrency + 1,))

@@ -144,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--lora-root", metavar="DIR", help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's) "
       "for adapters under DIR only")
     a("--max-lora-rank", type=number(int, 1), default=16, help="largest LoRA rank served (every slot holds it)")
+    a("--lora-experts", action="store_true", help="LoRA adapters may adapt the MoE's routed and shared experts "
+      "(slower: a batch with such an adapter runs the experts as padded ragged matmuls; see docs/serving.md)")
     a("--num-snapshots", type=number(int, 0), help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=number(int, 1), default=256, help="waiting sequences beyond which requests get 429")
     a("--max-prompt-tokens", type=number(int, 1), help="longest accepted prompt (default: max-model-len - 1)")
@@ -223,7 +225,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=SpeculativeConfig(args.speculative_algorithm,
                                       args.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS)
         if args.speculative_algorithm else None,
-        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank, args.lora_root, args.max_cpu_loras)
+        lora=LoRAConfig(args.lora_modules, args.max_loras, args.max_lora_rank, args.lora_root, args.max_cpu_loras,
+                        args.lora_experts)
         if args.lora_modules or args.lora_root else None)
 
 

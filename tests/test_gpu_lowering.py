@@ -48,7 +48,7 @@ def _abstract_model(expert_precision: str, dense_precision: str, fp8_twins: bool
     def build():
         model = InklingModel(_config(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0), backend=backend)
         view = serving_view(model, QuantConfig(expert_precision, dense_precision, fp8_twins), fuse=False)
-        return lora_view(view, slots=3, rank=16) if lora else view
+        return lora_view(view, slots=3, rank=16, experts=True) if lora else view
     return nnx.eval_shape(build)
 
 

@@ -26,10 +26,10 @@ def _shrink_kernel(slots_ref, x_ref, a_ref, h_ref, *, blocks: GatheredBlocks):
         x = tiles.read(x_ref, token, pl.ds(k0, blocks.k), mask=tiles.lanes_below(k0, blocks.k, fan_in))
         return h + jnp.sum(x[:, None] * tiles.adapter_tile(a_ref, slot, k0, blocks.k, 0, rank), axis=0)
 
-    # A traced lower bound and a static upper one (slot 0: no steps): Triton's loop takes its bounds' types from
-    # both, and a traced upper bound beside a literal 0 fails to verify.
+    # A traced lower bound and a static upper one (slot 0: no steps), the lower one an int32 product: Triton's
+    # loop wants its bounds of one type, and its lowering of `jnp.where` here gives an i1.
     steps = pl.cdiv(fan_in, blocks.k)
-    h_ref[...] = lax.fori_loop(jnp.where(slot == 0, steps, 0), steps, step, jnp.zeros((rank,), jnp.float32))
+    h_ref[...] = lax.fori_loop((slot == 0).astype(jnp.int32) * steps, steps, step, jnp.zeros((rank,), jnp.float32))
 
 
 def _expand_kernel(slots_ref, scale_ref, h_ref, b_ref, y_in_ref, y_ref, *, blocks: GatheredBlocks):

@@ -44,7 +44,7 @@ def _shrink_kernel(slots_ref, ends_ref, x_ref, a_ref, h_ref, *, blocks: Segmente
             return h + tiles.matmul(x, tiles.adapter_tile(a_ref, slot, k0, blocks.k, 0, rank))
 
         steps = pl.cdiv(fan_in, blocks.k)  # bounds as in gathered.py: slot 0 starts at the end
-        return lax.fori_loop(jnp.where(slot == 0, steps, 0), steps, step, h)
+        return lax.fori_loop((slot == 0).astype(jnp.int32) * steps, steps, step, h)
 
     h_ref[...] = _fold_runs(slots_ref, ends_ref, first, blocks.rows, run,
                             jnp.zeros((blocks.rows, rank), jnp.float32))

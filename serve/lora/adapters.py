@@ -71,8 +71,8 @@ def load_adapter(name: str, path: str, shapes: dict[str, tuple[int, ...]], max_r
     for target, (a, b) in sorted(weights.items()):
         if target not in shapes:
             raise ValueError(f"LoRA adapter {name!r}: {target} is not a weight this server adapts (attention q, k, "
-                             "v, r, o, the dense MLP, the shared experts, and the routed experts where they are "
-                             "held in the model's dtype)")
+                             "v, r, o, the dense MLP; with --lora-experts also the shared experts, and the routed "
+                             "experts where they are held in the model's dtype)")
         *lead, fan_in, fan_out = shapes[target]
         if (a.shape[:-1], b.shape[:-2], b.shape[-1]) != ((*lead, fan_in), tuple(lead), fan_out) \
                 or a.shape[-1] != b.shape[-2]:

@@ -23,9 +23,10 @@ from serve.lora.linear import AdapterRows, LoRALinear
 _ATTENTION = ("wq", "wk", "wv", "wr")
 
 
-def lora_view(model: InklingModel, slots: int, rank: int) -> InklingModel:
+def lora_view(model: InklingModel, slots: int, rank: int, experts: bool = False) -> InklingModel:
     """A copy of `model` whose adaptable projections add the adapter of their row's slot; `slots` counts the
-    base's slot 0, `rank` is the largest rank a slot holds. Every slot starts as the base."""
+    base's slot 0, `rank` is the largest rank a slot holds; with `experts`, the MoE layers' routed and shared experts
+    are adaptable too. Every slot starts as the base."""
     view = nnx.clone(model)
     rows = AdapterRows(jnp.zeros((1,), jnp.int32))
 
@@ -47,7 +48,8 @@ def lora_view(model: InklingModel, slots: int, rank: int) -> InklingModel:
         attn.wo = adapted(attn.wo, (f"{p}attn.wo.kernel",), attn.num_heads * attn.head_dim)
         mlp = layer.mlp
         if isinstance(mlp, MoE):
-            layer.mlp = adapted_moe(mlp, f"{p}mlp.", model.config.text, slots, rank, rows)
+            if experts:
+                layer.mlp = adapted_moe(mlp, f"{p}mlp.", model.config.text, slots, rank, rows)
             continue
         if type(mlp) is DenseMLP:  # the model's own form: its matrices become linear modules to adapt
             mlp = SplitMLP(*(Linear.from_kernel(w[...], mlp.backend) for w in (mlp.w_gate, mlp.w_up, mlp.w_down)),

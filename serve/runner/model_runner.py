@@ -70,7 +70,7 @@ class ModelRunner(StepCompilation):
         if config.lora is not None:  # LoRA adapters in device slots of the view (`serve.lora`)
             if self.placement.mesh is not None:
                 raise ValueError("LoRA adapters are not served on a device mesh yet")
-            self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank)
+            self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank, config.lora.experts)
         self.lora = None if config.lora is None else AdapterSlots(self.model, config.lora, on_lora_load)
         self.params, self._merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None

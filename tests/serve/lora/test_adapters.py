@@ -20,7 +20,7 @@ HUB = {"wq": "wq_du", "wk": "wk_dv", "wv": "wv_dv", "wr": "wr_du", "wo": "wo_ud"
 @pytest.fixture(scope="module")
 def model_and_shapes():
     model = base_model()
-    return model, adapted_shapes(lora_view(model, slots=2, rank=8))
+    return model, adapted_shapes(lora_view(model, slots=2, rank=8, experts=True))
 
 
 def peft_dir(path, adapters: dict, alpha: float, rank: int):
@@ -83,11 +83,17 @@ def test_strict_errors_name_the_adapter_and_tensor(model_and_shapes, tmp_path):
         load_adapter("moe", save(tmp_path / "c.safetensors", experts, 8.0), shapes, max_rank=8)
 
     # routed experts held in fp8 are not adapted (their shared experts are)
-    fp8 = adapted_shapes(lora_view(serving_view(model, QuantConfig(expert_precision="fp8")), slots=2, rank=8))
+    fp8 = adapted_shapes(lora_view(serving_view(model, QuantConfig(expert_precision="fp8")), slots=2, rank=8,
+                                   experts=True))
     with pytest.raises(ValueError, match=r"'fp8': layers\.1\.mlp\.w_down is not a weight this server adapts"):
         load_adapter("fp8", save(tmp_path / "d.safetensors", adapters, 8.0), fp8, max_rank=8)
     shared = {n: x for n, x in adapters.items() if ".mlp.w_" not in n or n.startswith("layers.0.")}
     assert load_adapter("fp8", save(tmp_path / "e.safetensors", shared, 8.0), fp8, max_rank=8).rank == 4
+
+    plain = adapted_shapes(lora_view(model, slots=2, rank=8))  # a server without --lora-experts
+    with pytest.raises(ValueError, match=r"'moe': layers\.1\.mlp\.\S+ is not a weight this server adapts.*--lora-experts"):
+        load_adapter("moe", save(tmp_path / "f.safetensors", adapters, 8.0), plain, max_rank=8)
+    assert load_adapter("dense", save(tmp_path / "g.safetensors", without_experts(adapters), 8.0), plain, 8).rank == 4
 
     peft = peft_dir(tmp_path / "peft", without_experts(adapters), 8.0, 4)
     for module in ("mlp.gate", "mlp.experts"):

@@ -73,7 +73,8 @@ def served(tmp_path_factory):
 def lora_engine(model, paths: dict[str, str], root) -> Engine:
     """An engine serving the adapters at `paths` in SLOTS device slots, as many in host memory; prefill chunks of
     up to 16 tokens."""
-    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=SLOTS, max_rank=8, root=str(root), max_cpu_loras=SLOTS)
+    lora = LoRAConfig(modules=tuple(paths.items()), max_loras=SLOTS, max_rank=8, root=str(root), max_cpu_loras=SLOTS,
+                      experts=True)
     return Engine(model, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, page_size=8,
                                       chunk_buckets=(1, 16), row_buckets=(4, 5), num_pages=24, decode_steps=2,
                                       lora=lora), eos_token_id=CONFIG.eos_token_id)

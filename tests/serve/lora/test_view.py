@@ -34,7 +34,7 @@ def setup(tmp_path_factory):
 def test_rows_of_different_adapters_match_merged_models(setup, fuse):
     model, paths, merged, no_experts_path, no_experts = setup
     plain = serving_view(model, fuse=fuse)
-    view = lora_view(plain, slots=4, rank=8)
+    view = lora_view(plain, slots=4, rank=8, experts=True)
     shapes = adapted_shapes(view)
     for slot, i in ((1, 2), (2, 1), (3, 0)):  # slot s holds adapter 3 - s: the slot, not the order, decides
         write_slot(view, slot, load_adapter(f"a{i}", paths[i], shapes, max_rank=8))
@@ -64,7 +64,7 @@ def test_rows_of_different_adapters_match_merged_models(setup, fuse):
 def test_the_lora_kernels_give_the_references_logits(setup, tokens):
     model, paths, *_ = setup
     plain = serving_view(model, fuse=True)
-    view = lora_view(plain, slots=4, rank=8)
+    view = lora_view(plain, slots=4, rank=8, experts=True)
     shapes = adapted_shapes(view)
     for slot, i in ((1, 2), (2, 1), (3, 0)):
         write_slot(view, slot, load_adapter(f"a{i}", paths[i], shapes, max_rank=8))
