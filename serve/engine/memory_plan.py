@@ -120,14 +120,15 @@ def program_bytes(compiled) -> int:
 
 
 def pages_that_fit(programs: dict, num_pages: int, page_bytes_per_device: int, free: int | None,
-                   fixed_pages: bool) -> int:
-    """The KV pages that leave room for the largest of `programs` (compiled) beside everything already allocated
-    (`free`: `free_bytes` now, with the pool of num_pages in place; None: no statistics, keep num_pages).
-    Raises ValueError where the pages were given (`fixed_pages`, --num-pages) and do not leave that room."""
+                   fixed_pages: bool, spare: float = 0.05) -> int:
+    """The KV pages that leave room for the largest of `programs` (compiled), and `spare` of it more (the allocator
+    rounds and fragments), beside everything already allocated (`free`: `free_bytes` now, with the pool of
+    num_pages in place; None: no statistics, keep num_pages). Raises ValueError where the pages were given
+    (`fixed_pages`, --num-pages) and do not leave that room."""
     if free is None or not programs:
         return num_pages
     need = max(program_bytes(p) for p in programs.values())
-    short = need + need // 20 - free  # 5% to spare: the allocator rounds and fragments
+    short = need + int(need * spare) - free
     if short <= 0:
         return num_pages
     pages = num_pages - math.ceil(short / page_bytes_per_device)

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class StepCompilation:
-    def warm_up(self) -> float:
-        """Compile every step bucket and helper; returns the seconds it took."""
+    def warm_up(self, spare: float = 0.05) -> float:
+        """Compile every step bucket and helper; returns the seconds it took. `spare`: the room beyond the largest
+        program's buffers that the KV pool leaves (`memory_plan.pages_that_fit`)."""
         start = time.perf_counter()
         jit = self.placement.jit
         step_out = {"decode": None, "prefill": None, "scoring": None}
@@ -72,10 +73,11 @@ class StepCompilation:
             compiled = dict(zip(lowered, pool.map(lambda key: lowered[key].compile(compile_options(key)), lowered)))
         pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
-                                           self.config.num_pages is not None)
+                                           self.config.num_pages is not None, spare)
         if pages != self.num_pages:  # a smaller pool, and the programs again for its shapes
             self._resize_pool(pages)
-            self.warm_up()
+            # The cut took the spare; checked again, only a real shortfall cuts more (each check compiles anew).
+            self.warm_up(spare=0.0)
             return time.perf_counter() - start
         self._init_penalties = compiled.pop("init_penalties")
         self._scoring = compiled.pop("prompt_logprobs")

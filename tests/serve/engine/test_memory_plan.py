@@ -74,5 +74,7 @@ def test_kv_pool_leaves_room_for_the_compiled_programs():
     fit = functools.partial(memory_plan.pages_that_fit, programs, 50, page, fixed_pages=False)
     assert fit(free=need) == 50 and fit(free=None) == 50
     assert fit(free=need - 1) == 49 and fit(free=need - 7500) == 42  # whole pages, rounded up
+    # after a cut, the check again without the spare (the cut took it): only a real shortfall cuts more
+    assert fit(free=20_000, spare=0.0) == 50 and fit(free=19_999, spare=0.0) == 49
     with pytest.raises(ValueError, match="--num-pages 50 is too many, at most 42"):
         memory_plan.pages_that_fit(programs, 50, page, need - 7500, fixed_pages=True)
