@@ -199,10 +199,11 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Back
     return call(q, k_cache, v_cache, r, rel_proj, lengths, page_table, ring_rows, tau)
 
 
-def lora_add(y, x, a, b, scale, slots, *, backend: Backend):
+def lora_add(y, x, a, b, scale, slots, *, backend: Backend, sorted_slots: bool = False):
     """y [rows, ..., out] plus each row's LoRA adapter product scale[s] * (x @ A[s]) @ B[s], s = slots[row] (0: the
-    base, zero adapters), in y's dtype (contract in `pallas_kernels/lora`); by the backend's `lora`."""
+    base, zero adapters), in y's dtype (contract in `pallas_kernels/lora`); by the backend's `lora`. sorted_slots:
+    the rows come sorted by slot (the kernels' segmented form, whatever the tokens per row)."""
     use = backend.resolve()
     if use.lora == "pallas":
-        return lora_kernel(y, x, a, b, scale, slots, interpret=use.interpret)
+        return lora_kernel(y, x, a, b, scale, slots, interpret=use.interpret, sorted_slots=sorted_slots)
     return lora_reference.lora_add(y, x, a, b, scale, slots)

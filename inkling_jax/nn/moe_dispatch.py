@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from inkling_jax.backend import Backend
 from inkling_jax.nn import invariant
 from inkling_jax.nn.layers import swiglu
-from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, moe_ffn, moe_ffn_decode
+from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, grouped_matmul, moe_ffn, moe_ffn_decode
 
 # The MoE's parameter names of its routed experts in each form, and of its shared experts' stacks
 ROUTED_BF16 = ("w_gate", "w_up", "w_down")
@@ -100,6 +100,18 @@ def grouped_ffn(backend: Backend, num_tokens: int | None = None):
         kernels = MatmulKernels(forward=backend.moe_forward, backward=backend.moe_backward)
         return functools.partial(moe_ffn, interpret=backend.interpret, kernels=kernels)
     return _ragged_ffn
+
+
+def grouped_projection(backend: Backend):
+    """One projection of the experts on rows sorted by expert, (rows [M, K], w [G, K, N], group_sizes [G]) ->
+    [M, N] in rows' dtype, zeros past sum(group_sizes): under the backend's `moe` "pallas" the grouped matmul of
+    its `moe_forward` (memory O(M); widths of whole 128-byte spans, `pallas_kernels.moe.ops.pad_expert_width`),
+    else `jax.lax.ragged_dot`. For paths that add to each projection's product (`serve.lora.experts`), which the
+    fused `grouped_ffn` cannot take. backend: resolved."""
+    if backend.moe == "pallas":
+        kernels = MatmulKernels(forward=backend.moe_forward, backward=backend.moe_backward)
+        return functools.partial(grouped_matmul, interpret=backend.interpret, kernels=kernels)
+    return jax.lax.ragged_dot
 
 
 def expert_forms() -> dict:

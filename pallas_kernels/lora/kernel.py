@@ -29,21 +29,23 @@ def check_shapes(y, x, a, b, scale, slots) -> None:
         raise ValueError("LoRA product: " + "; ".join(problems))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "blocks"))
+@functools.partial(jax.jit, static_argnames=("interpret", "blocks", "sorted_slots"))
 def lora_add(y, x, a, b, scale, slots, *, interpret: bool | None = None,
-             blocks: tuning.GatheredBlocks | tuning.SegmentedBlocks | None = None):
+             blocks: tuning.GatheredBlocks | tuning.SegmentedBlocks | None = None, sorted_slots: bool = False):
     """Kernel form of `reference.lora_add`: y [rows, ..., out] + scale[s] * (x [rows, ..., in] @ A[s]) @ B[s] in
     fp32, s = slots[row] (in [0, slots); 0: the base, whose rows are left as they are), rounded to y's dtype;
     a [slots, in, rank], b [slots, rank, out], scale [slots], any dtypes. y's buffer is reused for the result.
 
     blocks: the tiles, whose type also picks the form; None: `tuning.blocks_for` the rank, the gathered form when
-    rows hold fewer than `tuning.SEGMENTED_MIN_TOKENS` tokens each, else the segmented form."""
+    rows hold fewer than `tuning.SEGMENTED_MIN_TOKENS` tokens each and `sorted_slots` is False, else the segmented
+    form. sorted_slots: the rows come sorted by slot (an MoE's (token, expert) rows by expert and slot), so their
+    slots run long however few tokens each row holds."""
     check_shapes(y, x, a, b, scale, slots)
     interpret = interpret_default() if interpret is None else interpret
     per_row = math.prod(x.shape[1:-1])
     if blocks is None:
         gathered, segmented = tuning.blocks_for(tiles.padded_rank(a.shape[2]))
-        blocks = gathered if per_row < tuning.SEGMENTED_MIN_TOKENS else segmented
+        blocks = gathered if per_row < tuning.SEGMENTED_MIN_TOKENS and not sorted_slots else segmented
     form = gathered_add if isinstance(blocks, tuning.GatheredBlocks) else segmented_add
     token_slots = jnp.repeat(slots.astype(jnp.int32), per_row, total_repeat_length=x.shape[0] * per_row)
     out = form(y.reshape(-1, y.shape[-1]), x.reshape(-1, x.shape[-1]), a, b, scale, token_slots, blocks=blocks,

@@ -16,11 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inkling_jax.backend import Backend
 from inkling_jax.config import TextConfig
+from inkling_jax.nn import kernels
 from inkling_jax.nn.layers import swiglu
 from inkling_jax.nn.moe import MoE, experts
-from inkling_jax.nn.moe_dispatch import ROUTED_BF16, SHARED_NAMES, order_by_group, precision_of
+from inkling_jax.nn.moe_dispatch import (ROUTED_BF16, SHARED_NAMES, grouped_projection, order_by_group,
+                                         precision_of)
 from inkling_jax.quant.form import ServingForm, take_parts
+from pallas_kernels.moe.ops import pad_expert_width
 from serve.lora.adapters import Adapter
 from serve.lora.linear import AdapterPool, AdapterRows
 
@@ -41,13 +45,15 @@ class ProjectionAdapters(ServingForm):
         """The base weight's [experts, in, out]."""
         return self.a.shape[0], self.a.shape[2], self.b.shape[3]
 
-    def grouped(self, rows, pair_sizes, slot):
-        """rows [M, in] sorted by (expert, slot), `pair_sizes` [experts * slots] of them each, of slots `slot` [M]
-        -> their scaled adapter products, fp32 [M, out]."""
+    def add_sorted(self, y, rows, pairs, backend: Backend):
+        """y [M, out] plus the scaled adapter products of rows [M, in] sorted by (expert, slot), in y's dtype;
+        `pairs` [M]: each row's expert * slots + slot, 0 for slot 0 (the base's: its factors are zeros). The pools
+        are one of LoRA slots per pair ([experts * slots, in, rank], a reshape), so this is the LoRA product of
+        the backend's `lora` on long runs of a slot: the segmented kernel, memory O(M)."""
         num_experts, slots, fan_in, rank = self.a.shape
-        h = jax.lax.ragged_dot(rows.astype(jnp.float32), self.a[...].reshape(-1, fan_in, rank), pair_sizes)
-        delta = jax.lax.ragged_dot(h, self.b[...].reshape(num_experts * slots, rank, -1), pair_sizes)
-        return self.scale[...][slot][:, None] * delta
+        return kernels.lora_add(y, rows, self.a[...].reshape(num_experts * slots, fan_in, rank),
+                                self.b[...].reshape(num_experts * slots, rank, -1),
+                                jnp.tile(self.scale[...], num_experts), pairs, backend=backend, sorted_slots=True)
 
     def per_row(self, x, slot):
         """x [R, T, experts, in] (every expert's input at each token), `slot` [R] of the rows -> the scaled adapter
@@ -119,21 +125,24 @@ class AdaptedMoE(ServingForm, MoE):
                             lambda: self.moe.expert_outputs(x, expert_ids, weights, shared_weights))
 
     def _routed(self, x, expert_ids, weights, token_slots):
-        """The routed experts with their adapters, fp32 [N, hidden] (the ragged formula of `nn.moe_dispatch`, each
-        projection plus its adapters' products)."""
+        """The routed experts with their adapters, fp32 [N, hidden]: the (token, expert) rows sorted by (expert,
+        slot), each projection the backend's grouped matmul over the experts (`grouped_projection`) plus its
+        adapters' product over the (expert, slot) pairs (`ProjectionAdapters.add_sorted`)."""
+        use = self.backend.resolve()
         num_tokens, top_k = expert_ids.shape
-        w_gate, w_up, w_down = self.moe.routed_experts(num_tokens)
+        w_gate, w_up, w_down = pad_expert_width(*self.moe.routed_experts(num_tokens))
         num_experts, slots = w_gate.shape[0], self.routed.gate.a.shape[1]
         source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
         group, slot = expert_ids.reshape(-1), token_slots[source]
-        pair = group * slots + slot
-        order, place = order_by_group(pair)
+        order, place = order_by_group(group * slots + slot)
         sizes = jnp.bincount(group, length=num_experts).astype(jnp.int32)
-        pair_sizes = jnp.bincount(pair, length=num_experts * slots).astype(jnp.int32)
-        slot = slot[order]
+        pairs = jnp.where(slot == 0, 0, group * slots + slot)[order]
+        products = grouped_projection(use)
 
         def project(rows, w, adapters: ProjectionAdapters):
-            return _plus(jax.lax.ragged_dot(rows, w, sizes), adapters.grouped(rows, pair_sizes, slot))
+            """rows' products by w (its expert width padded: `pad_expert_width`) plus their adapters'."""
+            padded = jnp.pad(rows, ((0, 0), (0, w.shape[1] - rows.shape[1])))
+            return adapters.add_sorted(products(padded, w, sizes)[:, :adapters.shape[2]], rows, pairs, use)
 
         rows = x[source[order]]
         h = swiglu(project(rows, w_gate, self.routed.gate), project(rows, w_up, self.routed.up))
