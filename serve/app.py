@@ -145,7 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
       "for adapters under DIR only")
     a("--max-lora-rank", type=number(int, 1), default=16, help="largest LoRA rank served (every slot holds it)")
     a("--lora-experts", action="store_true", help="LoRA adapters may adapt the MoE's routed and shared experts "
-      "(slower: a batch with such an adapter runs the experts as padded ragged matmuls; see docs/serving.md)")
+      "(a batch with such an adapter runs the routed experts' projections apart, each plus its adapters' grouped "
+      "LoRA product; see docs/serving.md)")
     a("--num-snapshots", type=number(int, 0), help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=number(int, 1), default=256, help="waiting sequences beyond which requests get 429")
     a("--max-prompt-tokens", type=number(int, 1), help="longest accepted prompt (default: max-model-len - 1)")

@@ -27,6 +27,7 @@ from inkling_jax.generate import flat_params
 from inkling_jax.quant import QuantConfig, serving_view
 from pallas_kernels import mgpu
 from pallas_kernels.moe import grouped_matmul, jax_mgpu, moe_ffn
+from serve.lora.experts import AdaptedMoE
 from serve.lora.view import adapted_modules, lora_view, route
 
 COMPILED = dataclasses.replace(Backend.parse("pallas"), interpret=False)  # every kernel in its GPU form, on any host
@@ -86,14 +87,19 @@ def test_serving_steps_lower_for_cuda(precision, rows, tokens):
     assert _step_kernels(_abstract_model(precision, precision), rows, tokens) == STEP_KERNELS[precision]
 
 
-@pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # the gathered form, the segmented form
+@pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # the gathered form, the segmented
 def test_lora_serving_steps_lower_for_cuda(rows, tokens):
-    """The bf16 model's LoRA view: each shape of adapted projection adds its own shrink and expand kernels
-    (Triton) to the step's."""
+    """The bf16 model's LoRA view, adapters on the experts included: each shape of adapted projection adds its own
+    shrink and expand kernels (Triton) to the step's, the routed experts' in the segmented form whatever the
+    step; each adapted MoE its three grouped matmuls (Mosaic GPU: gate, up, down, for the steps whose rows have
+    adapters on the experts)."""
     view = _abstract_model("bf16", "bf16", lora=True)
+    moes = [node for _, node in nnx.iter_graph(view) if isinstance(node, AdaptedMoE)]
     shapes = {(module.a.shape, module.b.shape) for module in adapted_modules(view)}
-    want = dict(STEP_KERNELS["bf16"], triton=STEP_KERNELS["bf16"]["triton"] + 2 * len(shapes))
-    assert _step_kernels(view, rows, tokens) == want
+    routed = {(p.a.shape, p.b.shape) for moe in moes for p in moe.routed.projections()}
+    want = {"mosaic": STEP_KERNELS["bf16"]["mosaic"] + 3 * len(moes),
+            "triton": STEP_KERNELS["bf16"]["triton"] + 2 * len(shapes) + 2 * len(routed)}
+    assert moes and _step_kernels(view, rows, tokens) == want
 
 
 def test_a_prefill_with_fp8_twins_runs_the_fp8_experts_and_xla_dense_products():

@@ -14,7 +14,7 @@ class LoRAConfig:
     root: str | None = None  # adapters may be loaded at run time from under this directory (`--lora-root`)
     max_cpu_loras: int | None = None  # adapters whose weights host memory keeps (None: max_loras); others on disk
     # Adapters may adapt the MoE's routed and shared experts (`--lora-experts`). Off, the MoE layers stay the base's:
-    # the experts' slots and their ragged path (which XLA pads to every row per group) are not built.
+    # the experts' slots and their adapted path (`serve.lora.experts`) are not built.
     experts: bool = False
 
     def __post_init__(self):

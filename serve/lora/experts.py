@@ -3,12 +3,15 @@ scale[s] * (x @ A[e, s]) @ B[e, s] to its gate, up and down products (`train.lor
 `mlp.w_gate`, `mlp.w_up`, `mlp.w_down` [E, in, out] and of `mlp.shared_gate`, ... [S, in, out]).
 
 `AdaptedMoE` takes the place of an MoE in the adapted view (`serve.lora.view`). The tokens' slots travel into the
-dispatch with their (token, expert) rows, which are sorted by (expert, slot): one grouped product per projection
-then serves both the base weights (a group per expert) and the adapters (a group per expert and slot). The shared
-experts run on every token, so their factors are gathered per row. A step none of whose rows has an adapter on
-this layer's experts runs the MoE it adapts, unchanged (its kernels; base rows bit for bit), chosen on device, so
-one program serves any mix. The adapted computation is jnp (`jax.lax.ragged_dot`) and needs the routed experts in
-the model's dtype: quantised routed experts (fp8, NVFP4) are not adapted, their shared experts are."""
+dispatch with their (token, expert) rows, which are sorted by (expert, slot). Each projection is then the
+backend's grouped matmul over the experts (`nn.moe_dispatch.grouped_projection`: the kernel under its `moe`
+"pallas", `jax.lax.ragged_dot` otherwise) plus the adapters' LoRA product over the (expert, slot) pairs, each pair
+one slot of the pools seen as [experts * slots, ...] (the backend's `lora`: the segmented kernel, or the jnp
+reference). On the kernels the memory grows with the rows, not with rows x groups as XLA's ragged product's,
+which pads every group to all rows. The shared experts run on every token, so their factors are gathered per row.
+A step none of whose rows has an adapter on this layer's experts runs the MoE it adapts, unchanged (its kernels;
+base rows bit for bit), chosen on device, so one program serves any mix. The adapted path needs the routed
+experts in the model's dtype: quantised routed experts (fp8, NVFP4) are not adapted, their shared experts are."""
 
 from __future__ import annotations
 
@@ -48,8 +51,8 @@ class ProjectionAdapters(ServingForm):
     def add_sorted(self, y, rows, pairs, backend: Backend):
         """y [M, out] plus the scaled adapter products of rows [M, in] sorted by (expert, slot), in y's dtype;
         `pairs` [M]: each row's expert * slots + slot, 0 for slot 0 (the base's: its factors are zeros). The pools
-        are one of LoRA slots per pair ([experts * slots, in, rank], a reshape), so this is the LoRA product of
-        the backend's `lora` on long runs of a slot: the segmented kernel, memory O(M)."""
+        reshaped to [experts * slots, ...] hold one LoRA slot per pair, so this is the backend's `lora` product
+        on long runs of a slot: under "pallas" the segmented kernel, whose memory grows with M alone."""
         num_experts, slots, fan_in, rank = self.a.shape
         return kernels.lora_add(y, rows, self.a[...].reshape(num_experts * slots, fan_in, rank),
                                 self.b[...].reshape(num_experts * slots, rank, -1),
@@ -134,9 +137,10 @@ class AdaptedMoE(ServingForm, MoE):
         num_experts, slots = w_gate.shape[0], self.routed.gate.a.shape[1]
         source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
         group, slot = expert_ids.reshape(-1), token_slots[source]
-        order, place = order_by_group(group * slots + slot)
+        pair = group * slots + slot
+        order, place = order_by_group(pair)
         sizes = jnp.bincount(group, length=num_experts).astype(jnp.int32)
-        pairs = jnp.where(slot == 0, 0, group * slots + slot)[order]
+        pairs = jnp.where(slot == 0, 0, pair)[order]  # slot 0's pairs: the LoRA product's "no work"
         products = grouped_projection(use)
 
         def project(rows, w, adapters: ProjectionAdapters):
