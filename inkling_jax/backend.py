@@ -75,6 +75,14 @@ Module = TypeVar("Module", bound=nnx.Module)
 NO_FMA_CPU_FLAG = "--xla_cpu_max_isa=AVX"
 
 
+def start_cpu_without_fma() -> None:
+    """Put NO_FMA_CPU_FLAG in XLA_FLAGS (unless a maximum ISA is chosen there already) for batch-invariant runs:
+    it takes effect if jax has not started its CPU backend yet (a process that did must have set it itself)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_max_isa" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {NO_FMA_CPU_FLAG}".strip()
+
+
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """The implementation of each kernel (module doc). Hashable: jit treats it as static."""
@@ -164,16 +172,13 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_batch_invariant_flag(parser: argparse.ArgumentParser, what: str) -> None:
     """`--batch-invariant`, after `add_backend_flag`: sets the Backend's batch_invariant (whatever the order of the
-    two flags). `what`: the sentence of the help saying what it gives in this command. It also puts
-    NO_FMA_CPU_FLAG in XLA_FLAGS (unless a maximum ISA is chosen there already), for a CPU backend that jax has
-    not started yet: a process that started it before must have set it itself."""
+    two flags), and starts XLA:CPU without fused multiply-adds (`start_cpu_without_fma`). `what`: the sentence
+    of the help saying what it gives in this command."""
 
     class BatchInvariant(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             namespace.backend = dataclasses.replace(namespace.backend, batch_invariant=True)
-            flags = os.environ.get("XLA_FLAGS", "")
-            if "--xla_cpu_max_isa" not in flags:
-                os.environ["XLA_FLAGS"] = f"{flags} {NO_FMA_CPU_FLAG}".strip()
+            start_cpu_without_fma()
 
     parser.add_argument("--batch-invariant", action=BatchInvariant, nargs=0, dest="backend", default=argparse.SUPPRESS,
                         help=f"batch-invariant kernels: fixed tiles and reduction orders, so that {what} (slower; "
