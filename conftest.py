@@ -1,5 +1,7 @@
 """Repository-wide pytest setup, loaded before any test module: 8 simulated CPU devices for the sharding
-tests (XLA reads this when the backend starts, so it must be set before anything touches a device).
+tests, and XLA:CPU without fused multiply-adds, as `--batch-invariant` commands start it (`inkling_jax.backend.
+NO_FMA_CPU_FLAG`: the batch-invariant tests' programs then round every multiply and add alike). XLA reads these
+when the backend starts, so they must be set before anything touches a device.
 
 On a machine without a GPU, XLA's CPU backend also skips its expensive LLVM passes: compiling is most of the
 suite's time there, and the programs compute the same functions (the serving engine's CPU warm-up uses the same
@@ -8,7 +10,9 @@ options)."""
 import os
 import shutil
 
-FLAGS = ["--xla_force_host_platform_device_count=8"]
+from inkling_jax.backend import NO_FMA_CPU_FLAG
+
+FLAGS = ["--xla_force_host_platform_device_count=8", NO_FMA_CPU_FLAG]
 if shutil.which("nvidia-smi") is None:
     FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ.setdefault("XLA_FLAGS", " ".join(FLAGS))

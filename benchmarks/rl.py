@@ -49,7 +49,7 @@ from benchmarks.rl_memory import (
 )
 from benchmarks.serving import run_load
 from benchmarks.timing import attempt, matmul_flops, stamp, stamp_line
-from inkling_jax.backend import add_backend_flag
+from inkling_jax.backend import add_backend_flag, start_cpu_without_fma
 from inkling_jax.config import preset
 from inkling_jax.parallel.mesh import make_mesh
 from train.optim import OptimConfig
@@ -206,6 +206,8 @@ def terminate(signum, frame):
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION)  # read when the GPU is first used
+    if any(MODES[mode][1] for mode in args.modes):
+        start_cpu_without_fma()  # before jax starts its backend (the invariant mode on CPU)
     previous = signal.signal(signal.SIGTERM, terminate)
     gpu = jax.default_backend() == "gpu"
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")

@@ -35,7 +35,7 @@ fixed tiles, its key blocks aligned to absolute positions (the gradient is that 
 softmaxes and the top-k combine sum in a fixed order; a decode step runs the model's unfused prologue. It
 overrides `moe` and, for the forward, `attention` and `decode_attention`. Self-attention then takes one sequence
 per row (segment ids may mark only the padding after it), and the model runs on one device with its own, unfused
-projections.
+projections. On CPU the commands start XLA without fused multiply-adds (`NO_FMA_CPU_FLAG`).
 
 interpret: how a "pallas" kernel runs. True: in Pallas' interpreter, on any platform (slow: CPU tests). False:
 compiled for the GPU (on a machine without one such a program can only be lowered, as tests/test_gpu_lowering.py
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from typing import TypeVar
 
 import jax
@@ -66,6 +67,20 @@ WORDS = {"auto": {name: "auto" for name in KERNELS},
          "reference": {**{name: "reference" for name in KERNELS}, "moe": "ragged"}}
 
 Module = TypeVar("Module", bound=nnx.Module)
+
+# XLA:CPU's LLVM backend always allows fusing a multiply into the add that uses it (one FMA, one rounding) and
+# does so wherever instruction selection happens to match, which depends on how the program around it was fused:
+# the same row's arithmetic then rounds differently in a training forward and in a decode step. An instruction
+# set without FMA (AVX) rounds every multiply and add on its own. XLA reads it once, when its CPU backend starts.
+NO_FMA_CPU_FLAG = "--xla_cpu_max_isa=AVX"
+
+
+def start_cpu_without_fma() -> None:
+    """Put NO_FMA_CPU_FLAG in XLA_FLAGS (unless a maximum ISA is chosen there already) for batch-invariant runs:
+    it takes effect if jax has not started its CPU backend yet (a process that did must have set it itself)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_cpu_max_isa" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {NO_FMA_CPU_FLAG}".strip()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,15 +172,18 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
 
 def add_batch_invariant_flag(parser: argparse.ArgumentParser, what: str) -> None:
     """`--batch-invariant`, after `add_backend_flag`: sets the Backend's batch_invariant (whatever the order of the
-    two flags). `what`: the sentence of the help saying what it gives in this command."""
+    two flags), and starts XLA:CPU without fused multiply-adds (`start_cpu_without_fma`). `what`: the sentence
+    of the help saying what it gives in this command."""
 
     class BatchInvariant(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             namespace.backend = dataclasses.replace(namespace.backend, batch_invariant=True)
+            start_cpu_without_fma()
 
     parser.add_argument("--batch-invariant", action=BatchInvariant, nargs=0, dest="backend", default=argparse.SUPPRESS,
                         help=f"batch-invariant kernels: fixed tiles and reduction orders, so that {what} (slower; "
-                        "one device, no fused projections, bf16/fp32 weights; see inkling_jax/backend.py)")
+                        "one device, no fused projections, bf16/fp32 weights; on CPU, XLA without fused "
+                        "multiply-adds; see inkling_jax/backend.py)")
 
 
 def with_backend(module: Module, backend: Backend) -> Module:

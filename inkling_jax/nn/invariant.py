@@ -39,8 +39,8 @@ def rms_norm(x, weight, eps):
     """`attn_prologue.reference.head_rms_norm` with the mean of squares as a `tree_sum`. The barriers keep XLA
     from reassociating a product by the row's rsqrt with the products around it (x's own, the weight's), which
     it does where that rsqrt is a scalar (one row of one token: a decode step of one sequence) and not
-    otherwise, and from fusing the weight's product into an add that follows as one fused multiply-add in some
-    programs and not in others."""
+    otherwise. (Fused multiply-adds are another matter: barriers do not reach LLVM, see
+    `backend.NO_FMA_CPU_FLAG`.)"""
     xf = jax.lax.optimization_barrier(x.astype(jnp.float32))
     mean = tree_sum(xf * xf, keepdims=True) / x.shape[-1]
     normed = jax.lax.optimization_barrier(xf * jax.lax.rsqrt(mean + eps))

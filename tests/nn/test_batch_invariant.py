@@ -1,9 +1,11 @@
 """`Backend(batch_invariant=True)` on CPU: a row's logits and logprobs are the same bits whatever the other rows,
 the chunking and the program (a training forward, prefill chunks and decode steps over the paged cache, the
 serving engine at any concurrency). A 3-layer `tiny` model (two sliding layers, one full; the dense MLP and the
-MoE) in float32, its weights perturbed away from the initial ones (norm weights and scales of 1 hide rounding)."""
+MoE) in float32, its weights perturbed away from the initial ones (norm weights and scales of 1 hide rounding).
+XLA:CPU runs without fused multiply-adds (the root conftest.py, as `--batch-invariant` commands start it)."""
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +60,6 @@ def test_a_row_gets_the_same_logits_from_forwards_of_any_batch(model):
     np.testing.assert_array_equal(np.asarray(forward(ids[:2]))[0], np.asarray(forward(ids))[0])
 
 
-@pytest.mark.xfail(strict=True, reason="XLA fuses the embedding norm's weight product into the first residual add as "
-                   "a fused multiply-add in some programs and not in others (docs/rl.md, batch invariance)")
 def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_steps_among_other_rows(model):
     """The training forward of 5 rows, and row 0 prefilled in chunks and then decoded one token at a time beside
     other rows (the sliding layers' ring and the paged cache)."""
@@ -104,10 +104,10 @@ def test_the_engine_refuses_fused_projections_for_a_batch_invariant_model(model)
         Engine(model, EngineConfig(max_num_seqs=2, max_model_len=32, chunk_buckets=(1, 16)), eos_token_id=0)
 
 
-def test_backend_flags():
+def test_backend_flags(monkeypatch):
     import argparse
 
-    from inkling_jax.backend import add_backend_flag, add_batch_invariant_flag
+    from inkling_jax.backend import NO_FMA_CPU_FLAG, add_backend_flag, add_batch_invariant_flag
 
     parser = argparse.ArgumentParser()
     add_backend_flag(parser)
@@ -118,3 +118,8 @@ def test_backend_flags():
     assert INVARIANT.resolve().moe == "pallas" and INVARIANT.resolve().batch_invariant
     with pytest.raises(ValueError, match="batch_invariant must be True or False"):
         Backend(batch_invariant=1.5)
+    for flags, want in (("--xla_dump_to=x", f"--xla_dump_to=x {NO_FMA_CPU_FLAG}"),
+                        ("--xla_cpu_max_isa=SSE4_2", "--xla_cpu_max_isa=SSE4_2")):  # a chosen ISA stays
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        parser.parse_args(["--batch-invariant"])
+        assert os.environ["XLA_FLAGS"] == want
