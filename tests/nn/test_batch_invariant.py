@@ -67,7 +67,7 @@ def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_st
     ids = rng.integers(0, VOCAB, (5, 20)).astype(np.int32)
     want = np.asarray(jax.jit(lambda ids: model(ids))(ids))[0]
     extend = jax.jit(lambda ids, cache, n_new: model.extend(ids, cache, n_new))
-    for chunks, rows in (((3, 5), 3), ((16,), 2), ((), 4)):
+    for chunks, rows in (((3, 13), 3),):  # then 4 decode steps, past the attention temperature's start at 16
         cache, got, start = model.init_cache(rows, 32), [], 0
         for size in chunks + (1,) * (20 - sum(chunks)):
             step = rng.integers(0, VOCAB, (rows, size)).astype(np.int32)
