@@ -47,7 +47,7 @@ from benchmarks.rl_memory import (
     model_flops_per_token,
     plan_lines,
 )
-from benchmarks.serving import run_load
+from benchmarks.serving import random_prompts, run_load
 from benchmarks.timing import attempt, matmul_flops, stamp, stamp_line
 from inkling_jax.backend import add_backend_flag, start_cpu_without_fma
 from inkling_jax.config import preset
@@ -106,12 +106,6 @@ def parse_args(argv=None):
     return args
 
 
-def rollout_prompts(vocab: int, count: int, length: int, seed: int) -> list[tuple[int, ...]]:
-    """Random prompts drawn as `run_load(seed=seed)` draws its first `count`: the same prompts serve both."""
-    rng = np.random.default_rng(seed)
-    return [tuple(rng.integers(0, vocab, length).tolist()) for _ in range(count)]
-
-
 def run_mode(args, config, mode: str, seq_len: int) -> dict:
     """The mode's steps and its serving reference (module doc)."""
     replay, invariant = MODES[mode]
@@ -128,7 +122,7 @@ def run_mode(args, config, mode: str, seq_len: int) -> dict:
     policy = PolicyTrainer(trainer, LossConfig("grpo", DEFAULT_CLIP["grpo"], 0.0, args.output_tokens), 1.0,
                            LOGITS_CHUNK)
     count, vocab = args.concurrency // args.group_size, config.text.unpadded_vocab_size
-    prompts = rollout_prompts(vocab, count, args.prompt_tokens, args.seed)
+    prompts = [tuple(p) for p in random_prompts(vocab, count, args.prompt_tokens, args.seed)]
     with EnginePool() as pool:
         began = time.perf_counter()
         rollouts = Rollouts(trainer, state, frozen, engine_config(args.concurrency, args.prompt_tokens,

@@ -138,6 +138,13 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
     return median_seconds(call, trials=5)
 
 
+def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` random token ids, the same for the same seed (`run_load`'s, and the RL
+    benchmark's rollouts, which its serving reference then loads again)."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+
+
 def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens: int, vocab: int, seed: int,
              separate: bool = False, adapters: list[str | None] | None = None):
     """`concurrency` prompts submitted together as one engine request (as /v1/completions takes a list of
@@ -146,7 +153,6 @@ def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens
     and may prefill the rest in a later step. `adapters`: each prompt's LoRA adapter (None: the base), a request's
     own, so given, the prompts are separate requests."""
     separate = separate or adapters is not None
-    rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=output_tokens, temperature=0.0, ignore_eos=True)
     times: list[list[float]] = [[] for _ in range(concurrency)]
     done = threading.Event()
@@ -158,7 +164,7 @@ def run_load(engine: Engine, concurrency: int, prompt_tokens: int, output_tokens
         if finished[0] == concurrency:
             done.set()
 
-    prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(concurrency)]
+    prompts = random_prompts(vocab, concurrency, prompt_tokens, seed)
     start = time.perf_counter()
     if separate:
         for i, prompt in enumerate(prompts):
