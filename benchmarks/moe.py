@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.moe_peers import ffn_rows, mgpu_peer, unfused_ffn
-from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
+from benchmarks.timing import (attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, save_json, stamp,
+                               stamp_line)
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
@@ -323,8 +324,7 @@ def summary(run, out):
             lines.append(f"{k}: {r[k]}")
     print("\n".join(lines), flush=True)
     if out:
-        with open(os.path.join(out, "moe_bench.json"), "w") as f:
-            json.dump(r, f, indent=1, default=str)
+        save_json(out, "moe_bench.json", r)
 
 
 def main(argv=None):

@@ -27,7 +27,6 @@ the dense MLPs and 229.5 MiB for the experts per slot).
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import statistics
 import tempfile
@@ -37,7 +36,7 @@ import jax
 import numpy as np
 
 from benchmarks.serving import build_engine, run_load
-from benchmarks.timing import attempt, stamp, stamp_line
+from benchmarks.timing import attempt, save_json, stamp, stamp_line
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.generate import flat_params
 from serve.engine.config import EngineConfig
@@ -172,8 +171,7 @@ def report(args, results) -> None:
         print(f"| {r['adapters']} | {KINDS.get(r['targets'], 'base')} | {r['tok_s']:.1f} | {ratio} | "
               f"{r['tpot_p50_ms']:.2f} | {r['ttft_p50_ms']:.1f} |")
     if args.out:
-        with open(os.path.join(args.out, "multi_lora.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        save_json(args.out, "multi_lora.json", results)
 
 
 def main(argv=None):

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import signal
 import statistics
@@ -48,7 +47,7 @@ from benchmarks.rl_memory import (
     plan_lines,
 )
 from benchmarks.serving import random_prompts, run_load
-from benchmarks.timing import attempt, matmul_flops, stamp, stamp_line
+from benchmarks.timing import attempt, matmul_flops, save_json, stamp, stamp_line
 from inkling_jax.backend import add_backend_flag, start_cpu_without_fma
 from inkling_jax.config import preset
 from inkling_jax.parallel.mesh import make_mesh
@@ -240,8 +239,7 @@ def main(argv=None):
     except Terminated:
         print("SIGTERM: the modes done so far", flush=True)
     finally:
-        with open(os.path.join(args.out, "rl.json"), "w") as fh:
-            json.dump(found, fh, indent=1, default=float)
+        save_json(args.out, "rl.json", found)
         print(f"bf16 matmul ceiling {found['ceiling_flops'] / 1e12:.1f} TFLOP/s; model FLOPs per trained token "
               f"{flops_per_token / 1e9:.2f} G")
         print(table(found["modes"], flops_per_token, found["ceiling_flops"]), flush=True)

@@ -27,7 +27,6 @@ levels above it: `--concurrency 32` alone decodes 33 rows and prefills one promp
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.model import decode_step_bytes
-from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp, stamp_line
+from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, save_json, stamp, stamp_line
 from inkling_jax import preset
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.quant import QuantConfig, serving_view
@@ -90,10 +89,11 @@ class Timestamps:
         return []
 
 
-def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 128):
+def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 128, steps: int | None = None):
     """Device inputs of a step of `num_rows` rows in the smallest row bucket that holds them: `tokens` new
-    tokens per row (1: decode, sampling `decode_steps` tokens, after `cached` ones; more: a prefill chunk
-    from position 0)."""
+    tokens per row (1: decode after `cached` ones, `steps` device steps per call, default the engine's
+    `decode_steps`; a speculative engine's decode step is a round over its K + 1 tokens per row; more: a prefill
+    chunk from position 0)."""
     runner = engine.runner
     cfg = runner.config
     rows = cfg.row_bucket(num_rows)
@@ -101,8 +101,8 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 12
     if rows != cfg.num_rows:
         inputs.rows[:num_rows] = np.arange(num_rows)
     inputs.lengths[:num_rows] = cached if tokens == 1 else 0
-    inputs.n_new[:num_rows] = tokens
-    inputs.steps[:num_rows] = cfg.decode_steps if tokens == 1 else 1
+    inputs.n_new[:num_rows] = inputs.ids.shape[1] if tokens == 1 else tokens
+    inputs.steps[:num_rows] = (steps or cfg.decode_steps) if tokens == 1 else 1
     inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
     # Distinct random tokens per row: identical rows would route to the same few experts, and the step would read
     # fewer expert weights than the engine's requests make it read.
@@ -110,16 +110,18 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 12
     return rows, runner.placement.put(pack(inputs))
 
 
-def decode_program_seconds(engine: Engine, num_rows: int, cached: int = 128) -> float:
+def decode_program_seconds(engine: Engine, num_rows: int, cached: int = 128, steps: int | None = None) -> float:
     """Seconds per call of the compiled decode program alone (no host work between calls): `num_rows` rows at
-    `cached` tokens, each sampling `decode_steps` tokens, in the smallest decode bucket that holds them.
-    Run after the engine thread has stopped: it uses the engine's cache."""
+    `cached` tokens, `steps` steps per call (default the engine's `decode_steps`; a step samples one token, or is
+    a speculative round), in the smallest decode bucket that holds them. Run after the engine thread has
+    stopped: it uses the engine's cache."""
     runner = engine.runner
-    rows, inputs = _program_inputs(engine, num_rows, 1, cached)
+    steps = steps or runner.config.decode_steps
+    rows, inputs = _program_inputs(engine, num_rows, 1, cached, steps)
     program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
-    def call():  # one run of decode_steps tokens, as the engine dispatches it
-        _, last_tokens = runner.run_decode(program, rows, inputs, runner.config.decode_steps)
+    def call():  # one device call, as the engine dispatches it
+        _, last_tokens = runner.run_decode(program, rows, inputs, steps)
         return last_tokens
 
     return median_seconds(call, trials=5)
@@ -312,8 +314,7 @@ def report(args, model, engine, placement, results):
               f"{results['peer_tok_s']:.1f} tok/s (best of " + ", ".join(f"{r:.1f}" for r in results[
                   "peer_runs_tok_s"]) + f") = {ours32 / results['peer_tok_s']:.1f}x")
     if args.out:
-        with open(os.path.join(args.out, "serve.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        save_json(args.out, "serve.json", results)
 
 
 def main(argv=None):

@@ -21,7 +21,6 @@ programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shlex
@@ -33,6 +32,7 @@ import urllib.request
 
 from benchmarks.load import cli
 from benchmarks.load.datasets import DEFAULT_TOKEN_RANGE
+from benchmarks.timing import save_json
 from inkling_jax import preset
 from inkling_jax.config.schema import ConfigError
 
@@ -84,8 +84,7 @@ def log(message: str) -> None:
 
 
 def save(args, results: dict) -> None:
-    with open(os.path.join(args.out, "sweep.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    save_json(args.out, "sweep.json", results)
 
 
 def start_server(args) -> subprocess.Popen:
@@ -138,8 +137,7 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
     found = cli.benchmark(cli.parse_args(flags))
     found["compilations_after_warmup"] = server_counter(args, "inkling_compilations_after_warmup_total")
     found["preemptions"] = server_counter(args, "inkling_preemptions_total")
-    with open(os.path.join(args.out, f"load-{label}.json"), "w") as f:
-        json.dump(found, f, indent=1)
+    save_json(args.out, f"load-{label}.json", found)
     log(f"{label}: {found['completed']} done, {found['failed']} failed in {found['duration']:.1f}s; output "
         f"{found['output_throughput']:.0f} tok/s; TTFT p50 {found['median_ttft_ms']:.1f} ms, p99 "
         f"{found['p99_ttft_ms']:.1f} ms; TPOT p50 {found['median_tpot_ms']:.2f} ms; ITL p99 "

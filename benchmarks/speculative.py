@@ -20,7 +20,6 @@ it reports the mean acceptance length (tokens per round) and each draft position
 import argparse
 import dataclasses
 import gc
-import json
 import os
 import time
 
@@ -29,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from benchmarks.timing import median_seconds, stamp, stamp_line
+from benchmarks.serving import decode_program_seconds
+from benchmarks.timing import save_json, stamp, stamp_line
 from inkling_jax import InklingModel, load_pretrained, preset
 from inkling_jax.assets import default_model_dir
 from inkling_jax.config import MTPConfig
@@ -41,7 +41,6 @@ from serve.http.tokenizer import load_tokenizer
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.drafters import OracleDrafter
-from serve.runner.steps import pack
 
 HELDOUT = os.path.join(os.path.dirname(__file__), "..", "tests", "train", "data", "inkling_tiny_heldout.txt")
 ROWS = (1, 8, 32)
@@ -73,24 +72,6 @@ def engine_config(args, speculative=None, **changes) -> EngineConfig:
         max_num_batched_tokens=8 * args.prompt_tokens, chunk_buckets=(1, args.prompt_tokens),
         row_buckets=(1, 8, 33), prefix_caching=False, decode_steps=args.decode_steps, speculative=speculative),
         **changes})
-
-
-def round_seconds(engine: Engine, num_rows: int) -> float:
-    """Seconds per call of an engine's decode program (plain: one token per row; speculative: a round over its
-    K + 1 tokens per row, every draft accepted or not as the random ids fall) at `num_rows` rows with 128 cached
-    tokens each. Run after the engine thread has stopped: it uses the engine's cache."""
-    runner, cfg = engine.runner, engine.runner.config
-    rows = cfg.row_bucket(num_rows)
-    inputs = runner._inputs([], rows, 1)
-    width = inputs.ids.shape[1]
-    if rows != cfg.num_rows:
-        inputs.rows[:num_rows] = np.arange(num_rows)
-    inputs.lengths[:num_rows], inputs.n_new[:num_rows], inputs.steps[:num_rows] = 128, width, 1
-    inputs.page_rows[:num_rows] = np.arange(num_rows * cfg.pages_per_row).reshape(num_rows, -1) % runner.num_pages
-    inputs.ids[:num_rows] = np.random.default_rng(num_rows).integers(0, runner.vocab, (num_rows, width))
-    inputs = runner.placement.put(pack(inputs))
-    program = runner._steps[rows, 1, False]  # one step or one round, as the engine dispatches it
-    return median_seconds(lambda: runner.run_decode(program, rows, inputs, 1)[1], trials=5, calls=5)
 
 
 def timed_generate(engine: Engine, prompts: list[list[int]], output_tokens: int, **sampling):
@@ -131,7 +112,7 @@ def throughput(args) -> dict:
             print(f"{label}, {level} rows: {results['runs'][-1]['tok_s']:.1f} tok/s, "
                   f"compile {engine.warm_up_seconds:.0f} s", flush=True)  # progress, should the run be cut short
         engine.shutdown(drain_seconds=0)
-        results["rows"][label] = {n: 1e3 * round_seconds(engine, n) for n in ROWS}
+        results["rows"][label] = {n: 1e3 * decode_program_seconds(engine, n, steps=1) for n in ROWS}
         print(f"{label} program ms at {', '.join(map(str, ROWS))} rows: "
               + ", ".join(f"{ms:.2f}" for ms in results["rows"][label].values()), flush=True)
         del engine
@@ -200,8 +181,7 @@ def main(argv=None):
     results = acceptance(args) if args.acceptance else throughput(args)
     (report_acceptance if args.acceptance else report_throughput)(args, results)
     if args.out:
-        with open(os.path.join(args.out, "speculative.json"), "w") as f:
-            json.dump(results, f, indent=1)
+        save_json(args.out, "speculative.json", results)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ costing the rest of a run.
 - `read_bandwidth`: bytes/s of a jitted fp32-accumulated sum over bf16, counting the bytes read;
 - `matmul_flops`: FLOP/s of a jitted bf16 n x n x n matmul;
 - `stamp`: date, device and versions, for the line every table starts with (`versions` alone where no device
-  is used).
+  is used);
+- `save_json`: a benchmark's results file, the folder made if needed, written whole or not at all.
 
 The ceilings' input data is an explicit argument, `data="ones"` or `data="normal"`, because it changes the
 result: an H200's matmuls are power-limited, and constant inputs toggle fewer bits than random ones, so the same
@@ -23,6 +24,8 @@ import argparse
 import datetime
 import gc
 import importlib.metadata
+import json
+import os
 import sys
 import time
 import traceback
@@ -127,6 +130,18 @@ def versions(*packages) -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return found
+
+
+def save_json(directory: str, name: str, data) -> str:
+    """Writes `data` as DIRECTORY/NAME (indented JSON; numpy and jax scalars as numbers, any other value JSON
+    lacks as its str) through a temporary file, so that a run cut short leaves the last complete file; returns
+    the path."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v))
+    os.replace(path + ".tmp", path)
+    return path
 
 
 def attempt(label, fn, errors: dict | None = None):

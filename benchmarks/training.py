@@ -244,14 +244,13 @@ def main():
         return part_jax(args)
     if args.part == "torch":
         return part_torch(args)
-    from benchmarks.timing import stamp_line  # imports jax, which takes no device memory until a device is used
+    from benchmarks.timing import save_json, stamp_line  # imports jax, which takes no device memory until a device is used
 
     os.makedirs(args.out, exist_ok=True)
     ours = run_part("jax", args, args.jax_timeout, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"})
     peer = {"side": "torch", "failures": ["not run (--no-peer)"]} if args.no_peer else \
         run_part("torch", args, args.torch_timeout, {})
-    with open(os.path.join(args.out, "train_bench.json"), "w") as fh:
-        json.dump({"args": vars(args), "ours": ours, "peer": peer}, fh, indent=1)
+    save_json(args.out, "train_bench.json", {"args": vars(args), "ours": ours, "peer": peer})
     for r in (ours, peer):
         print(r.get("side"), "losses", [round(x, 3) for x in r.get("losses", [])], "failures", r.get("failures"))
     print(f"first {args.layers} layers of preset('{args.preset}'), batch {args.batch} x seq {args.seq}"
