@@ -5,7 +5,10 @@ when the backend starts, so they must be set before anything touches a device.
 
 On a machine without a GPU, XLA's CPU backend also skips its expensive LLVM passes: compiling is most of the
 suite's time there, and the programs compute the same functions (the serving engine's CPU warm-up uses the same
-options)."""
+options).
+
+Files marked `heavy` are collected first, so that a parallel run (`--dist loadfile`, which hands out whole files
+in collection order) starts them at once instead of ending on them."""
 
 import os
 import shutil
@@ -16,3 +19,7 @@ FLAGS = ["--xla_force_host_platform_device_count=8", NO_FMA_CPU_FLAG]
 if shutil.which("nvidia-smi") is None:
     FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
 os.environ.setdefault("XLA_FLAGS", " ".join(FLAGS))
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: the rest keep their order

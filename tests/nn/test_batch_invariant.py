@@ -21,6 +21,8 @@ from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from train.run import first_layers
 
+pytestmark = pytest.mark.heavy  # see conftest.py
+
 INVARIANT = dataclasses.replace(Backend.parse("reference"), batch_invariant=True)
 CONFIG = first_layers(preset("tiny"), 3)
 VOCAB = CONFIG.text.unpadded_vocab_size

@@ -25,6 +25,8 @@ import pytest
 
 from train.run import main
 
+pytestmark = pytest.mark.heavy  # see conftest.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEARTBEAT = 5  # seconds: how long a dead process goes unnoticed
 SAVE_EVERY = 4

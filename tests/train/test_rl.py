@@ -32,6 +32,8 @@ from train.run import first_layers
 from train.state import seeded_params
 from train.step import StepConfig, Trainer
 
+pytestmark = pytest.mark.heavy  # see conftest.py
+
 STEPS = 30
 CONFIG = first_layers(preset("tiny"), 2)
 TIMING = {"rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s", "rollout_s", "train_s"}

@@ -18,6 +18,8 @@ from tests.train.test_rl import TIMING, arguments, prompts, run  # noqa: F401 (t
 from train.rl import command
 from train.rl.rollout import EnginePool
 
+pytestmark = pytest.mark.heavy  # see conftest.py
+
 MESH = "fsdp=2,tensor=2,expert=2"
 EIGHT = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 

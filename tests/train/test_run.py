@@ -11,6 +11,8 @@ import pytest
 
 from train.run import main
 
+pytestmark = pytest.mark.heavy  # see conftest.py
+
 SENTENCES = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs.",
              "How vexingly quick daft zebras jump!", "Sphinx of black quartz, judge my vow."]
 
