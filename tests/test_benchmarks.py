@@ -10,13 +10,13 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import rl, timing
+from benchmarks import moe_tiles, rl, timing
 
 
 # runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("name", ["model", "serving", "serving_sweep", "speculative", "training", "kernels", "moe",
-                                  "conversion", "timing", "multi_lora", "rl"])
+                                  "conversion", "timing", "multi_lora", "rl", "moe_tiles"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:
@@ -99,3 +99,17 @@ def test_the_rl_benchmark_runs_every_mode_and_reports_each(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     header, rows = lines[-2 - len(modes)], lines[-len(modes):]
     assert header.startswith("| mode |") and [row.split(" | ")[0] for row in rows] == [f"| {m}" for m in modes]
+
+
+def test_the_tile_sweep_times_the_current_tiles_even_without_budget_and_reports_them(tmp_path, capsys):
+    """`python -m benchmarks.moe_tiles --dry-run` (portable kernels, tiny shapes) with no time left: each role
+    times only its current tiles (the baseline), which are then its best, and says so in moe_tiles.json and the
+    table."""
+    moe_tiles.main(["--dry-run", "--roles", "gmm,wgrad", "--seconds", "0", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "moe_tiles.json").read_text())["roles"]
+    assert list(found) == ["gmm", "wgrad"]
+    for role in found.values():
+        assert role["errors"] == {} and list(role["candidates"]) == [role["default"]] == [role["best"]]
+        assert role["default_ms"] == role["best_ms"] > 0
+    rows = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert [row.split(" | ")[0] for row in rows] == ["| gmm", "| wgrad"] and all(" | 1.000 | " in r for r in rows)
