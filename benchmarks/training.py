@@ -1,11 +1,13 @@
 """One training step on one GPU: inkling-jax's jitted train step against transformers' Inkling (PyTorch) at the same
 shape, with the bf16 matmul ceiling measured in the same run.
 
-    python -m benchmarks.training [--layers 3] [--batch 8] [--seq 1024] [--steps 4] [--out DIR]
+    python -m benchmarks.training [--layers 3] [--full-attention-layers 1] [--batch 8] [--seq 1024] [--steps 4]
     python -m benchmarks.training --mesh tensor=2 --no-peer     # ours over several GPUs
 
 Model: the first `--layers` layers of `preset("bench")` (Inkling's per-layer widths, 32 experts top-6 + 2
-shared; as many layers as fit one H200 with fp32 master weights and fp32 AdamW moments), random weights.
+shared; as many layers as fit one H200 with fp32 master weights and fp32 AdamW moments), random weights; the last
+`--full-attention-layers` of them attend over the full context (as every sixth Inkling layer does), the others
+through the sliding window, so that the step runs both attention kinds.
 Step: next-token loss on `batch x seq` tokens, backward, global-norm clipping, AdamW.
 - ours: `train.step.Trainer`, bf16 compute over fp32 masters, rows packed with 2 segments each; the MoE backend
   and the remat policy are tried in `--attempts` order until one compiles and fits;
@@ -33,6 +35,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bench", help="another preset (e.g. tiny) to try the script on a CPU")
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--full-attention-layers", type=int, default=1,
+                   help="how many of the kept layers, the last ones, use full attention (0: all sliding)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="timed steps after the first (compiling) ones")
@@ -44,14 +48,19 @@ def parse_args(argv=None):
     p.add_argument("--jax-timeout", type=int, default=185)
     p.add_argument("--torch-timeout", type=int, default=95)
     p.add_argument("--part", choices=["jax", "torch"], help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not 0 <= args.full_attention_layers <= args.layers:
+        p.error(f"--full-attention-layers must be between 0 and --layers ({args.layers})")
+    return args
 
 
 def bench_config(args):
     from inkling_jax import preset
     from train.run import first_layers
 
-    return first_layers(preset(args.preset), args.layers)
+    config = first_layers(preset(args.preset), args.layers)
+    full = range(args.layers - args.full_attention_layers, args.layers)
+    return config.replace(local_layer_ids=tuple(i for i in range(args.layers) if i not in full))
 
 
 def emit(result: dict) -> None:
@@ -149,6 +158,7 @@ def part_torch(args) -> None:
         intermediate_size=t.dense_intermediate_size, moe_intermediate_size=t.moe_intermediate_size,
         n_routed_experts=t.num_experts, num_experts_per_tok=t.num_experts_per_tok,
         n_shared_experts=t.num_shared_experts, dense_mlp_idx=len(t.dense_layer_ids),
+        local_layer_ids=list(t.local_layer_ids),
         log_scaling_n_floor=t.log_scaling_n_floor)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = {"side": "torch", "torch": torch.__version__, "transformers": transformers.__version__, "failures": []}
@@ -253,7 +263,8 @@ def main():
     save_json(args.out, "train_bench.json", {"args": vars(args), "ours": ours, "peer": peer})
     for r in (ours, peer):
         print(r.get("side"), "losses", [round(x, 3) for x in r.get("losses", [])], "failures", r.get("failures"))
-    print(f"first {args.layers} layers of preset('{args.preset}'), batch {args.batch} x seq {args.seq}"
+    print(f"first {args.layers} layers of preset('{args.preset}') ({args.full_attention_layers} with full attention), "
+          f"batch {args.batch} x seq {args.seq}"
           f"{', mesh ' + args.mesh if args.mesh else ''}; "
           f"{stamp_line(ours['stamp']) if 'stamp' in ours else 'jax side failed'}; torch {peer.get('torch')}, "
           f"transformers {peer.get('transformers')}")
