@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from benchmarks.moe import DRY, INKLING, rnd, rows_inputs, weights
 from benchmarks.timing import attempt, median_seconds, save_json, stamp, stamp_line
 from pallas_kernels.moe import epilogues, jax_mgpu, matmuls
-from pallas_kernels.moe.tuning import DEFAULTS, GmmConfig, WgradConfig
+from pallas_kernels.moe.tuning import DEFAULTS, WgradConfig
 
 ROLES = ("swiglu", "gmm", "gmm_pairs", "wgrad")
 PLAIN = ((0, 0, 0),)

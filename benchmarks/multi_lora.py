@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from benchmarks.serving import build_engine, run_load
-from benchmarks.timing import attempt, save_json, stamp, stamp_line
+from benchmarks.timing import attempt, save_json, show_progress_logs, stamp, stamp_line
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.generate import flat_params
 from serve.engine.config import EngineConfig
@@ -176,6 +176,7 @@ def report(args, results) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    show_progress_logs()
     kinds = ["dense"] + (["experts"] if args.experts else [])
     largest = max(args.counts[-1], 1)
     results = {"args": {**vars(args), "backend": dataclasses.asdict(args.backend)}, "stamp": stamp()}

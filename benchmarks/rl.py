@@ -47,7 +47,7 @@ from benchmarks.rl_memory import (
     plan_lines,
 )
 from benchmarks.serving import random_prompts, run_load
-from benchmarks.timing import attempt, matmul_flops, save_json, stamp, stamp_line
+from benchmarks.timing import attempt, matmul_flops, save_json, show_progress_logs, stamp, stamp_line
 from inkling_jax.backend import add_backend_flag, start_cpu_without_fma
 from inkling_jax.config import preset
 from inkling_jax.parallel.mesh import make_mesh
@@ -198,6 +198,7 @@ def terminate(signum, frame):
 
 def main(argv=None):
     args = parse_args(argv)
+    show_progress_logs()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEMORY_FRACTION)  # read when the GPU is first used
     if any(MODES[mode][1] for mode in args.modes):
         start_cpu_without_fma()  # before jax starts its backend (the invariant mode on CPU)

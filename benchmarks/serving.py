@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.model import decode_step_bytes
-from benchmarks.timing import copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, save_json, stamp, stamp_line
+from benchmarks.timing import (copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, save_json,
+                               show_progress_logs, stamp, stamp_line)
 from inkling_jax import preset
 from inkling_jax.backend import add_backend_flag
 from inkling_jax.quant import QuantConfig, serving_view
@@ -319,6 +320,7 @@ def report(args, model, engine, placement, results):
 
 def main(argv=None):
     args = parse_args(argv)
+    show_progress_logs()
     placement = Placement.from_spec(args.mesh)
     placement.check(preset(args.preset).text, dense_precision=args.dense_precision)
     levels = sorted(int(c) for c in args.concurrency.split(","))

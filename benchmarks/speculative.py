@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.serving import decode_program_seconds
-from benchmarks.timing import save_json, stamp, stamp_line
+from benchmarks.timing import save_json, show_progress_logs, stamp, stamp_line
 from inkling_jax import InklingModel, load_pretrained, preset
 from inkling_jax.assets import default_model_dir
 from inkling_jax.config import MTPConfig
@@ -178,6 +178,7 @@ def report_acceptance(args, results) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    show_progress_logs()
     results = acceptance(args) if args.acceptance else throughput(args)
     (report_acceptance if args.acceptance else report_throughput)(args, results)
     if args.out:

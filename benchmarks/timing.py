@@ -9,7 +9,8 @@ costing the rest of a run.
 - `matmul_flops`: FLOP/s of a jitted bf16 n x n x n matmul;
 - `stamp`: date, device and versions, for the line every table starts with (`versions` alone where no device
   is used);
-- `save_json`: a benchmark's results file, the folder made if needed, written whole or not at all.
+- `save_json`: a benchmark's results file, the folder made if needed, written whole or not at all;
+- `show_progress_logs`: the engine's and trainer's INFO lines (compile times, pool sizes) as a run goes.
 
 The ceilings' input data is an explicit argument, `data="ones"` or `data="normal"`, because it changes the
 result: an H200's matmuls are power-limited, and constant inputs toggle fewer bits than random ones, so the same
@@ -25,6 +26,7 @@ import datetime
 import gc
 import importlib.metadata
 import json
+import logging
 import os
 import sys
 import time
@@ -142,6 +144,15 @@ def save_json(directory: str, name: str, data) -> str:
         json.dump(data, f, indent=1, default=lambda v: v.item() if hasattr(v, "item") else str(v))
     os.replace(path + ".tmp", path)
     return path
+
+
+def show_progress_logs() -> None:
+    """The INFO lines of serve, train and inkling_jax (warm-up compile times, KV pool sizes), stamped with the
+    time, on stderr (unless logging has handlers already): a run cut short on a GPU still shows where its time
+    went."""
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    for name in ("serve", "train", "inkling_jax"):
+        logging.getLogger(name).setLevel(logging.INFO)
 
 
 def attempt(label, fn, errors: dict | None = None):

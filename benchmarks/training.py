@@ -254,7 +254,8 @@ def main():
         return part_jax(args)
     if args.part == "torch":
         return part_torch(args)
-    from benchmarks.timing import save_json, stamp_line  # imports jax, which takes no device memory until a device is used
+    # imports jax, which takes no device memory until a device is used
+    from benchmarks.timing import save_json, stamp_line
 
     os.makedirs(args.out, exist_ok=True)
     ours = run_part("jax", args, args.jax_timeout, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95"})

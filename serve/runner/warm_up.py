@@ -68,6 +68,7 @@ class StepCompilation:
                 self.cache, self.snapshots, scalar, scalar)
             lowered["restore"] = jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
                 self.cache, self.snapshots, scalar, scalar)
+        log.info("traced %d programs in %.1fs; compiling them", len(lowered), time.perf_counter() - start)
         # XLA compiles outside the GIL: the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
             compiled = dict(zip(lowered, pool.map(lambda key: lowered[key].compile(compile_options(key)), lowered)))
