@@ -1,9 +1,9 @@
 """LoRA adapters served on a device mesh of 8 simulated CPU devices (tensor=2, expert=4): rows of the base and of
-three adapters in one batch each get the greedy tokens of the one-device model with its adapter merged in, with the
-adapters' products by the jnp reference (partitioned by XLA) and by the Pallas kernels (interpreted; XLA gathers
-their operands). The adapter arrays are whole on all 8 devices, and putting adapters in slots after warm-up builds
-no program. Adapters on the routed experts are refused on a mesh with an `expert` axis, and served on one
-without (tensor=2: checked on the adapted view)."""
+three adapters in one batch of the engine each get the greedy tokens of the one-device model with its adapter merged
+in, the adapters' products by the jnp reference (partitioned by XLA); the adapter arrays are whole on all 8
+devices, and putting adapters in slots after warm-up builds no program. The Pallas kernels (interpreted; XLA
+gathers their operands) give the merged models' logits on the same mesh. Adapters on the routed experts are
+refused on a mesh with an `expert` axis, and served on one without (tensor=2: checked on the adapted view)."""
 
 import concurrent.futures
 import time
@@ -34,15 +34,23 @@ MESH = "tensor=2,expert=4"
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
-    """(the base model, adapter name -> path, adapter name (None: the base) -> its greedy tokens)."""
+    """(the base model, adapter name -> (its factors, its path), adapter name (None: the base) -> its greedy
+    tokens)."""
     model = base_model()
     factors = {name: random_adapters(model, rank, seed=rank, experts=False) for name, rank in RANKS.items()}
     root = tmp_path_factory.mktemp("lora")
-    paths = {name: save(root / f"{name}.safetensors", f, ALPHA) for name, f in factors.items()}
+    saved = {name: (f, save(root / f"{name}.safetensors", f, ALPHA)) for name, f in factors.items()}
     expected = {None: greedy(model, PROMPT, TOKENS)}
     expected.update({name: greedy(merged_model(model, f, ALPHA), PROMPT, TOKENS) for name, f in factors.items()})
     assert len({tuple(t) for t in expected.values()}) == len(expected)  # a row with another's adapter would show
-    return model, paths, expected
+    return model, saved, expected
+
+
+def padded_prompt() -> np.ndarray:
+    """PROMPT in the [1, tokens] shape `greedy` compiled the models' forward for."""
+    ids = np.zeros((1, len(PROMPT) + TOKENS), np.int32)
+    ids[0, :len(PROMPT)] = PROMPT
+    return ids
 
 
 def mesh_engine(model, paths: dict[str, str], experts: bool = False) -> Engine:
@@ -64,11 +72,9 @@ def run_one_batch(engine: Engine, order: list) -> list[list[int]]:
         return [f.result()[0].token_ids for f in futures]
 
 
-@pytest.mark.parametrize("lora", ["reference", "pallas"])
-def test_mixed_adapters_on_a_mesh_match_merged_models(adapters, lora):
-    model, paths, expected = adapters
-    backend = Backend.parse(f"reference,moe=dense,lora={lora}")
-    engine = mesh_engine(with_backend(model, backend), paths)
+def test_mixed_adapters_on_a_mesh_match_merged_models(adapters):
+    model, saved, expected = adapters
+    engine = mesh_engine(model, {name: path for name, (_, path) in saved.items()})
     order = [None, "a", "b", "c"]
     try:
         results = run_one_batch(engine, order)
@@ -84,10 +90,28 @@ def test_mixed_adapters_on_a_mesh_match_merged_models(adapters, lora):
             assert len(pool[...].sharding.device_set) == 8 and pool[...].sharding.is_fully_replicated
 
 
+def test_the_lora_kernels_on_a_mesh_give_the_merged_models_logits(adapters):
+    """The adapters' products by the Pallas kernels (interpreted) in the placed view: rows of the base and of the
+    three adapters, each the logits of its merged model on one device."""
+    model, saved, _ = adapters
+    placement = Placement.from_spec(MESH)
+    kernels = with_backend(model, Backend.parse("reference,moe=dense,lora=pallas"))
+    view = lora_view(placement.model_view(kernels), slots=len(RANKS) + 1, rank=8, mesh=placement.mesh)
+    for slot, (name, (_, path)) in enumerate(saved.items(), 1):
+        write_slot(view, slot, load_adapter(name, path, adapted_shapes(view), 8))
+    route(view, np.arange(len(RANKS) + 1))
+    ids = padded_prompt()
+    logits = np.asarray(forward(view, np.repeat(ids, len(RANKS) + 1, axis=0)))
+    merged = [model] + [merged_model(model, f, ALPHA) for f, _ in saved.values()]
+    for row, want in enumerate(merged):
+        np.testing.assert_allclose(logits[row], np.asarray(forward(want, ids))[0], rtol=2e-4, atol=2e-4,
+                                   err_msg=f"row {row}")
+
+
 def test_expert_adapters_are_refused_on_an_expert_axis(adapters):
-    model, paths, _ = adapters
+    model, saved, _ = adapters
     with pytest.raises(MeshError, match="--lora-experts is not served on a mesh with an expert axis"):
-        mesh_engine(model, paths, experts=True)
+        mesh_engine(model, {name: path for name, (_, path) in saved.items()}, experts=True)
 
 
 def test_expert_adapters_on_a_tensor_mesh_match_the_merged_model(adapters, tmp_path):
@@ -101,8 +125,7 @@ def test_expert_adapters_on_a_tensor_mesh_match_the_merged_model(adapters, tmp_p
     assert not view.layers[1].mlp.moe.w_gate[...].sharding.is_fully_replicated
     assert all(p.a[...].sharding.is_fully_replicated and len(p.a[...].sharding.device_set) == 2
                for p in expert_projections(view))
-    ids = np.zeros((1, len(PROMPT) + TOKENS), np.int32)  # the shape `greedy` compiled the models' forward for
-    ids[0, :len(PROMPT)] = PROMPT
+    ids = padded_prompt()
     route(view, np.array([0, 1]))
     logits = np.asarray(forward(view, np.concatenate([ids, ids])))
     assert np.abs(logits[1] - logits[0]).max() > 1e-2  # the adapter changes the output
