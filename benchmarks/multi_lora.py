@@ -4,6 +4,7 @@ the base alone measured in the same run, and the time to load one adapter.
     python -m benchmarks.multi_lora [--out DIR]           # an H200: the `bench` preset, random weights
     python -m benchmarks.multi_lora --preset tiny --adapters 0,1,2 --concurrency 2 --prompt-tokens 16 \\
         --output-tokens 4 --passes 1 --experts             # a functional check on CPU
+    python -m benchmarks.multi_lora --mesh tensor=2       # over 2 GPUs (the adapters whole on each)
 
 One engine (`benchmarks.serving.build_engine`: random weights, bf16, fused projections; one row bucket, every row,
 and a token budget that prefills every prompt in one step) with an adapter slot for each of the most distinct
@@ -71,6 +72,8 @@ def parse_args(argv=None):
                    help="token budget of a step (default: every prompt prefills in one step)")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
                    help="share of the free device memory the KV pool may take")
+    p.add_argument("--mesh", help="serve over a device mesh, as serve.app's --mesh (e.g. tensor=2; --experts not "
+                   "with an expert axis); default: one device. The slots' bytes are then per device")
     add_backend_flag(p)
     p.add_argument("--out", help="directory for multi_lora.json")
     # what `build_engine` reads beyond these: bf16 weights (expert adapters need bf16 routed experts), fused
@@ -185,7 +188,7 @@ def main(argv=None):
         config = LoRAConfig((), max_loras=largest, max_rank=args.rank, root=directory,
                             max_cpu_loras=largest * len(kinds), experts=args.experts)
         # One row bucket, every row: every step of the benchmark runs all of them.
-        model, engine = build_engine(args, [args.concurrency], Placement(), results, lora=config,
+        model, engine = build_engine(args, [args.concurrency], Placement.from_spec(args.mesh), results, lora=config,
                                      row_buckets=(args.concurrency + 1,))
         runner = engine.runner
         results["slots"] = largest + 1

@@ -146,7 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--max-lora-rank", type=number(int, 1), default=16, help="largest LoRA rank served (every slot holds it)")
     a("--lora-experts", action="store_true", help="LoRA adapters may adapt the MoE's routed and shared experts "
       "(a batch with such an adapter runs the routed experts' projections apart, each plus its adapters' grouped "
-      "LoRA product; see docs/serving.md)")
+      "LoRA product; see docs/serving.md; not on a --mesh with an expert axis)")
     a("--num-snapshots", type=number(int, 0), help="saved window/conv states for prefix hits (default: 2 per slot)")
     a("--max-queued", type=number(int, 1), default=256, help="waiting sequences beyond which requests get 429")
     a("--max-prompt-tokens", type=number(int, 1), help="longest accepted prompt (default: max-model-len - 1)")
@@ -184,8 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--speculative-algorithm draft and --speculative-draft-model go together")
     if args.speculative_draft_model and args.mesh:
         p.error("--speculative-algorithm draft does not run on a --mesh")
-    if (args.lora_modules or args.lora_root) and (args.speculative_algorithm or args.mesh):
-        p.error("--lora-modules and --lora-root are not served with --speculative-algorithm or on a --mesh yet")
+    if (args.lora_modules or args.lora_root) and args.speculative_algorithm:
+        p.error("--lora-modules and --lora-root are not served with --speculative-algorithm yet")
     try:
         args.lora_modules = LoRAConfig.parse_modules(args.lora_modules)
     except ValueError as exc:
@@ -244,9 +244,10 @@ def build_service(args: argparse.Namespace) -> Service:
     directory = None if args.random_weights else args.model or default_model_dir()
     model_config = preset(args.preset) if directory is None else load_config(directory)
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
-    placement.check(model_config.text, dense_precision=args.dense_precision)
-    tokenizer = load_tokenizer(directory)
     config = engine_config(args)
+    placement.check(model_config.text, dense_precision=args.dense_precision,
+                    lora_experts=config.lora is not None and config.lora.experts)
+    tokenizer = load_tokenizer(directory)
     draft_dir = args.speculative_draft_model
     draft_config = None if draft_dir is None else load_config(draft_dir)
     try:

@@ -75,9 +75,9 @@ class ProjectionAdapters(ServingForm):
             part_a, part_b = adapter.weights[self.part]
             rank = part_a.shape[-1]
             a[..., :rank], b[:, :rank], scale = part_a, part_b, adapter.scale
-        self.a.set_value(self.a[...].at[:, slot].set(a))
-        self.b.set_value(self.b[...].at[:, slot].set(b))
-        self.scale.set_value(self.scale[...].at[slot].set(scale))
+        self.a.write(slot, a, axis=1)
+        self.b.write(slot, b, axis=1)
+        self.scale.write(slot, scale)
 
 
 class StackAdapters(ServingForm):

@@ -5,6 +5,9 @@ names (`inkling_jax.nn.kernels.lora_add`): the Pallas kernels of `pallas_kernels
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -21,6 +24,18 @@ class AdapterRows(nnx.Variable):
 
 class AdapterPool(nnx.Variable):
     """A slot-indexed array of adapter factors or scales."""
+
+    def write(self, slot: int, value, axis: int = 0) -> None:
+        """Puts `value` (the array without its slot dimension `axis`) in `slot`, keeping the array's sharding
+        exactly: the compiled steps take the new array as they took the old one. One program per pool shape,
+        whatever the slot (`AdapterSlots` builds them before serving)."""
+        old = self.get_value()
+        self.set_value(jax.device_put(_with_slot(old, value, slot, axis), old.sharding))
+
+
+@functools.partial(jax.jit, static_argnames="axis")
+def _with_slot(pool, value, slot, axis: int):
+    return jax.lax.dynamic_update_index_in_dim(pool, jnp.asarray(value, pool.dtype), slot, axis)
 
 
 class LoRALinear(ServingForm):

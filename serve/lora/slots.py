@@ -39,6 +39,7 @@ class AdapterSlots:
         self.config = config
         self.on_load = on_load
         self.shapes = adapted_shapes(view)
+        write_slot(view, 0, None)  # the base's zeros again: builds the slot writes' programs before serving
         self._lock = threading.Lock()  # request threads register and unregister, the engine thread places
         self.resident: collections.OrderedDict[Adapter, int] = collections.OrderedDict()  # -> slot, LRU first
         self.free = list(range(config.max_loras, 0, -1))  # slot 0 is the base's

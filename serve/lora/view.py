@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.nn.attention import Attention
 from inkling_jax.nn.layers import Linear
@@ -18,15 +19,18 @@ from inkling_jax.quant.attention import FusedAttention
 from inkling_jax.quant.mlp import FusedMLP, SplitMLP
 from serve.lora.adapters import Adapter
 from serve.lora.experts import ProjectionAdapters, adapted_moe
-from serve.lora.linear import AdapterRows, LoRALinear
+from serve.lora.linear import AdapterPool, AdapterRows, LoRALinear
 
 _ATTENTION = ("wq", "wk", "wv", "wr")
 
 
-def lora_view(model: InklingModel, slots: int, rank: int, experts: bool = False) -> InklingModel:
+def lora_view(model: InklingModel, slots: int, rank: int, experts: bool = False,
+              mesh: Mesh | None = None) -> InklingModel:
     """A copy of `model` whose adaptable projections add the adapter of their row's slot; `slots` counts the
     base's slot 0, `rank` is the largest rank a slot holds; with `experts`, the MoE layers' routed and shared experts
-    are adaptable too. Every slot starts as the base."""
+    are adaptable too. Every slot starts as the base. With `mesh` (the one `model` is placed on), every adapter
+    array (factors, scales, the rows' slots) is whole on each of its devices: small beside the weights they
+    adapt, so each device adds any row's product to whatever split of the base's output it holds."""
     view = nnx.clone(model)
     rows = AdapterRows(jnp.zeros((1,), jnp.int32))
 
@@ -62,6 +66,11 @@ def lora_view(model: InklingModel, slots: int, rank: int, experts: bool = False)
             mlp.w_gate_up = adapted(mlp.w_gate_up, (f"{p}mlp.w_gate", f"{p}mlp.w_up"), hidden)
             mlp.w_down = adapted(mlp.w_down, (f"{p}mlp.w_down",), mlp.w_gate_up.widths[0])
         layer.mlp = mlp
+    if mesh is not None:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        for _, node in nnx.iter_graph(view):
+            if isinstance(node, (AdapterPool, AdapterRows)):
+                node.set_value(jax.device_put(node.get_value(), replicated))
     return view
 
 
@@ -92,8 +101,8 @@ def write_slot(view: InklingModel, slot: int, adapter: Adapter | None) -> None:
     """Puts `adapter` (None: the base's zeros) in `slot` of every adapted module of the view."""
     for module in adapted_modules(view):
         a, b = module.slot_factors({} if adapter is None else adapter.weights)
-        module.a.set_value(module.a[...].at[slot].set(a))
-        module.b.set_value(module.b[...].at[slot].set(b))
-        module.scale.set_value(module.scale[...].at[slot].set(0.0 if adapter is None else adapter.scale))
+        module.a.write(slot, a)
+        module.b.write(slot, b)
+        module.scale.write(slot, 0.0 if adapter is None else adapter.scale)
     for projection in expert_projections(view):
         projection.write(slot, adapter)

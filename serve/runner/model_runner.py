@@ -52,7 +52,7 @@ class ModelRunner(StepCompilation):
         evicted adapter or None): called for every LoRA adapter put in a device slot (`serve.lora.slots`)."""
         self.config = config
         self.placement = placement or Placement()
-        self.placement.check(model.config.text)
+        self.placement.check(model.config.text, lora_experts=config.lora is not None and config.lora.experts)
         spec, draft_config = config.speculative, None if draft_model is None else draft_model.config
         check_speculative(model.config, spec, draft_config, oracle is not None)
         self.oracle, self.on_round = oracle, on_round
@@ -67,10 +67,9 @@ class ModelRunner(StepCompilation):
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
         self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is
         self.draft = None if draft_model is None else self.placement.model_view(draft_model, config.fuse_projections)
-        if config.lora is not None:  # LoRA adapters in device slots of the view (`serve.lora`)
-            if self.placement.mesh is not None:
-                raise ValueError("LoRA adapters are not served on a device mesh yet")
-            self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank, config.lora.experts)
+        if config.lora is not None:  # LoRA adapters in device slots of the view (`serve.lora`), on its devices
+            self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank, config.lora.experts,
+                                   self.placement.mesh)
         self.lora = None if config.lora is None else AdapterSlots(self.model, config.lora, on_lora_load)
         self.params, self._merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None

@@ -51,12 +51,18 @@ class Placement:
             raise MeshError(f"mesh {spec!r} needs {count} devices; {jax.device_count()} available")
         return cls(make_mesh(spec, jax.devices()[:count]))
 
-    def check(self, text: TextConfig, dense_precision: str = "bf16") -> None:
+    def check(self, text: TextConfig, dense_precision: str = "bf16", lora_experts: bool = False) -> None:
         """`sharding.check_mesh` (MeshError where the mesh cannot split the model; warnings for what stays whole),
-        once per config; NVFP4 dense weights are fused matrices, which a `tensor` axis cannot split."""
+        once per config; NVFP4 dense weights are fused matrices, which a `tensor` axis cannot split. LoRA adapters
+        on the experts (`lora_experts`) run the routed experts outside their expert-parallel dispatch
+        (`serve.lora.experts`), which an `expert` axis would turn into every device gathering every expert."""
         if dense_precision == "nvfp4" and self.mesh is not None and self.mesh.shape["tensor"] > 1:
             raise MeshError("--dense-precision nvfp4 holds fused q|k|v|r and shared-expert matrices, which a tensor "
                             "axis cannot split: use fp8 or bf16 with this mesh, or a mesh without tensor")
+        if lora_experts and self.mesh is not None and self.mesh.shape["expert"] > 1:
+            raise MeshError("--lora-experts is not served on a mesh with an expert axis: serve it on a mesh "
+                            "without expert (tensor=N), or leave --lora-experts off (adapters on attention and the "
+                            "dense MLPs run on any mesh)")
         if self.mesh is not None and text != self._checked:
             check_mesh(self.mesh, text)
             self._checked = text

@@ -49,12 +49,14 @@ def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(mon
 
 @pytest.mark.skipif(jax.device_count() < 3, reason="needs 3 (simulated) devices")
 def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
-    """A mesh that cannot split the experts stops the server with one line, before any weight loads; one that
-    splits less than asked says what stays whole."""
+    """A mesh that cannot split the experts (or serve adapters on them) stops the server with one line, before any
+    weight loads; one that splits less than asked says what stays whole."""
     with pytest.raises(SystemExit, match="--mesh expert=3: the model's 8 routed experts do not split over expert=3"):
         main(["--mesh", "expert=3"])
     with pytest.raises(SystemExit, match="needs 64 devices"):
         main(["--mesh", "tensor=64"])
+    with pytest.raises(SystemExit, match="--mesh expert=2: --lora-experts is not served on a mesh with an expert"):
+        main(["--mesh", "expert=2", "--lora-modules", "a=/nowhere", "--lora-experts"])
     with pytest.raises(MeshError, match="bad mesh axis"):
         Placement.from_spec("pipeline=2")
     text = preset("tiny").text
@@ -91,7 +93,8 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     (["--speculative-algorithm", "draft"], "--speculative-algorithm draft and --speculative-draft-model go together"),
     (["--speculative-draft-model", "/x"], "--speculative-algorithm draft and --speculative-draft-model go together"),
     (["--lora-modules", "a"], "--lora-modules takes NAME=PATH, got 'a'"),
-    (["--lora-modules", "a=/x", "--mesh", "fsdp=2"], "--lora-modules and --lora-root are not served with"),
+    (["--lora-modules", "a=/x", "--speculative-algorithm", "mtp"],
+     "--lora-modules and --lora-root are not served with --speculative-algorithm yet"),
     (["--max-loras", "0"], "--max-loras: must be >= 1"),
     (["--max-loras", "3", "--max-cpu-loras", "2"], "--max-cpu-loras must be at least --max-loras (3)"),
 ])

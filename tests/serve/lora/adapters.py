@@ -3,6 +3,7 @@ must serve like (`train.lora.merge`)."""
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from inkling_jax import preset
 from serve.lora.random_adapters import random_factors
@@ -40,6 +41,21 @@ def merged_model(model, adapters: dict[str, np.ndarray], alpha: float):
     flat = model_params(model)
     merged = lora.merge(flat, {n: jnp.asarray(x) for n, x in adapters.items()}, alpha)
     return ModelParts(CONFIG, jnp.float32, REFERENCE).merge({**flat, **merged})
+
+
+@nnx.jit
+def forward(model, ids):
+    return model(ids)
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after `prompt` by whole forwards of one padded length (the model is causal: padding after
+    a position changes nothing before it), so one compiled program serves every step and model."""
+    ids = np.zeros((1, len(prompt) + n), np.int32)
+    ids[0, :len(prompt)] = prompt
+    for k in range(len(prompt), len(prompt) + n):
+        ids[0, k] = int(jnp.argmax(forward(model, ids)[0, k - 1, :CONFIG.text.unpadded_vocab_size]))
+    return ids[0, len(prompt):].tolist()
 
 
 def save(path, adapters: dict[str, np.ndarray], alpha: float) -> str:

@@ -14,10 +14,8 @@ import shutil
 import threading
 import urllib.request
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from inkling_jax import Backend, with_backend
 from serve.engine.config import EngineConfig
@@ -30,28 +28,13 @@ from serve.lora.config import LoRAConfig
 from serve.lora.slots import UnknownAdapter
 from serve.offline import TokenRecorder, generate
 from tests.serve.http.client import KEY, MODEL, post
-from tests.serve.lora.adapters import CONFIG, base_model, merged_model, random_adapters, save
+from tests.serve.lora.adapters import CONFIG, base_model, greedy, merged_model, random_adapters, save
 
 ALPHA = 16.0
 RANKS = {"a": 2, "b": 8, "c": 4, "d": 6}
 SLOTS = 3  # device slots, and adapters whose weights host memory keeps
 PROMPT = np.random.default_rng(5).integers(0, 256, 19).tolist()  # two full pages of 8: prefix-cached
 TOKENS = 6
-
-
-@nnx.jit
-def forward(model, ids):
-    return model(ids)
-
-
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    """n greedy tokens after `prompt` by whole forwards of one padded length (the model is causal: padding after
-    a position changes nothing before it), so one compiled program serves every step and model."""
-    ids = np.zeros((1, len(prompt) + n), np.int32)
-    ids[0, :len(prompt)] = prompt
-    for k in range(len(prompt), len(prompt) + n):
-        ids[0, k] = int(jnp.argmax(forward(model, ids)[0, k - 1, :CONFIG.text.unpadded_vocab_size]))
-    return ids[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
