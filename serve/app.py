@@ -112,7 +112,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       "sliding window)")
     a("--mesh", help="serve sharded over a device mesh, e.g. tensor=2,expert=4 (heads and MLP widths over "
       "`tensor`, routed experts over `expert`; uses that many devices; default: one device). Checked against "
-      "the model's config before the weights load")
+      "the model's config (and a draft model's) before the weights load")
     a("--expert-precision", default="bf16", choices=EXPERT_PRECISIONS,
       help="routed experts' weights: bf16 (in the model's --dtype, as loaded); fp8 e4m3 with one scale per "
       "expert and matrix and the activations quantised per row (half the bytes a decode step reads; a few "
@@ -182,8 +182,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--speculative-num-draft-tokens needs --speculative-algorithm")
     if bool(args.speculative_draft_model) != (args.speculative_algorithm == "draft"):
         p.error("--speculative-algorithm draft and --speculative-draft-model go together")
-    if args.speculative_draft_model and args.mesh:
-        p.error("--speculative-algorithm draft does not run on a --mesh")
     if (args.lora_modules or args.lora_root) and args.speculative_algorithm:
         p.error("--lora-modules and --lora-root are not served with --speculative-algorithm yet")
     try:
@@ -250,6 +248,8 @@ def build_service(args: argparse.Namespace) -> Service:
     tokenizer = load_tokenizer(directory)
     draft_dir = args.speculative_draft_model
     draft_config = None if draft_dir is None else load_config(draft_dir)
+    if draft_config is not None:
+        placement.check(draft_config.text, dense_precision=args.dense_precision, name="the draft model")
     try:
         check_speculative(model_config, config.speculative, draft_config)
         if draft_dir is not None and tokenizer_file(draft_dir) != tokenizer_file(directory):
@@ -285,8 +285,8 @@ def build_service(args: argparse.Namespace) -> Service:
     # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
     # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
     model = placement.model_view(model, config.fuse_projections)
-    draft = None if draft_dir is None else load_pretrained(draft_dir, dtype=dtype, config=draft_config, quant=quant,
-                                                           backend=args.backend)
+    draft = None if draft_dir is None else load_pretrained(draft_dir, dtype=dtype, config=draft_config,
+                                                           mesh=placement.mesh, quant=quant, backend=args.backend)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement, draft_model=draft)
     media = (MediaEncoder(model, args.max_image_pixels) if model.vision is not None or model.audio is not None
              else None)

@@ -56,8 +56,12 @@ class ModelRunner(StepCompilation):
         spec, draft_config = config.speculative, None if draft_model is None else draft_model.config
         check_speculative(model.config, spec, draft_config, oracle is not None)
         self.oracle, self.on_round = oracle, on_round
+        if draft_model is not None:
+            self.placement.check(draft_model.config.text, name="the draft model")
         self.drafter = drafter_layers(model.config, spec, draft_config)
-        self.text = cache_layout(model.config.text, self.drafter)  # the cache's layers: the model's, the drafter's
+        # The configs of the cache's layers (the model's, the drafter's), and one that says which are local.
+        self.cache_texts = (model.config.text,) + (() if self.drafter is None else (self.drafter,))
+        self.text = cache_layout(model.config.text, self.drafter)
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuses_projections
         if model.backend.batch_invariant and (fused or config.lora is not None or self.placement.mesh is not None):
@@ -111,7 +115,7 @@ class ModelRunner(StepCompilation):
             return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)
 
         shapes = jax.eval_shape(cache)
-        self.cache_shardings = self.placement.cache_shardings(self.text, shapes)
+        self.cache_shardings = self.placement.cache_shardings(self.cache_texts, shapes)
         self.snapshot_shardings = None if self.cache_shardings is None else cache_rows.row_state(
             self.text, self.cache_shardings)
         if memory_plan.grows_on_demand(self.placement.device_list):

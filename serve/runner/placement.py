@@ -39,7 +39,7 @@ CACHE_AXES = {"k": (None, None, "kv_heads", None), "v": (None, None, "kv_heads",
 class Placement:
     def __init__(self, mesh: Mesh | None = None):
         self.mesh = mesh
-        self._checked = None  # the config `check` last passed (the server checks before loading, the runner after)
+        self._checked = set()  # the configs `check` passed (the server checks before loading, the runner after)
 
     @classmethod
     def from_spec(cls, spec: str | None) -> "Placement":
@@ -51,11 +51,13 @@ class Placement:
             raise MeshError(f"mesh {spec!r} needs {count} devices; {jax.device_count()} available")
         return cls(make_mesh(spec, jax.devices()[:count]))
 
-    def check(self, text: TextConfig, dense_precision: str = "bf16", lora_experts: bool = False) -> None:
+    def check(self, text: TextConfig, dense_precision: str = "bf16", lora_experts: bool = False,
+              name: str | None = None) -> None:
         """`sharding.check_mesh` (MeshError where the mesh cannot split the model; warnings for what stays whole),
         once per config; NVFP4 dense weights are fused matrices, which a `tensor` axis cannot split. LoRA adapters
         on the experts (`lora_experts`) run the routed experts outside their expert-parallel dispatch
-        (`serve.lora.experts`), which an `expert` axis would turn into every device gathering every expert."""
+        (`serve.lora.experts`), which an `expert` axis would turn into every device gathering every expert. name:
+        what `text` configures where it is not the served model (a draft model), for the error."""
         if dense_precision == "nvfp4" and self.mesh is not None and self.mesh.shape["tensor"] > 1:
             raise MeshError("--dense-precision nvfp4 holds fused q|k|v|r and shared-expert matrices, which a tensor "
                             "axis cannot split: use fp8 or bf16 with this mesh, or a mesh without tensor")
@@ -63,9 +65,14 @@ class Placement:
             raise MeshError("--lora-experts is not served on a mesh with an expert axis: serve it on a mesh "
                             "without expert (tensor=N), or leave --lora-experts off (adapters on attention and the "
                             "dense MLPs run on any mesh)")
-        if self.mesh is not None and text != self._checked:
-            check_mesh(self.mesh, text)
-            self._checked = text
+        if self.mesh is not None and text not in self._checked:
+            try:
+                check_mesh(self.mesh, text)
+            except MeshError as err:
+                if name is None:
+                    raise
+                raise MeshError(f"{name}: {err}") from None
+            self._checked.add(text)
 
     @property
     def device_list(self) -> list:
@@ -99,13 +106,18 @@ class Placement:
         shape = text.attention(local)
         return head_shards(self.mesh, (shape.num_heads, shape.num_kv_heads))
 
-    def cache_shardings(self, text: TextConfig, cache: Cache):
-        """A pytree like `cache` of shardings (None without a mesh)."""
+    def cache_shardings(self, texts: tuple[TextConfig, ...], cache: Cache):
+        """A pytree like `cache` of shardings (None without a mesh). texts: the configs whose layers the cache
+        holds, in order (the model's, then a drafter's: `speculative.init_serving_cache`); each layer's K/V split
+        as its own attention kernels split its heads (`kv_shards` of its config and kind)."""
         if self.mesh is None:
             return None
+        kinds = [(text, text.is_local(i)) for text in texts for i in range(text.num_layers)]
+        if len(kinds) != len(cache.layers):
+            raise ValueError(f"a cache of {len(cache.layers)} layers for configs of {len(kinds)}")
         layers = []
-        for i, layer in enumerate(cache.layers):
-            split = self.kv_shards(text, text.is_local(i)) > 1
+        for layer, (text, local) in zip(cache.layers, kinds):
+            split = self.kv_shards(text, local) > 1
             fields = {}
             for name, axes in CACHE_AXES.items():
                 shape = getattr(layer, name).shape

@@ -70,7 +70,7 @@ def test_kv_rings_and_states_equal_an_allocated_cache_as_the_server_places_it():
     model = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
     make = lambda: model.init_cache(engine.num_rows, engine.max_model_len, page_size=engine.page_size,  # noqa: E731
                                     num_pages=pages)
-    cache = placement.create(make, placement.cache_shardings(config.text, jax.eval_shape(make)))
+    cache = placement.create(make, placement.cache_shardings((config.text,), jax.eval_shape(make)))
     text = config.text
     full = [layer for i, layer in enumerate(cache.layers) if not text.is_local(i)]
     local = [layer for i, layer in enumerate(cache.layers) if text.is_local(i)]
