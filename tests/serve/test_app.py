@@ -1,6 +1,8 @@
 """The command line: defaults that suit the backend, and a mesh that cannot serve the model stopping the server
 before any weight loads."""
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -49,8 +51,9 @@ def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(mon
 
 @pytest.mark.skipif(jax.device_count() < 3, reason="needs 3 (simulated) devices")
 def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
-    """A mesh that cannot split the experts (or serve adapters on them) stops the server with one line, before any
-    weight loads; one that splits less than asked says what stays whole."""
+    """A mesh that cannot split the experts (the model's, or a draft model's, named) or serve adapters on them
+    stops the server with one line, before any weight loads; one that splits less than asked says what stays
+    whole."""
     with pytest.raises(SystemExit, match="--mesh expert=3: the model's 8 routed experts do not split over expert=3"):
         main(["--mesh", "expert=3"])
     with pytest.raises(SystemExit, match="needs 64 devices"):
@@ -60,6 +63,8 @@ def test_a_mesh_that_cannot_serve_the_model_fails_before_loading(caplog):
     with pytest.raises(MeshError, match="bad mesh axis"):
         Placement.from_spec("pipeline=2")
     text = preset("tiny").text
+    with pytest.raises(MeshError, match="the draft model: the model's 3 routed experts do not split over expert=2"):
+        Placement.from_spec("expert=2").check(dataclasses.replace(text, num_experts=3), name="the draft model")
     with caplog.at_level("WARNING", logger="inkling_jax.parallel.rules"):
         Placement.from_spec("tensor=3").check(text)
     assert "full-attention layers' 4 query / 1 KV heads" in caplog.text
