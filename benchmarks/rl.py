@@ -124,9 +124,11 @@ def run_mode(args, config, mode: str, seq_len: int) -> dict:
     prompts = [tuple(p) for p in random_prompts(vocab, count, args.prompt_tokens, args.seed)]
     with EnginePool() as pool:
         began = time.perf_counter()
-        rollouts = Rollouts(trainer, state, frozen, engine_config(args.concurrency, args.prompt_tokens,
-                                                                  args.output_tokens, replay, invariant),
-                            pool, engine_mesh(trainer.mesh))
+        # train.rl's engine, plus the plain sampler's programs: the serving reference's greedy requests run them,
+        # as the serving benchmark's do
+        served = dataclasses.replace(engine_config(args.concurrency, args.prompt_tokens, args.output_tokens, replay,
+                                                   invariant), full_sampler_only=False)
+        rollouts = Rollouts(trainer, state, frozen, served, pool, engine_mesh(trainer.mesh))
         result["engine_start_s"] = time.perf_counter() - began
         for step in range(args.steps + 1):
             chosen, seeds = step_plan(args.seed, step, count, count)

@@ -2,6 +2,7 @@
 and how often the shipped default model's MTP head is right on natural text.
 
     python -m benchmarks.speculative                      # an H200: the `bench` preset + a 1-depth MTP head
+    python -m benchmarks.speculative --mesh tensor=2      # the same over 2 GPUs
     python -m benchmarks.speculative --acceptance         # the shipped inkling-tiny on held-out KJV text (CPU)
 
 Throughput (random weights, greedy, EOS ignored, one engine request of `concurrency` random prompts):
@@ -41,6 +42,7 @@ from serve.http.tokenizer import load_tokenizer
 from serve.offline import generate
 from serve.random_weights import random_model
 from serve.runner.drafters import OracleDrafter
+from serve.runner.placement import Placement
 
 HELDOUT = os.path.join(os.path.dirname(__file__), "..", "tests", "train", "data", "inkling_tiny_heldout.txt")
 ROWS = (1, 8, 32)
@@ -59,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=12, help="--acceptance: prompts cut from the held-out text")
     p.add_argument("--temperature", type=float, default=0.0, help="--acceptance: 0 greedy, else sampled (seeded)")
     p.add_argument("--top-p", type=float, default=1.0, help="--acceptance: with --temperature")
+    p.add_argument("--mesh", help="throughput: serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); "
+                   "default: one device")
     p.add_argument("--out", help="directory for speculative.json")
     return p.parse_args(argv)
 
@@ -92,12 +96,14 @@ def throughput(args) -> dict:
     vocab = config.text.unpadded_vocab_size
     prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(max(levels))]
     results = {"stamp": stamp(), "rows": {}, "runs": []}
+    placement = Placement.from_spec(args.mesh)
     plain_outputs = {}
     kinds = [("plain", None)] + [(method, int(k)) for k in args.draft_tokens.split(",") for method in ("oracle", "mtp")]
     for method, k in kinds:
         speculative = None if k is None else SpeculativeConfig(method, k)
         oracle = OracleDrafter(plain_outputs, vocab=vocab) if method == "oracle" else None
-        engine = Engine(model, engine_config(args, speculative), eos_token_id=config.eos_token_id, oracle=oracle)
+        engine = Engine(model, engine_config(args, speculative), eos_token_id=config.eos_token_id, oracle=oracle,
+                        placement=placement)
         engine.start()
         label = method if k is None else f"{method} K={k}"
         for level in levels:
@@ -122,7 +128,8 @@ def throughput(args) -> dict:
 
 def report_throughput(args, results) -> None:
     print(stamp_line(results["stamp"]) + f"; preset {args.preset} + 1 random MTP depth, prompt {args.prompt_tokens}, "
-          f"output {args.output_tokens}; plain decoding at {args.decode_steps} steps per call")
+          f"output {args.output_tokens}; plain decoding at {args.decode_steps} steps per call"
+          f"{'; mesh ' + args.mesh if args.mesh else ''}")
     print("| program | " + " | ".join(f"{n} rows ms" for n in ROWS) + " | " +
           " | ".join(f"x plain at {n}" for n in ROWS) + " |")
     print("|---|" + "---:|" * (2 * len(ROWS)))

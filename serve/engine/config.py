@@ -72,6 +72,9 @@ class EngineConfig:
     # routing replay: every finished sequence's Output carries the experts each MoE layer chose at each position
     # (`serve.runner.routing_record`); off, the step programs and the host do nothing more
     record_experts: bool = False
+    # every step samples with the full sampler (filters, penalties, logprobs; `serve.runner.sampler`), and only its
+    # programs compile, half of them: for engines whose requests all ask for logprobs (RL rollouts)
+    full_sampler_only: bool = False
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:

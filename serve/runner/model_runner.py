@@ -278,7 +278,7 @@ class ModelRunner(StepCompilation):
                                                                              inputs, targets)
             on_queued()
             return [out], None, scored, (None, drafts[0], None) if drafts else None
-        full = any(c.seq.params.needs_full_sampler for c in group)
+        full = self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in group)
         program = self._steps[rows, chunk, full]
         if chunk > 1:
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)

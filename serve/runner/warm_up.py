@@ -43,7 +43,7 @@ class StepCompilation:
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
-            for full in (False, True):  # a program per sampler kind (see `sampler.sample`)
+            for full in (True,) if self.config.full_sampler_only else (False, True):  # per kind of `sampler.sample`
                 if chunk > 1:
                     lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
                                                                gather=gather, full=full)

@@ -43,6 +43,12 @@ def model():
     return perturbed(InklingModel(CONFIG, dtype=jnp.float32, rngs=nnx.Rngs(0), backend=INVARIANT))
 
 
+@pytest.fixture(scope="module")
+def forward(model):
+    """The training forward, jitted once for the module (each shape compiles once)."""
+    return jax.jit(lambda ids: model(ids))
+
+
 def test_fixed_order_pieces_agree_with_xla_and_do_not_depend_on_the_rows():
     x = jax.random.normal(jax.random.key(0), (40, 300), jnp.float32)
     w = jax.random.normal(jax.random.key(1), (300, 72), jnp.float32)
@@ -56,18 +62,17 @@ def test_fixed_order_pieces_agree_with_xla_and_do_not_depend_on_the_rows():
     np.testing.assert_array_equal(sums(x)[:3], sums(x[:3]))
 
 
-def test_a_row_gets_the_same_logits_from_forwards_of_any_batch(model):
+def test_a_row_gets_the_same_logits_from_forwards_of_any_batch(forward):
     ids = np.random.default_rng(0).integers(0, VOCAB, (5, 20)).astype(np.int32)
-    forward = jax.jit(lambda ids: model(ids))
     np.testing.assert_array_equal(np.asarray(forward(ids[:2]))[0], np.asarray(forward(ids))[0])
 
 
-def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_steps_among_other_rows(model):
+def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_steps_among_other_rows(model, forward):
     """The training forward of 5 rows, and row 0 prefilled in chunks and then decoded one token at a time beside
     other rows (the sliding layers' ring and the paged cache)."""
     rng = np.random.default_rng(0)
     ids = rng.integers(0, VOCAB, (5, 20)).astype(np.int32)
-    want = np.asarray(jax.jit(lambda ids: model(ids))(ids))[0]
+    want = np.asarray(forward(ids))[0]
     extend = jax.jit(lambda ids, cache, n_new: model.extend(ids, cache, n_new))
     for chunks, rows in (((3, 13), 3),):  # then 4 decode steps, past the attention temperature's start at 16
         cache, got, start = model.init_cache(rows, 32), [], 0
@@ -85,7 +90,8 @@ def test_the_engine_gives_a_request_the_same_tokens_and_logprobs_alone_and_among
     chunked differently; a 40-token prompt takes three chunks)."""
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, page_size=16, chunk_buckets=(1, 16),
                                         row_buckets=(9,), max_num_batched_tokens=160, fuse_projections=False,
-                                        prefix_caching=False), eos_token_id=CONFIG.eos_token_id)
+                                        prefix_caching=False, full_sampler_only=True),  # both ask for logprobs
+                    eos_token_id=CONFIG.eos_token_id)
     engine.start()
     try:
         rng = np.random.default_rng(1)

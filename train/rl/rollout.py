@@ -102,7 +102,8 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_e
     return EngineConfig(max_num_seqs=seqs, max_model_len=max_len, page_size=PAGE_SIZE, chunk_buckets=chunks,
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
                         num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256),
-                        record_experts=record_experts, fuse_projections=not batch_invariant)
+                        record_experts=record_experts, fuse_projections=not batch_invariant,
+                        full_sampler_only=True)  # rollouts ask for their tokens' logprobs
 
 
 class Rollouts:
