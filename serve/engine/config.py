@@ -75,6 +75,10 @@ class EngineConfig:
     # every step samples with the full sampler (filters, penalties, logprobs; `serve.runner.sampler`), and only its
     # programs compile, half of them: for engines whose requests all ask for logprobs (RL rollouts)
     full_sampler_only: bool = False
+    # requests may ask for their prompts' logprobs (a prefill program that runs the head at every position, with
+    # its [rows x chunk, vocab] logits); off for engines that never score prompts (RL rollouts): one program and
+    # its buffers fewer
+    score_prompts: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:

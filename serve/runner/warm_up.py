@@ -52,11 +52,13 @@ class StepCompilation:
                                                               self._step_index[0], self._no_tokens[rows],
                                                               gather=gather, full=full)
         rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
-        scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"], static_argnames=("gather", "full"),
-                      donate_argnums=(1, 2))
-        lowered["prompt_logprobs"] = scoring.lower(
-            self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
-            self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows, full=True)
+        if self.config.score_prompts:
+            scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"],
+                          static_argnames=("gather", "full"), donate_argnums=(1, 2))
+            lowered["prompt_logprobs"] = scoring.lower(
+                self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
+                self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows,
+                full=True)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
         lowered["init_penalties"] = jit(init_penalties, donate_argnums=0).lower(
@@ -81,7 +83,7 @@ class StepCompilation:
             self.warm_up(spare=0.0)
             return time.perf_counter() - start
         self._init_penalties = compiled.pop("init_penalties")
-        self._scoring = compiled.pop("prompt_logprobs")
+        self._scoring = compiled.pop("prompt_logprobs", None)
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
         self._steps = compiled
         self._run_once()
@@ -111,7 +113,9 @@ class StepCompilation:
                 self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
-        rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
-        self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties, *self.placement.put(
-            (pack(self._inputs([], rows, chunk)), np.full((rows, chunk), -1, np.int32))))
+        if self._scoring is not None:
+            rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
+            self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties,
+                                                           *self.placement.put((pack(self._inputs([], rows, chunk)),
+                                                                                np.full((rows, chunk), -1, np.int32))))
         jax.block_until_ready(self.cache)

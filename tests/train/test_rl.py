@@ -15,7 +15,7 @@ import pytest
 
 from inkling_jax import preset
 from inkling_jax.parallel.mesh import make_mesh
-from serve.engine.sampling_params import SamplingParams
+from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.http.chat import ChatFormat
 from serve.http.tokenizer import ByteTokenizer
 from serve.offline import generate
@@ -91,6 +91,16 @@ def test_reward_rises_and_rollouts_match_the_trainer(long_run):
         assert 0 < r["entropy"] <= np.log(380) + 1e-4 and 1 <= r["response_len_mean"] <= 8
         assert all(r[k] > 0 for k in TIMING)
     assert os.listdir(out / "tensorboard") and os.listdir(out / "checkpoints")
+
+
+def test_the_rollout_engine_compiles_only_what_rollouts_run(long_run, engines):
+    """Rollouts ask for their tokens' logprobs, never for their prompts': each engine of the pool compiled the full
+    sampler's step programs alone and no prompt-scoring program, and it refuses prompt logprobs, saying why."""
+    for engine in engines:
+        assert {full for _, _, full in engine.runner._steps} == {True} and engine.runner._scoring is None
+        with pytest.raises(InvalidParams, match="does not score prompts"):
+            engine.submit("scored", [[1, 2, 3]], SamplingParams(max_tokens=1, prompt_logprobs=1), 1,
+                          lambda: None, lambda output: None)
 
 
 def test_a_resumed_run_continues_with_the_same_metrics(prompts, engines, long_run, tmp_path):

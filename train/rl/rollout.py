@@ -103,7 +103,7 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_e
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
                         num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256),
                         record_experts=record_experts, fuse_projections=not batch_invariant,
-                        full_sampler_only=True)  # rollouts ask for their tokens' logprobs
+                        full_sampler_only=True, score_prompts=False)  # the sampled tokens' logprobs alone
 
 
 class Rollouts:
