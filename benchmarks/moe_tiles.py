@@ -15,8 +15,7 @@ The search goes in three rounds per role: the tile shape (compute warpgroups, bl
 the default stages and grid order, then the stages of the two best shapes, then the grid order of the best one.
 A candidate that fails to compile (shared memory, registers) is recorded and skipped. Each role gets an equal
 share of --seconds; a role whose share is spent stops starting candidates (its current tiles are always
-timed). Prints each candidate as it is timed,
-then per role the best tiles as `tuning.py` writes them, and writes moe_tiles.json.
+timed). Prints each candidate as it is timed, then per role the best tiles, and writes moe_tiles.json.
 """
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ def problems(s, interpret) -> dict[str, list[Problem]]:
     }
 
 
-def shapes(role: str, default, dry: bool) -> list:
+def shapes(default, dry: bool) -> list:
     """Round one's candidates: the default first, then every tile shape (at the default stages and grid order)."""
     if dry:
         return [default, dataclasses.replace(default, compute_wgs=1)]
@@ -184,7 +183,7 @@ def main(argv=None):
     for role in roles:
         default = DEFAULTS[role][jnp.dtype(jnp.bfloat16)]
         sweep = Sweep(role, cases[role], share)
-        sweep.run(shapes(role, default, args.dry_run))
+        sweep.run(shapes(default, args.dry_run))
         peer = None if args.dry_run else peer_seconds(cases[role], sweep.errors)
         best = next(iter(sweep.ranked()), None)
         ms = lambda t: None if t is None else t * 1e3  # noqa: E731

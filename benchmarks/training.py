@@ -2,12 +2,13 @@
 shape, with the bf16 matmul ceiling measured in the same run.
 
     python -m benchmarks.training [--layers 3] [--full-attention-layers 1] [--batch 8] [--seq 1024] [--steps 4]
+                                  [--out DIR]
     python -m benchmarks.training --mesh tensor=2 --no-peer     # ours over several GPUs
 
 Model: the first `--layers` layers of `preset("bench")` (Inkling's per-layer widths, 32 experts top-6 + 2
 shared; as many layers as fit one H200 with fp32 master weights and fp32 AdamW moments), random weights; the last
-`--full-attention-layers` of them attend over the full context (as every sixth Inkling layer does), the others
-through the sliding window, so that the step runs both attention kinds.
+`--full-attention-layers` of them attend over the full context (as every sixth Inkling layer does; the others keep
+the preset's kind, the sliding window for `bench`'s first five), so that the step runs both attention kinds.
 Step: next-token loss on `batch x seq` tokens, backward, global-norm clipping, AdamW.
 - ours: `train.step.Trainer`, bf16 compute over fp32 masters, rows packed with 2 segments each; the MoE backend
   and the remat policy are tried in `--attempts` order until one compiles and fits;
@@ -36,7 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="bench", help="another preset (e.g. tiny) to try the script on a CPU")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--full-attention-layers", type=int, default=1,
-                   help="how many of the kept layers, the last ones, use full attention (0: all sliding)")
+                   help="how many of the kept layers, the last ones, use full attention (0: the preset's own kinds, "
+                   "all sliding for bench's first 5 layers)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="timed steps after the first (compiling) ones")
@@ -59,8 +61,8 @@ def bench_config(args):
     from train.run import first_layers
 
     config = first_layers(preset(args.preset), args.layers)
-    full = range(args.layers - args.full_attention_layers, args.layers)
-    return config.replace(local_layer_ids=tuple(i for i in range(args.layers) if i not in full))
+    first_full = args.layers - args.full_attention_layers
+    return config.replace(local_layer_ids=tuple(i for i in config.text.local_layer_ids if i < first_full))
 
 
 def emit(result: dict) -> None:

@@ -244,7 +244,7 @@ def build_service(args: argparse.Namespace) -> Service:
     # A bad mesh, a missing tokenizer or bad engine limits stop the server before the weights load, not after.
     config = engine_config(args)
     placement.check(model_config.text, dense_precision=args.dense_precision,
-                    lora_experts=config.lora is not None and config.lora.experts)
+                    lora_experts=config.lora_experts)
     tokenizer = load_tokenizer(directory)
     draft_dir = args.speculative_draft_model
     draft_config = None if draft_dir is None else load_config(draft_dir)

@@ -111,6 +111,11 @@ class EngineConfig:
         return self.max_num_seqs + 1
 
     @property
+    def lora_experts(self) -> bool:
+        """Whether LoRA adapters may adapt the experts (`LoRAConfig.experts`)."""
+        return self.lora is not None and self.lora.experts
+
+    @property
     def max_chunk(self) -> int:
         return self.chunk_buckets[-1]
 

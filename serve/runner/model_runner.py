@@ -52,7 +52,7 @@ class ModelRunner(StepCompilation):
         evicted adapter or None): called for every LoRA adapter put in a device slot (`serve.lora.slots`)."""
         self.config = config
         self.placement = placement or Placement()
-        self.placement.check(model.config.text, lora_experts=config.lora is not None and config.lora.experts)
+        self.placement.check(model.config.text, lora_experts=config.lora_experts)
         spec, draft_config = config.speculative, None if draft_model is None else draft_model.config
         check_speculative(model.config, spec, draft_config, oracle is not None)
         self.oracle, self.on_round = oracle, on_round

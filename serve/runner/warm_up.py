@@ -51,8 +51,8 @@ class StepCompilation:
                     lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
                                                               self._step_index[0], self._no_tokens[rows],
                                                               gather=gather, full=full)
-        rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
         if self.config.score_prompts:
+            rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
             scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"],
                           static_argnames=("gather", "full"), donate_argnums=(1, 2))
             lowered["prompt_logprobs"] = scoring.lower(
