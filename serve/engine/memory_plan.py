@@ -24,51 +24,61 @@ from serve.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
-def page_bytes(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
-    """Bytes of one page: page_size tokens of K and V in every full-attention layer; per device where its KV
-    heads are split over kv_shards devices."""
-    full = text.num_layers - len(text.local_layer_ids)
-    shape = text.attention(False)
-    return 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize // kv_shards
+def page_bytes(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1,
+               drafter: TextConfig | None = None) -> int:
+    """Bytes of one page: page_size tokens of K and V in every full-attention layer of the target and of the
+    drafter's layers (`serve.runner.speculative.drafter_layers`, each with its own shapes); per device where the
+    KV heads are split over kv_shards devices (the target's split, taken for the drafter's layers too)."""
+    total = 0
+    for layers in (text,) if drafter is None else (text, drafter):
+        shape = layers.attention(False)
+        full = layers.num_layers - len(layers.local_layer_ids)
+        total += 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize
+    return total // kv_shards
 
 
-def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1, devices=None) -> int:
+def pages_for_memory(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1, devices=None,
+                     drafter: TextConfig | None = None) -> int:
     """The pages to allocate (see the module docstring); logs the budget where it sized from memory. kv_shards:
     the devices a page's KV heads are split over (tensor parallelism), each holding that share of every page;
     the rest is counted whole, as if every device held all of it. devices: those the cache lives on (default
-    the first), sized by the one with the least memory."""
+    the first), sized by the one with the least memory. drafter: the speculative drafter's cache layers, if any."""
     cfg = config
     devices = jax.devices()[:1] if devices is None else devices
     available, block = free_bytes(devices), largest_allocation(devices)
     if available is None:
         return cfg.max_num_seqs * cfg.pages_per_row
     free = min(available, block or available) * cfg.memory_fraction
-    fixed = sum(beside_pool_bytes(text, cfg, dtype).values())
-    pages = pages_in(free, text, cfg, dtype, kv_shards)
+    fixed = sum(beside_pool_bytes(text, cfg, dtype, drafter).values())
+    pages = pages_in(free, text, cfg, dtype, kv_shards, drafter)
     log.info("device memory: %.1f GiB free, %.1f GiB of it in one block, x %.2f; %.1f GiB for slots, snapshots and "
              "step buffers; %d pages", available / 2**30, free / cfg.memory_fraction / 2**30, cfg.memory_fraction,
              fixed / 2**30, pages)
     return pages
 
 
-def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype) -> dict[str, int]:
+def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype,
+                      drafter: TextConfig | None = None) -> dict[str, int]:
     """What the engine keeps beside its KV pool, by kind, counted whole (as if every device held all of it):
     the slots' sliding rings and ShortConv states (with their lengths and page table), the prefix snapshots
     (a slot's rings and states each), the sampler's per-row state, the largest step's logits (a row each, with
-    its softmax and draws, fp32) and its widest activations."""
+    its softmax and draws, fp32) and its widest activations. The drafter's layers are counted as a cache of
+    their own (its lengths and page table too: a few bytes a row more than the engine keeps)."""
     cfg, vocab = config, text.unpadded_vocab_size
-    slots = cache_bytes(text, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
-    slots -= page_bytes(text, cfg, dtype)
+    slots = sum(cache_bytes(layers, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
+                for layers in ((text,) if drafter is None else (text, drafter)))
+    slots -= page_bytes(text, cfg, dtype, drafter=drafter)
     return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
             "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)
             "step logits": 4 * cfg.rows[-1] * vocab * 4,
             "step activations": 2 * max(r * t for r, t in cfg.buckets) * text.hidden_size * 4 * 4}
 
 
-def pages_in(budget: float, text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1) -> int:
+def pages_in(budget: float, text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1,
+             drafter: TextConfig | None = None) -> int:
     """The KV pages that `budget` bytes per device hold beside `beside_pool_bytes` (the server's sizing rule)."""
-    fixed = sum(beside_pool_bytes(text, config, dtype).values())
-    return int((budget - fixed) // page_bytes(text, config, dtype, kv_shards))
+    fixed = sum(beside_pool_bytes(text, config, dtype, drafter).values())
+    return int((budget - fixed) // page_bytes(text, config, dtype, kv_shards, drafter))
 
 
 def _stats(devices) -> list[dict]:

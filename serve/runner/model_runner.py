@@ -78,7 +78,8 @@ class ModelRunner(StepCompilation):
         self.params, self._merge = flat_params(self.model if self.draft is None else nnx.List([self.model, self.draft]))
         self.multimodal = model.vision is not None or model.audio is not None
         self.num_pages = config.num_pages or memory_plan.pages_for_memory(
-            self.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list)
+            model.config.text, config, model.dtype, self.placement.kv_shards(self.text), self.placement.device_list,
+            self.drafter)
         if self.num_pages < config.pages_per_row:
             raise ValueError(f"{self.num_pages} pages cannot hold one sequence of {config.max_model_len} tokens (what "
                              f"the {config.max_num_seqs} slots' own state, their snapshots and the step buffers leave "
@@ -97,7 +98,8 @@ class ModelRunner(StepCompilation):
         self._save = self._restore = self._init_penalties = self._scoring = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
                  "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
-                 memory_plan.page_bytes(self.text, config, model.dtype) * self.num_pages / 2**20,
+                 memory_plan.page_bytes(model.config.text, config, model.dtype, drafter=self.drafter)
+                 * self.num_pages / 2**20,
                  config.max_num_seqs, cache_rows.bytes_per_row(self.text, self.cache) / 2**20, config.snapshots,
                  self.placement.devices)
 

@@ -1,5 +1,6 @@
 """The KV pool's size: from free device memory, and what the compiled programs leave room for."""
 
+import dataclasses
 import functools
 import types
 
@@ -78,3 +79,14 @@ def test_kv_pool_leaves_room_for_the_compiled_programs():
     assert fit(free=20_000, spare=0.0) == 50 and fit(free=19_999, spare=0.0) == 49
     with pytest.raises(ValueError, match="--num-pages 50 is too many, at most 42"):
         memory_plan.pages_that_fit(programs, 50, page, need - 7500, fixed_pages=True)
+
+
+def test_a_draft_models_layers_are_counted_with_their_own_shapes():
+    text = preset("tiny").text
+    draft = dataclasses.replace(text, num_layers=2, local_layer_ids=(0,), num_kv_heads=1)
+    config = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8, chunk_buckets=(1, 16), row_buckets=(5,))
+    page = memory_plan.page_bytes(text, config, jnp.float32)
+    with_draft = memory_plan.page_bytes(text, config, jnp.float32, drafter=draft)
+    assert with_draft - page == 2 * 1 * 8 * 1 * draft.head_dim * 4  # one full layer, one KV head, fp32
+    beside = memory_plan.beside_pool_bytes(text, config, jnp.float32)["slot states"]
+    assert memory_plan.beside_pool_bytes(text, config, jnp.float32, draft)["slot states"] > beside
