@@ -3,9 +3,12 @@ tests, and XLA:CPU without fused multiply-adds, as `--batch-invariant` commands 
 NO_FMA_CPU_FLAG`: the batch-invariant tests' programs then round every multiply and add alike). XLA reads these
 when the backend starts, so they must be set before anything touches a device.
 
-On a machine without a GPU, XLA's CPU backend also skips its expensive LLVM passes: compiling is most of the
-suite's time there, and the programs compute the same functions (the serving engine's CPU warm-up uses the same
-options).
+On a machine without a GPU, compiling is most of the suite's time, and XLA's CPU backend is set up to compile
+fast: it skips its expensive LLVM passes (as the serving engine's CPU warm-up does), emits fusions with its
+classic LLVM emitters instead of the MLIR fusion emitters (those took half the compile time of the suite's
+small programs; the programs run a little slower, which matters to none but the notebooks' RL run) and
+generates each program as one LLVM module (parts compile in parallel, no gain where every core is busy, and
+each part's fixed cost is paid again). The programs compute the same functions, to float rounding.
 
 Files marked `heavy` are collected first, so that a parallel run (`--dist loadfile`, which hands out whole files
 in collection order) starts them at once instead of ending on them."""
@@ -17,7 +20,8 @@ from inkling_jax.backend import NO_FMA_CPU_FLAG
 
 FLAGS = ["--xla_force_host_platform_device_count=8", NO_FMA_CPU_FLAG]
 if shutil.which("nvidia-smi") is None:
-    FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+    FLAGS += ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+              "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"]
 os.environ.setdefault("XLA_FLAGS", " ".join(FLAGS))
 
 

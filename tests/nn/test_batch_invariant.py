@@ -1,7 +1,7 @@
 """`Backend(batch_invariant=True)` on CPU: a row's logits and logprobs are the same bits whatever the other rows,
 the chunking and the program (a training forward, prefill chunks and decode steps over the paged cache, the
-serving engine at any concurrency). A 3-layer `tiny` model (two sliding layers, one full; the dense MLP and the
-MoE) in float32, its weights perturbed away from the initial ones (norm weights and scales of 1 hide rounding).
+serving engine at any concurrency). A 2-layer `tiny` model (a sliding layer with the dense MLP, a full-attention
+layer with the MoE) in float32, its weights perturbed away from the initial ones (norm weights and scales of 1 hide rounding).
 XLA:CPU runs without fused multiply-adds (the root conftest.py, as `--batch-invariant` commands start it)."""
 
 import dataclasses
@@ -19,12 +19,11 @@ from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
-from train.run import first_layers
 
 pytestmark = pytest.mark.heavy  # see conftest.py
 
 INVARIANT = dataclasses.replace(Backend.parse("reference"), batch_invariant=True)
-CONFIG = first_layers(preset("tiny"), 3)
+CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
 VOCAB = CONFIG.text.unpadded_vocab_size
 
 

@@ -17,8 +17,10 @@ BACKENDS = {name: Backend.parse(f"{name},moe=ragged") for name in ("reference", 
 
 @pytest.fixture(scope="module")
 def model():
-    # head_dim 16 and a window of 16: the smallest shapes the GPU kernels accept.
-    config = preset("tiny").replace(sliding_window=16, rel_extent=24)
+    # head_dim 16 and a window of 16: the smallest shapes the GPU kernels accept. Two layers, one of each kind: a
+    # sliding layer with the dense MLP, a full-attention layer with the MoE.
+    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), sliding_window=16,
+                                    rel_extent=24)
     return InklingModel(config, rngs=nnx.Rngs(5))
 
 

@@ -19,6 +19,8 @@ from serve.runner.drafters import OracleDrafter
 from tests.backends import REFERENCE
 from tests.greedy import greedy_tokens
 
+pytestmark = pytest.mark.heavy  # see conftest.py
+
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,), sliding_window=16,
                                 rel_extent=24)  # with the `tiny` MTP head: depth 0 sliding, depth 1 full
 RNG = np.random.default_rng(5)
