@@ -14,7 +14,6 @@ SLOTS = 4
 # 50 tokens in 4 tiles of 16: runs across tile edges, a tile of four runs, a run of the base, and a slot
 # that comes back after others
 SEGMENTS = np.array([1] * 10 + [0] * 7 + [3] * 20 + [2] * 3 + [1] * 4 + [3] * 6)
-GATHERED = GatheredBlocks(k=16, out=16)
 SEGMENTED = SegmentedBlocks(rows=16, k=16, out=16)
 
 
@@ -42,12 +41,14 @@ def _check(got, y, x, a, b, scale, slots):
     assert np.abs(got[~base] - y[~base]).max() > 0.1  # the adapters change the other rows
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_gathered_form_matches_reference(dtype):
+@pytest.mark.parametrize("dtype, k_tiles", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.float32, 3)])
+def test_gathered_form_matches_reference(dtype, k_tiles):
+    """The shrink's input columns split over 4 programs of one tile, or 2 of three (the last past the end)."""
     slots = jnp.array([0, 1, 3, 3, 0, 2, 1])  # a decode step: one token per row
     x, y = _normal(3, (7, FAN_IN), dtype), _normal(4, (7, FAN_OUT), dtype)
     a, b, scale = _pools(dtype)
-    _check(lora_add(y, x, a, b, scale, slots, blocks=GATHERED), y, x, a, b, scale, slots)
+    blocks = GatheredBlocks(k=16, out=16, k_tiles=k_tiles)
+    _check(lora_add(y, x, a, b, scale, slots, blocks=blocks), y, x, a, b, scale, slots)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

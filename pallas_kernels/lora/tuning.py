@@ -19,14 +19,18 @@ def _power_of_two(name: str, value: int, least: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GatheredBlocks:
-    """One token per program: its slot's A read in steps of `k` input columns, B in tiles of `out` columns."""
+    """Programs of one token each: the shrink reads its slot's A in `k_tiles` steps of `k` input columns per
+    program, the expand B in tiles of `out` columns."""
     k: int = 64
     out: int = 128
     num_warps: int = 4
+    k_tiles: int = 4
 
     def __post_init__(self):
         _power_of_two("k", self.k, 1)
         _power_of_two("out", self.out, 1)
+        if self.k_tiles < 1:
+            raise ValueError(f"LoRA tile k_tiles must be >= 1, got {self.k_tiles}")
 
 
 @dataclasses.dataclass(frozen=True)
