@@ -53,6 +53,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--acceptance", action="store_true", help="the shipped default's acceptance on held-out text")
     p.add_argument("--draft-tokens", default="3", help="K values (throughput; --acceptance default 1,2,3,4)")
+    p.add_argument("--methods", default="oracle,mtp", help="throughput: the drafters timed beside plain decoding "
+                   "(each engine compiles its own programs: one method, a shorter run)")
     p.add_argument("--preset", default="bench", help="throughput: the preset, given a random 1-depth MTP head")
     p.add_argument("--concurrency", default="1,8", help="throughput: batch sizes of the end-to-end runs")
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -64,7 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--mesh", help="throughput: serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); "
                    "default: one device")
     p.add_argument("--out", help="directory for speculative.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not set(args.methods.split(",")) <= {"oracle", "mtp"}:
+        p.error(f"--methods takes oracle and mtp, got {args.methods}")
+    return args
 
 
 def engine_config(args, speculative=None, **changes) -> EngineConfig:
@@ -98,7 +103,8 @@ def throughput(args) -> dict:
     results = {"stamp": stamp(), "rows": {}, "runs": []}
     placement = Placement.from_spec(args.mesh)
     plain_outputs = {}
-    kinds = [("plain", None)] + [(method, int(k)) for k in args.draft_tokens.split(",") for method in ("oracle", "mtp")]
+    kinds = [("plain", None)] + [(method, int(k)) for k in args.draft_tokens.split(",")
+                                 for method in args.methods.split(",")]
     for method, k in kinds:
         speculative = None if k is None else SpeculativeConfig(method, k)
         oracle = OracleDrafter(plain_outputs, vocab=vocab) if method == "oracle" else None
