@@ -267,9 +267,9 @@ class ModelRunner(StepCompilation):
     def _dispatch(self, group: list[Chunk], on_queued: Callable[[], None], previous) -> tuple:
         """Dispatches a group's program(s), calling `on_queued` after the first; returns their samples (each
         [1, rows, 2 + 2K], `sampler.pack_samples`; a round's [K + 1, rows, ...]), a decode run's last tokens, the
-        prompt logprobs of a scoring prefill (`prompt_logprobs.score`; else None), and where the program drafts,
-        (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row verified)
-        (else None)."""
+        prompt logprobs of a scoring prefill (`prompt_logprobs.score_positions`; else None), and where the program
+        drafts, (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row
+        verified) (else None)."""
         rows, chunk = self._shape(group)
         if self.lora is not None and self.lora.assign(self.model, [c.seq for c in group]):
             self.params = flat_params(self.model)[0]  # the slots' new factors

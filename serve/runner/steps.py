@@ -126,7 +126,8 @@ class StepPrograms:
     def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, targets=None, *,
                 gather: bool, full: bool):
         """A prefill chunk per row; `full` as in `decode`. With `targets` [R, T] (`prompt_logprobs.prompt_targets`)
-        the head runs at every position, and a fourth output holds their prompt logprobs (`prompt_logprobs.score`);
+        the head also runs at every position, and a fourth output holds their prompt logprobs
+        (`prompt_logprobs.score_positions`);
         a drafting program's drafts [R, K] come last (`_draft`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
@@ -138,17 +139,13 @@ class StepPrograms:
             embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         last = jnp.maximum(inp.n_new - 1, 0)
         hidden, sub, experts = model.extend_routed(inp.ids, sub, inp.n_new, embeds=embeds)
-        if targets is None:
-            logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
-        else:
-            every = model.logits(hidden)
-            logits = every[jnp.arange(every.shape[0]), last]
+        logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
         out, counts = self._sample(model, logits, penalties, inp, inp.params, inp.steps > 0, full)
         sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
         outputs = cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None]
         if targets is not None:
-            outputs += (prompt_logprobs.score(every, targets, self.num_top),)
+            outputs += (prompt_logprobs.score_positions(model.logits, hidden, targets, self.num_top),)
         return outputs if drafts is None else (*outputs, drafts)
 
     def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):

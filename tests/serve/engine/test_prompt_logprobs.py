@@ -4,6 +4,8 @@ requests in the same steps, and with max_tokens 0 (only the prompt scored)."""
 
 import concurrent.futures
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
+from serve.runner import prompt_logprobs
 from tests.backends import REFERENCE
 from tests.serve.logprobs import model_logprobs
 
@@ -102,3 +105,13 @@ def test_a_sequence_entering_a_used_slot_sees_nothing_of_its_previous_occupant(e
     expected = model_logprobs(engine.reference, second)[-1]
     assert result.token_ids == [int(np.argmax(expected))]
     np.testing.assert_allclose(result.logprobs, [expected.max()], rtol=0, atol=1e-6)
+
+
+def test_positions_are_scored_block_by_block_as_all_at_once():
+    """`score_positions` over 6 blocks of 256 positions equals `score` of every position's logits at once."""
+    hidden = jax.random.normal(jax.random.key(0), (3, 512, 8))
+    weight = jax.random.normal(jax.random.key(1), (8, 50))
+    targets = jnp.asarray(RNG.integers(-1, 50, (3, 512)), jnp.int32)
+    head = lambda h: h @ weight  # noqa: E731
+    np.testing.assert_array_equal(prompt_logprobs.score_positions(head, hidden, targets, TOP),
+                                  prompt_logprobs.score(head(hidden), targets, TOP))
