@@ -24,13 +24,18 @@ from serve.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
+def _cache_layers(text: TextConfig, drafter: TextConfig | None) -> tuple[TextConfig, ...]:
+    """The configs of the cache's layers: the target's, then the drafter's (if any)."""
+    return (text,) if drafter is None else (text, drafter)
+
+
 def page_bytes(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1,
                drafter: TextConfig | None = None) -> int:
     """Bytes of one page: page_size tokens of K and V in every full-attention layer of the target and of the
     drafter's layers (`serve.runner.speculative.drafter_layers`, each with its own shapes); per device where the
     KV heads are split over kv_shards devices (the target's split, taken for the drafter's layers too)."""
     total = 0
-    for layers in (text,) if drafter is None else (text, drafter):
+    for layers in _cache_layers(text, drafter):
         shape = layers.attention(False)
         full = layers.num_layers - len(layers.local_layer_ids)
         total += 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize
@@ -66,7 +71,7 @@ def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype,
     their own (its lengths and page table too: a few bytes a row more than the engine keeps)."""
     cfg, vocab = config, text.unpadded_vocab_size
     slots = sum(cache_bytes(layers, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
-                for layers in ((text,) if drafter is None else (text, drafter)))
+                for layers in _cache_layers(text, drafter))
     slots -= page_bytes(text, cfg, dtype, drafter=drafter)
     return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
             "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)

@@ -94,7 +94,7 @@ class StepCompilation:
 
     def page_bytes_per_device(self) -> int:
         """Bytes of one KV page on each device (its share of the KV heads)."""
-        return memory_plan.page_bytes(self.cache_texts[0], self.config, self.model.dtype,
+        return memory_plan.page_bytes(self.model.config.text, self.config, self.model.dtype,
                                       self.placement.kv_shards(self.text), self.drafter)
 
     def _resize_pool(self, pages: int) -> None:

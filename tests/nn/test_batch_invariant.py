@@ -1,7 +1,8 @@
 """`Backend(batch_invariant=True)` on CPU: a row's logits and logprobs are the same bits whatever the other rows,
 the chunking and the program (a training forward, prefill chunks and decode steps over the paged cache, the
 serving engine at any concurrency). A 2-layer `tiny` model (a sliding layer with the dense MLP, a full-attention
-layer with the MoE) in float32, its weights perturbed away from the initial ones (norm weights and scales of 1 hide rounding).
+layer with the MoE) in float32, its weights perturbed away from the initial ones (norm weights and scales of 1
+hide rounding).
 XLA:CPU runs without fused multiply-adds (the root conftest.py, as `--batch-invariant` commands start it)."""
 
 import dataclasses
