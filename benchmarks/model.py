@@ -23,10 +23,11 @@ from inkling_jax.nn.moe_dispatch import ROUTED_FP8, ROUTED_NVFP4
 from serve.random_weights import device_random_model
 
 
-def decode_step_bytes(model, batch: int, context: int) -> int:
+def decode_step_bytes(model, batch: int, context: int, tokens_per_row: int = 1) -> int:
     """Bytes one decode step of `batch` rows at `context` tokens must read at least: every text weight but
-    the untouched experts' (the expected count of distinct experts hit by batch x top-k uniform picks) and the
-    embedding table (one row per token), plus each row's K/V in use (sliding layers: at most the window)."""
+    the untouched experts' (the expected count of distinct experts hit by batch x tokens_per_row x top-k uniform
+    picks) and the embedding table (one row per token), plus each row's K/V in use (sliding layers: at most the
+    window). tokens_per_row > 1: a speculative verify of that many tokens per row."""
     text = model.config.text
     item = model.dtype.itemsize
     total = 0
@@ -36,10 +37,11 @@ def decode_step_bytes(model, batch: int, context: int) -> int:
             continue
         size = var.get_value().nbytes
         if path[-1] == "embed":
-            size = batch * text.hidden_size * item
+            size = batch * tokens_per_row * text.hidden_size * item
         elif path[-1] in ("w_gate", "w_up", "w_down", *ROUTED_FP8, *ROUTED_NVFP4) and (
                 var.get_value().ndim >= 3):  # routed experts (the dense MLP's matrices share names, at rank 2)
-            touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** batch)
+            picks = batch * tokens_per_row
+            touched = text.num_experts * (1 - (1 - text.num_experts_per_tok / text.num_experts) ** picks)
             size = size * touched / text.num_experts
         total += size
     kv = 0

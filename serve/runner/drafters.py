@@ -2,7 +2,9 @@
 
 With the MTP head, a row's drafts come back with its samples (`serve.runner.speculative`) and are kept on the
 sequence until its next round. `OracleDrafter` proposes a known continuation instead, with wrong tokens where
-asked: the upper bound of acceptance (benchmarks), and rounds with chosen rejections (tests).
+asked: the upper bound of acceptance (benchmarks), and rounds with chosen rejections (tests). Its plan for the
+whole run rides in the round's ids after the K + 1 verified ones (`plan_columns`), so that the later rounds of a
+run draft from it on the device, as the MTP head's do.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ class OracleDrafter:
                 for i in range(start, min(start + count, len(planned)))]
 
 
+def plan_columns(cfg: EngineConfig, oracle: OracleDrafter | None) -> int:
+    """Columns of an oracle's plan after a round's K + 1 ids: output indices num_output .. of the row, as many as
+    a run of `decode_steps` rounds can emit and draft after (0 without an oracle)."""
+    return 0 if oracle is None else (cfg.decode_steps + 1) * (cfg.speculative.num_draft_tokens + 1)
+
+
 def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[int]:
     """The drafts a row verifies next: the oracle's, else those its last step drafted (`Sequence.drafts`)."""
     return (oracle.propose(seq, count) if oracle is not None else seq.drafts)[:count]
@@ -40,16 +48,20 @@ def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[i
 
 def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index: list[int],
                 oracle: OracleDrafter | None) -> StepInputs:
-    """Round inputs: `inputs` (`step_inputs` of the decode chunks, chunk width K + 1, each row's last token first)
-    with each row's drafts after it, as many as it may still emit after the round's first token, and as its
-    `steps` the tokens it may emit in the run (`SpeculativePrograms.round`)."""
-    k = inputs.ids.shape[1] - 1
+    """Round inputs: `inputs` (`step_inputs` of the decode chunks, chunk width K + 1 + `plan_columns`, each row's
+    last token first) with each row's drafts after it, as many as it may still emit after the round's first
+    token, an oracle's plan after those, and as its `steps` the tokens it may emit in the run
+    (`SpeculativePrograms.round`)."""
+    k = cfg.speculative.num_draft_tokens
     ids, n_new, steps = inputs.ids.copy(), inputs.n_new.copy(), inputs.steps.copy()
     for chunk, row in zip(group, index):
         seq = chunk.seq
         left = min(seq.params.max_tokens - seq.num_output, cfg.max_model_len - len(seq))
         drafts = proposals(seq, oracle, max(0, min(k, left - 1)))
         ids[row, 1:1 + len(drafts)] = np.asarray(drafts, np.int32)
+        if oracle is not None:
+            plan = oracle.propose(seq, ids.shape[1] - k - 1)
+            ids[row, k + 1:k + 1 + len(plan)] = np.asarray(plan, np.int32)
         n_new[row] = 1 + len(drafts)
         steps[row] = min(left, chunk.steps * (k + 1))  # tokens it may emit in its `chunk.steps` rounds
     return inputs.replace(ids=ids, n_new=n_new, steps=steps)

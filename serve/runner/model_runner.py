@@ -28,7 +28,7 @@ from serve.lora.adapters import Adapter
 from serve.lora.slots import AdapterSlots, UnknownAdapter
 from serve.lora.view import lora_view
 from serve.runner import cache_rows
-from serve.runner.drafters import OracleDrafter, fill_drafts, read_rounds
+from serve.runner.drafters import OracleDrafter, fill_drafts, plan_columns, read_rounds
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.routing_record import RoutingRecord
@@ -286,9 +286,8 @@ class ModelRunner(StepCompilation):
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
             return [out], None, None, (None, drafts[0], None) if drafts else None
-        if self.speculative:  # a run of rounds; the oracle's proposals reach the first only
-            rounds = 1 if self.oracle is not None else max(c.steps for c in group)
-            outs, carry = self.run_decode(program, rows, inputs, rounds, on_queued)
+        if self.speculative:  # a run of rounds
+            outs, carry = self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued)
             return [o[0] for o in outs], None, None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
         return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
 
@@ -313,7 +312,7 @@ class ModelRunner(StepCompilation):
         index = self._row_index(group) if group else []
         if not self.speculative or chunk > 1:
             return step_inputs(self.config, group, index, rows, chunk, media)
-        width = self.config.speculative.num_draft_tokens + 1
+        width = self.config.speculative.num_draft_tokens + 1 + plan_columns(self.config, self.oracle)
         return fill_drafts(self.config, step_inputs(self.config, group, index, rows, width), group, index, self.oracle)
 
     def lora_adapter(self, name: str | None) -> Adapter | None:

@@ -92,8 +92,21 @@ def test_oracle_drafts_give_the_greedy_tokens(model, greedy, k):
     # Rounds rejecting at once, and rounds accepting every draft: after output 17 (wrong) no draft is wrong, and
     # the last round verifies at most 7 (8 outputs remain, one of them the round's own token).
     assert 0 in accepted and max(accepted) == min(k, 7)
+    for r in results:  # each round keeps its drafts up to the first wrong one (the later rounds of a run too)
+        assert r.speculative_rounds == oracle_rounds(k)
     for r in results:  # the first token comes from the prefill, each round's from its accepted drafts + 1
         assert r.acceptance.mean_length * r.acceptance.rounds == pytest.approx(NEW - 1)
+
+
+def oracle_rounds(k: int) -> list[tuple[int, int]]:
+    """(drafts verified, drafts accepted) of each round of a row that the oracle drafts for, wrong at WRONG_AT."""
+    rounds, emitted = [], 1  # the prefill samples output 0
+    while emitted < NEW:
+        verified = min(k, NEW - emitted - 1)
+        accepted = next((j for j in range(verified) if emitted + j in WRONG_AT), verified)
+        rounds.append((verified, accepted))
+        emitted += accepted + 1
+    return rounds
 
 
 def test_forced_rejections_with_the_head_state_and_preemption(forced, greedy):
