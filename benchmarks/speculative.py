@@ -16,7 +16,10 @@ Throughput (random weights, greedy, EOS ignored, one engine request of `concurre
   head (acceptance ~0: the round's cost without its gain), each up to `--decode-steps` rounds per call. The
   oracle's first plan is the plain run's output; bf16's verify and decode steps can part on a near tie (XLA's
   matmuls differ by row count), so the oracle runs again with its last output as its plan until the output
-  equals the plan (`passes`), and the last pass is timed.
+  equals the plan (`passes`), and the last pass is timed. Then the same oracle, wrong at a seeded
+  `--wrong-fraction` of the output positions, runs once more: the acceptance of a real drafter (the default
+  0.24 gives the mean acceptance length the shipped default's MTP head reaches on held-out text at K = 3, 2.79;
+  docs/speculative-decoding.md).
 `--acceptance`: the shipped default (float32) continues prompts cut from the held-out chapters
 (`tests/train/data/inkling_tiny_heldout.txt`), greedily or sampled (`--temperature`, `--top-p`), for each K;
 it reports the mean acceptance length (tokens per round) and each draft position's acceptance rate.
@@ -65,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8, help="the plain engine's tokens per device call")
+    p.add_argument("--wrong-fraction", type=float, default=0.24, help="throughput: the oracle's second run is "
+                   "wrong at this fraction of output positions (0: no such run)")
     p.add_argument("--prompts", type=int, default=12, help="--acceptance: prompts cut from the held-out text")
     p.add_argument("--temperature", type=float, default=0.0, help="--acceptance: 0 greedy, else sampled (seeded)")
     p.add_argument("--top-p", type=float, default=1.0, help="--acceptance: with --temperature")
@@ -120,19 +125,26 @@ def throughput(args) -> dict:
         label = method if k is None else f"{method} K={k}"
         for level in levels:
             if oracle is not None:
-                outputs, seconds, passes = oracle_fixed_point(engine, plan, prompts[:level], plain_outputs[level],
-                                                              args.output_tokens)
+                timed = [(label, *oracle_fixed_point(engine, plan, prompts[:level], plain_outputs[level],
+                                                     args.output_tokens))]
+                if args.wrong_fraction:
+                    wrong = rng.random(args.output_tokens) < args.wrong_fraction
+                    oracle.wrong_at = frozenset(np.flatnonzero(wrong).tolist())
+                    timed.append((f"{label}, {args.wrong_fraction:.0%} wrong",
+                                  *timed_generate(engine, prompts[:level], args.output_tokens), 1))
+                    oracle.wrong_at = frozenset()
             else:
-                (outputs, seconds), passes = timed_generate(engine, prompts[:level], args.output_tokens), 1
+                timed = [(label, *timed_generate(engine, prompts[:level], args.output_tokens), 1)]
             if k is None:
-                plain_outputs[level] = {tuple(p): o.token_ids for p, o in zip(prompts, outputs)}
-            acceptance = summarize(r for o in outputs for r in o.speculative_rounds)
-            results["runs"].append({"engine": label, "concurrency": level, "compile_s": engine.warm_up_seconds,
-                                    "tok_s": level * args.output_tokens / seconds, "passes": passes,
-                                    "mean_acceptance_length": acceptance.mean_length,
-                                    "position_rates": acceptance.position_rates})
-            print(f"{label}, {level} rows: {results['runs'][-1]['tok_s']:.1f} tok/s, "
-                  f"compile {engine.warm_up_seconds:.0f} s", flush=True)  # progress, should the run be cut short
+                plain_outputs[level] = {tuple(p): o.token_ids for p, o in zip(prompts, timed[0][1])}
+            for name, outputs, seconds, passes in timed:
+                acceptance = summarize(r for o in outputs for r in o.speculative_rounds)
+                results["runs"].append({"engine": name, "concurrency": level, "compile_s": engine.warm_up_seconds,
+                                        "tok_s": level * args.output_tokens / seconds, "passes": passes,
+                                        "mean_acceptance_length": acceptance.mean_length,
+                                        "position_rates": acceptance.position_rates})
+                print(f"{name}, {level} rows: {results['runs'][-1]['tok_s']:.1f} tok/s, mean acceptance length "
+                      f"{acceptance.mean_length:.2f}, compile {engine.warm_up_seconds:.0f} s", flush=True)
         engine.shutdown(drain_seconds=0)
         results["rows"][label] = {n: 1e3 * decode_program_seconds(engine, n, steps=1) for n in ROWS}
         print(f"{label} program ms at {', '.join(map(str, ROWS))} rows: "
