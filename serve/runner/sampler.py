@@ -114,8 +114,12 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
 def with_logprobs(logits, tokens, num_top: int, invariant: bool = False) -> Sampled:
     """tokens [R] with their logprobs and the `num_top` most likely tokens under the model's own distribution,
     logits [R, V] float32. logprob = logit - logsumexp: only the chosen (and top) entries, never the whole [R, V]
-    log-softmax; with `invariant`, `invariant.log_softmax` gathered at them."""
-    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    log-softmax; with `invariant`, `invariant.log_softmax` gathered at them. num_top 0 (an engine whose requests
+    ask for no top tokens, RL rollouts): no top-k search over the vocabulary."""
+    if num_top:
+        top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    else:
+        top_logits, top_ids = logits[:, :0], jnp.zeros((logits.shape[0], 0), jnp.int32)
     if invariant:
         logp = fixed_order.log_softmax(logits)
         pick = lambda ids: jnp.take_along_axis(logp, ids, axis=-1)  # noqa: E731
