@@ -11,6 +11,7 @@ import pytest
 from serve.runner.sampler import (
     SamplingBatch,
     gumbel_noise,
+    with_logprobs,
     pack_samples,
     read_samples,
     sample,
@@ -163,3 +164,13 @@ def test_a_rows_samples_are_read_out_with_the_top_tokens_asked_for():
     assert [s.token_id for s in samples] == [int(out.tokens[2])] * 2 and samples[0].logprob == float(out.logprobs[2])
     assert samples[1].top == tuple(zip(out.top_ids[2, :2].tolist(), out.top_logprobs[2, :2].tolist()))
     assert read_samples(host, row=0, count=1, num_top=0)[0].top == ()  # no logprobs asked: none carried
+
+
+def test_no_top_tokens_asked_for_give_the_chosen_logprob_alone():
+    logits = jnp.asarray(RNG.normal(0, 2, (4, 50)), jnp.float32)
+    tokens = jnp.asarray([3, 0, 49, 17], jnp.int32)
+    none, some = with_logprobs(logits, tokens, 0), with_logprobs(logits, tokens, 3)
+    np.testing.assert_allclose(none.logprobs, jax.nn.log_softmax(logits)[jnp.arange(4), tokens], rtol=1e-6)
+    np.testing.assert_array_equal(none.logprobs, some.logprobs)
+    assert none.top_ids.shape == none.top_logprobs.shape == (4, 0)
+    assert unpack_samples(pack_samples(none)).top_ids.shape == (4, 0)
