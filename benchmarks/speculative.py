@@ -5,7 +5,12 @@ and how often the shipped default model's MTP head is right on natural text.
     python -m benchmarks.speculative --mesh tensor=2      # the same over 2 GPUs
     python -m benchmarks.speculative --acceptance         # the shipped inkling-tiny on held-out KJV text (CPU)
 
-Throughput (random weights, greedy, EOS ignored, one engine request of `concurrency` random prompts):
+Throughput (random weights with a planted rule, greedy, EOS ignored, one engine request of `concurrency` random
+prompts). On plain random weights the logits are nearly flat, and bf16's verify and decode steps (XLA's matmuls
+differ by row count) part on near ties every few tokens, so no drafter could be right for long: `plant_successor`
+sets the head to rank token t + 1 first after token t by a wide margin and damps the layers' outputs (the same
+shapes, so the same work), so that greedy decoding is t + 1, t + 2, ... in every program, each token routed to its
+own experts.
 - the programs alone at 1, 8 and 32 rows, 128 cached tokens per row: the plain decode step (one token), the
   oracle engine's round (verify K + 1 tokens, accept, roll back) and the MTP engine's round (the same, then the
   head's catch-up and its K-step draft chain), each the median of back-to-back calls;
@@ -14,9 +19,9 @@ Throughput (random weights, greedy, EOS ignored, one engine request of `concurre
 - output tok/s at batch 1 and 8: plain decoding (up to `--decode-steps` tokens per device call), the oracle
   drafter proposing the target's own greedy tokens (the upper bound, every draft accepted) and the random MTP
   head (acceptance ~0: the round's cost without its gain), each up to `--decode-steps` rounds per call. The
-  oracle's first plan is the plain run's output; bf16's verify and decode steps can part on a near tie (XLA's
-  matmuls differ by row count), so the oracle runs again with its last output as its plan until the output
-  equals the plan (`passes`), and the last pass is timed. Then the same oracle, wrong at a seeded
+  oracle's plan is the plain run's output; should a near tie still part them, the oracle runs again with its last
+  output as its plan until the output equals the plan (`passes`), and the last pass is timed. Then the same
+  oracle, wrong at a seeded
   `--wrong-fraction` of the output positions, runs once more: the acceptance of a real drafter (the default
   0.24 gives the mean acceptance length the shipped default's MTP head reaches on held-out text at K = 3, 2.79;
   docs/speculative-decoding.md).
@@ -34,7 +39,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from benchmarks.model import decode_step_bytes
 from benchmarks.serving import decode_program_seconds
@@ -48,7 +52,7 @@ from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.http.tokenizer import load_tokenizer
 from serve.offline import generate
-from serve.random_weights import random_model
+from serve.random_weights import device_random_model, random_model
 from serve.runner.drafters import OracleDrafter
 from serve.runner.placement import Placement
 
@@ -102,10 +106,27 @@ def timed_generate(engine: Engine, prompts: list[list[int]], output_tokens: int,
     return results, time.perf_counter() - start
 
 
+def plant_successor(model: InklingModel, damping: float = 1 / 256) -> InklingModel:
+    """`model` (random weights) changed in place so that its greedy continuation of token t is t + 1 (mod the
+    unpadded vocabulary) by a wide margin: the head's row of t + 1 is t's embedding, and every layer's output
+    projections (attention out, MLP and experts down) are scaled by `damping`, so that the final hidden state
+    points along the last token's embedding. The other logits are products of independent random rows, about
+    1/sqrt(hidden) of the chosen one's."""
+    vocab = model.config.text.unpadded_vocab_size
+    embed = model.embed.get_value()
+    model.unembed.set_value(jnp.zeros_like(embed).at[:vocab].set(jnp.roll(embed[:vocab], 1, axis=0)))
+    for layer in model.layers:
+        outputs = [layer.attn.wo.kernel, layer.mlp.w_down] + ([layer.mlp.shared_down] if hasattr(
+            layer.mlp, "shared_down") else [])
+        for param in outputs:
+            param.set_value(param.get_value() * jnp.asarray(damping, param.get_value().dtype))
+    return model
+
+
 def throughput(args) -> dict:
     gpu = jax.default_backend() == "gpu"
     config = dataclasses.replace(preset(args.preset), mtp=MTPConfig(num_layers=1, local_layer_ids=(0,)))
-    model = InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)) if gpu else random_model(config)
+    model = plant_successor(device_random_model(config) if gpu else random_model(config))
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = np.random.default_rng(0)
     vocab = config.text.unpadded_vocab_size

@@ -11,6 +11,10 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import moe_tiles, rl, timing
+from benchmarks.speculative import plant_successor
+from inkling_jax import preset
+from serve.random_weights import random_model
+from tests.greedy import greedy_tokens
 
 
 # runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
@@ -113,3 +117,12 @@ def test_the_tile_sweep_times_the_current_tiles_even_without_budget_and_reports_
         assert role["default_ms"] == role["best_ms"] > 0
     rows = capsys.readouterr().out.strip().splitlines()[-2:]
     assert [row.split(" | ")[0] for row in rows] == ["| gmm", "| wgrad"] and all(" | 1.000 | " in r for r in rows)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_speculative_benchmarks_model_continues_each_token_with_the_next(dtype):
+    config = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))
+    model = plant_successor(random_model(config, dtype=dtype))
+    vocab = config.text.unpadded_vocab_size
+    prompt = [5, vocab - 3, 77, vocab - 2]  # the rule wraps around the unpadded vocabulary
+    assert greedy_tokens(model, prompt, 6) == [(vocab - 2 + i) % vocab for i in range(1, 7)]
