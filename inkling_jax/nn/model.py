@@ -20,7 +20,7 @@ from inkling_jax.nn.decoder import DecoderLayer
 from inkling_jax.nn.layers import RMSNorm, normal
 from inkling_jax.nn.moe import MoE
 from inkling_jax.nn.mtp import MTPHead
-from inkling_jax.nn.token_sets import LayerSet
+from inkling_jax.nn.token_sets import ChunkSet, LayerSet
 from inkling_jax.nn.towers import AudioTower, VisionTower
 from inkling_jax.parallel.vocab import take_rows
 
@@ -158,16 +158,15 @@ class InklingModel(nnx.Module):
         (hidden,), (cache,), (experts,) = self._extend([x], [cache], [n_new], keep_conv_inputs)
         return hidden, cache, experts
 
-    def extend_sets(self, sets: list[tuple]):
-        """Several chunks, each over its own rows, in one pass: sets of (input_ids [B_i, T_i], Cache of those rows,
-        n_new [B_i] or None), whose caches share one cache's page pools and rings (`serve.runner.cache_rows.
-        take_rows` of it) and touch disjoint pages and rings. The position-wise work (projections, MLP, MoE) runs
-        once over all the sets' tokens, so each weight is read once (`DecoderLayer.over_sets`); each set's
-        tokens see only its own rows, as in `extend_routed`. Returns three lists, per set: the final-normed
-        hidden states [B_i, T_i, hidden], its Cache (each with the pools after every set's writes), and its
-        experts [B_i, T_i, MoE layers, top_k] (None without MoE layers)."""
-        return self._extend([self.embed_tokens(ids) for ids, _, _ in sets], [cache for _, cache, _ in sets],
-                            [n_new for _, _, n_new in sets])
+    def extend_sets(self, sets: list[ChunkSet]):
+        """Several chunks, each over its own rows, in one pass: `ChunkSet`s whose caches share one cache's page pools
+        and rings (`serve.runner.cache_rows.take_rows` of it) and touch disjoint pages and rings. The position-wise
+        work (projections, MLP, MoE) runs once over all the sets' tokens, so each weight is read once
+        (`DecoderLayer.over_sets`); each set's tokens see only its own rows, as in `extend_routed`. Returns three
+        lists, per set: the final-normed hidden states [B_i, T_i, hidden], its Cache (each with the pools after
+        every set's writes), and its experts [B_i, T_i, MoE layers, top_k] (None without MoE layers)."""
+        xs = [self.embed_tokens(s.input_ids) if s.embeds is None else s.embeds for s in sets]
+        return self._extend(xs, [s.cache for s in sets], [s.n_new for s in sets])
 
     def _extend(self, xs: list, caches: list[Cache], n_news: list, keep_conv_inputs: bool = False):
         """The layers over sets of embedded chunks xs[i] [B_i, T_i, hidden], each continuing its cache; returns

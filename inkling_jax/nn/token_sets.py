@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from inkling_jax.nn.cache import LayerCache
+from inkling_jax.nn.cache import Cache, LayerCache
+
+
+class ChunkSet(NamedTuple):
+    """One set of `InklingModel.extend_sets`: a chunk input_ids [B, T] continuing the rows of `cache`, `n_new [B]`
+    real tokens per row (None: T), and `embeds [B, T, hidden]` to use instead of embedding input_ids (media merged
+    by the caller)."""
+
+    input_ids: jax.Array
+    cache: Cache
+    n_new: jax.Array | None = None
+    embeds: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import pytest
 
 from inkling_jax import Backend, preset
 from inkling_jax.nn.cache import init_cache
+from inkling_jax.nn.token_sets import ChunkSet
 from serve.random_weights import random_model
 from serve.runner.cache_rows import take_rows
 from tests.backends import REFERENCE
@@ -39,14 +40,14 @@ def _primed_cache(model):
 
 
 def _sets(cache):
-    """(decode ids [3, 1], their rows' cache, n_new) with one idle row, and (a chunk [1, CHUNK] of 9 real tokens,
-    row 3's cache, n_new)."""
+    """The decode set (ids [3, 1] of rows 0-2, one of them idle) and the prefill set (a chunk [1, CHUNK] of 9 real
+    tokens for row 3)."""
     rng = np.random.default_rng(2)
     decode_rows, prefill_rows = jnp.array([0, 1, 2]), jnp.array([3])
-    decode = (jnp.asarray(rng.integers(0, 300, (3, 1)), jnp.int32), take_rows(cache, decode_rows),
-              jnp.array([1, 0, 1], jnp.int32))
-    prefill = (jnp.asarray(rng.integers(0, 300, (1, CHUNK)), jnp.int32), take_rows(cache, prefill_rows),
-               jnp.array([9], jnp.int32))
+    decode = ChunkSet(jnp.asarray(rng.integers(0, 300, (3, 1)), jnp.int32), take_rows(cache, decode_rows),
+                      jnp.array([1, 0, 1], jnp.int32))
+    prefill = ChunkSet(jnp.asarray(rng.integers(0, 300, (1, CHUNK)), jnp.int32), take_rows(cache, prefill_rows),
+                       jnp.array([9], jnp.int32))
     return decode, prefill
 
 
@@ -55,8 +56,8 @@ def test_two_sets_in_one_pass_equal_the_sets_one_after_the_other(model):
 
     @jax.jit
     def one_after_the_other(decode, prefill):
-        hidden_d, cache_d, experts_d = model.extend_routed(*decode)
-        ids, cache, n_new = prefill
+        hidden_d, cache_d, experts_d = model.extend_routed(decode.input_ids, decode.cache, decode.n_new)
+        ids, cache, n_new, _ = prefill
         pools = [layer.replace(k=d.k, v=d.v) for layer, d in zip(cache.layers, cache_d.layers)]
         hidden_p, cache_p, experts_p = model.extend_routed(ids, cache.replace(layers=tuple(pools)), n_new)
         return [hidden_d, hidden_p], [cache_d, cache_p], [experts_d, experts_p]
