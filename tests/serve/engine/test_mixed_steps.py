@@ -19,8 +19,16 @@ RNG = np.random.default_rng(5)
 PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 9, 40, 23)]
 
 
+def sharp_model():
+    """Random weights with the head 100 times larger: a random model's logits are nearly flat, which hides
+    differences in the hidden states from the logprobs (a lost ShortConv state moved them by 5e-6)."""
+    model = random_model(CONFIG, seed=3, backend=REFERENCE)
+    model.unembed.set_value(model.unembed.get_value() * 100)
+    return model
+
+
 def run(mixed_steps: bool):
-    engine = Engine(random_model(CONFIG, seed=3, backend=REFERENCE), EngineConfig(
+    engine = Engine(sharp_model(), EngineConfig(
         max_num_seqs=3, max_model_len=64, max_num_batched_tokens=32, page_size=8, chunk_buckets=(1, 16),
         row_buckets=(1, 4), num_pages=24, decode_steps=2, prefix_caching=False, full_sampler_only=True,
         score_prompts=False, record_experts=True, mixed_steps=mixed_steps), eos_token_id=CONFIG.eos_token_id)
