@@ -11,8 +11,10 @@ each row's parameters and (seed, output index), so the tokens equal those of one
 discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
 reads its condition on the host at every iteration and copies loop-carried buffers: idle device time per token
 (see docs/performance.md).
+`mixed`: a decode step of some rows and a prefill chunk of others in one program, which reads the weights once
+(`InklingModel.extend_sets`; `serve.runner.mixed_steps` says when the runner takes it).
 
-Both gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
+All gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
 back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh); `whole`
 puts the `full` sampler's logits whole on every device (a mesh), one gather of [R, V] rather than the collective
 per pass of the cutoff searches that XLA would otherwise give the vocabulary-split filters (`sampler.top_k_top_p`).
@@ -190,8 +192,8 @@ class StepPrograms:
         out, counts = self._sample(model, logits, penalties, both(dec.rows, pre.rows),
                                    jax.tree.map(both, dec.params, pre.params),
                                    both(dec.n_new > 0, pre.steps > 0), full)
-        out_d, out_p = (jax.tree.map(lambda x: x[part], out) for part in (slice(None, dec.rows.shape[0]),
-                                                                            slice(dec.rows.shape[0], None)))
+        split = dec.rows.shape[0]
+        out_d, out_p = jax.tree.map(lambda x: x[:split], out), jax.tree.map(lambda x: x[split:], out)
         cache = self._rows_out(self._rows_out(cache, dec, sub_d, gather), pre, sub_p, True)
         return (cache, penalties.replace(counts=counts), self._packed(out_d, experts_d, dec)[None],
                 self._packed(out_p, experts_p, pre)[None])
@@ -206,18 +208,18 @@ class StepPrograms:
         return jnp.concatenate([packed, routing_columns(experts, slots)], axis=1)
 
     def _sample(self, model, logits, penalties: PenaltyState, rows, p: SamplingBatch, active, full):
-        """One token per row of logits [R, V], the rows' cache rows `rows` [R]. Returns the samples and the output-token counts, with the active penalised rows'
-        new tokens added (`full` only: penalised rows always run the full sampler). A batch-invariant model's
-        rows are sampled in fixed-order sums (`sampler.sample`'s `invariant`). The full sampler applies
-        penalties to every row (neutral values change nothing): a branch on whether any row uses them would
-        cost a host round-trip (see `sampler.sample`)."""
+        """One token per row of logits [R, V], whose cache rows are `rows` [R]. Returns the samples and the
+        output-token counts, with the active penalised rows' new tokens added (`full` only: penalised rows always
+        run the full sampler). A batch-invariant model's rows are sampled in fixed-order sums (`sampler.sample`'s
+        `invariant`). The full sampler applies penalties to every row (neutral values change nothing): a branch on
+        whether any row uses them would cost a host round-trip (see `sampler.sample`)."""
         if not full:
             return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
         take = lambda x: x.at[rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         out = sample(self.whole(logits), p, take(penalties.counts), take(penalties.prompt_mask), self.num_top,
                      invariant=model.backend.batch_invariant)
         counts = penalties.counts.at[rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
-                                                               mode="drop")
+                                                          mode="drop")
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):

@@ -20,11 +20,13 @@ PAGE, PAGES_PER_ROW, CHUNK = 8, 6, 16
 ROWS = 4  # rows 0-2 decode, row 3 takes a prompt chunk
 
 
-@pytest.fixture(scope="module", params=["reference", "pallas_decode"])
+# "pallas_decode" (interpreted on CPU): the decode set runs the fused decode prologue and the decode kernel.
+BACKENDS = {"reference": REFERENCE, "pallas_decode": Backend.parse("reference,moe=dense,decode_attention=pallas")}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
 def model(request):
-    # "pallas_decode" (interpreted on CPU): the decode set runs the fused decode prologue and the decode kernel.
-    backend = REFERENCE if request.param == "reference" else Backend.parse("reference,moe=dense,decode_attention=pallas")
-    return random_model(CONFIG, seed=2, backend=backend)
+    return random_model(CONFIG, seed=2, backend=BACKENDS[request.param])
 
 
 def _primed_cache(model):
