@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from inkling_jax.generate import flat_params
 from serve.engine.scheduler import Chunk
 from serve.runner.steps import pack
 
@@ -33,12 +32,10 @@ class MixedSteps:
         group's samples read as its own program's would be (`collect`)."""
         rows = self.config.row_bucket(len(decode))
         chunk_rows, chunk = self.config.mixed_prefill
-        if self.lora is not None and self.lora.assign(self.model, [c.seq for c in decode + prefill]):
-            self.params = flat_params(self.model)[0]  # the slots' new factors
+        self._assign_adapters(decode + prefill)
         inputs = self.placement.put((pack(self._inputs(decode, rows, 1)), pack(self._inputs(prefill, chunk_rows,
                                                                                           chunk))))
-        full = self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in decode + prefill)
-        self.cache, self.penalties, decode_out, prefill_out = self._mixed[rows, full](
+        self.cache, self.penalties, decode_out, prefill_out = self._mixed[rows, self._full(decode + prefill)](
             self.params, self.cache, self.penalties, *inputs)
         on_queued()
         self.mixed_runs += 1

@@ -277,8 +277,7 @@ class ModelRunner(StepCompilation, MixedSteps):
         drafts, (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row
         verified) (else None)."""
         rows, chunk = self._shape(group)
-        if self.lora is not None and self.lora.assign(self.model, [c.seq for c in group]):
-            self.params = flat_params(self.model)[0]  # the slots' new factors
+        self._assign_adapters(group)
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
@@ -286,8 +285,7 @@ class ModelRunner(StepCompilation, MixedSteps):
                                                                              inputs, targets)
             on_queued()
             return [out], None, scored, (None, drafts[0], None) if drafts else None
-        full = self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in group)
-        program = self._steps[rows, chunk, full]
+        program = self._steps[rows, chunk, self._full(group)]
         if chunk > 1:
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
@@ -296,6 +294,16 @@ class ModelRunner(StepCompilation, MixedSteps):
             outs, carry = self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued)
             return [o[0] for o in outs], None, None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
         return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
+
+    def _assign_adapters(self, chunks: list[Chunk]) -> None:
+        """Puts the chunks' LoRA adapters in device slots and gives their sequences the slots (`AdapterSlots.assign`);
+        `params` then holds the slots' new factors."""
+        if self.lora is not None and self.lora.assign(self.model, [c.seq for c in chunks]):
+            self.params = flat_params(self.model)[0]
+
+    def _full(self, chunks: list[Chunk]) -> bool:
+        """Whether a step of these chunks samples with the full sampler (`sampler.sample`)."""
+        return self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in chunks)
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None):
