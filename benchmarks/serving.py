@@ -200,6 +200,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-steps", type=int, default=8, help="decode tokens per row per device call")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling")
     p.add_argument("--no-fuse-projections", action="store_true", help="unfused projections")
+    p.add_argument("--no-mixed-steps", action="store_true",
+                   help="decodes and a prompt chunk as two programs (EngineConfig.mixed_steps off)")
     p.add_argument("--mesh", help="serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); default: one "
                    "device. Bytes/s are then compared with the ceilings times the device count")
     p.add_argument("--memory-fraction", type=float, default=EngineConfig.memory_fraction,
@@ -243,7 +245,7 @@ def build_engine(args, levels, placement, results, **changes):
                                  chunk_buckets=chunks, row_buckets=rows, prefix_caching=False,
                                  max_queued=max(levels) + 1, decode_steps=args.decode_steps,
                                  fuse_projections=not args.no_fuse_projections,
-                                 memory_fraction=args.memory_fraction)
+                                 mixed_steps=not args.no_mixed_steps, memory_fraction=args.memory_fraction)
     engine_config = dataclasses.replace(engine_config, **changes)
     model = placement.model_view(model, engine_config.fuse_projections)  # as serve.app: the unfused weights freed
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
@@ -254,6 +256,9 @@ def build_engine(args, levels, placement, results, **changes):
     results["kv_pool_gib"] = runner.num_pages * runner.page_bytes_per_device() / 2**30
     results["step_program_gib"] = {f"{rows}x{tokens}{' full' if full else ''}": program_bytes(p) / 2**30
                                    for (rows, tokens, full), p in runner._steps.items()}
+    chunk = "x".join(map(str, engine_config.mixed_prefill))
+    results["step_program_gib"].update({f"{rows}+{chunk}{' full' if full else ''}": program_bytes(p) / 2**30
+                                        for (rows, full), p in runner._mixed.items()})  # mixed steps
     return model, engine
 
 

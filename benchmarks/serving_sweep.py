@@ -137,12 +137,13 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
     found = cli.benchmark(cli.parse_args(flags))
     found["compilations_after_warmup"] = server_counter(args, "inkling_compilations_after_warmup_total")
     found["preemptions"] = server_counter(args, "inkling_preemptions_total")
+    found["mixed_steps"] = server_counter(args, "inkling_mixed_steps_total")  # so far: decodes + a chunk as one
     save_json(args.out, f"load-{label}.json", found)
     log(f"{label}: {found['completed']} done, {found['failed']} failed in {found['duration']:.1f}s; output "
         f"{found['output_throughput']:.0f} tok/s; TTFT p50 {found['median_ttft_ms']:.1f} ms, p99 "
         f"{found['p99_ttft_ms']:.1f} ms; TPOT p50 {found['median_tpot_ms']:.2f} ms; ITL p99 "
         f"{found['p99_itl_ms']:.2f} ms; compilations after warm-up {found['compilations_after_warmup']:.0f}, "
-        f"preemptions {found['preemptions']:.0f}")
+        f"preemptions {found['preemptions']:.0f}, mixed steps so far {found['mixed_steps']:.0f}")
     return {k: v for k, v in found.items() if k not in ("input_lens", "output_lens", "ttfts", "itls", "errors")}
 
 

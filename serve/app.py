@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       "weight) for the products of prompt chunks and other wide steps, which then run on fp8 tensor cores at "
       "twice the rate of the 4-bit kernels; decode steps still read the 4-bit weights")
     a("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    a("--no-mixed-steps", action="store_true",
+      help="run a step's decodes and its prompt chunk as two programs (by default a step of decodes and one prompt "
+      "chunk runs as one program, which reads the weights once)")
     a("--no-fuse-projections", action="store_true",
       help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
       "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")
@@ -218,7 +221,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens or default_token_budget(seqs, chunks[-1]),
         page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
-        prefix_caching=not args.no_prefix_caching,
+        prefix_caching=not args.no_prefix_caching, mixed_steps=not args.no_mixed_steps,
         fuse_projections=not (args.no_fuse_projections or args.backend.batch_invariant),
         num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps,
         speculative=SpeculativeConfig(args.speculative_algorithm,

@@ -41,7 +41,7 @@ class Attention(nnx.Module):
 
     def __call__(self, u, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
                  page_table=None, ring_rows=None, keep_conv_inputs: bool = False):
-        """u [B, T, hidden] (normed) at `positions [B, T]`.
+        """u [B, T, hidden] (normed) at `positions [B, T]`: `project`, `attend`, then `wo`.
 
         Without a cache the T tokens attend among themselves (segment ids separate packed sequences).
         With a cache the T tokens continue each row at `positions = lengths + t`; only the first `n_new[b]`
@@ -49,8 +49,17 @@ class Attention(nnx.Module):
         `keep_conv_inputs`: the K and V ShortConv states come back with every input of the chunk (`ShortConv`).
         Returns (output [B, T, hidden], updated cache fields or None).
         """
-        batch, seq, _ = u.shape
-        q, k, v, r = self._project(u)
+        out, updated = self.attend(*self.project(u), positions, segment_ids=segment_ids, cache=cache, n_new=n_new,
+                                   page_table=page_table, ring_rows=ring_rows, keep_conv_inputs=keep_conv_inputs)
+        return self.wo(out), updated
+
+    def attend(self, q, k, v, r, positions, *, segment_ids=None, cache: LayerCache | None = None, n_new=None,
+               page_table=None, ring_rows=None, keep_conv_inputs: bool = False):
+        """The sequence-aware part of a call, between the position-wise projections and `wo`: q, k, v, r
+        [B, T, width] as `project` gives them -> (out [B, T, heads * head_dim], updated cache fields or None).
+        A caller that runs several sets of rows in one pass (`DecoderLayer.over_sets`) projects all their tokens
+        at once and attends set by set."""
+        batch, seq = q.shape[:2]
         r = r.reshape(batch, seq, self.num_heads, self.d_rel)
         tau = None if self.log_scaling is None else log_scaling_tau(positions, *self.log_scaling)
         if cache is not None and segment_ids is not None:
@@ -62,7 +71,7 @@ class Attention(nnx.Module):
                 self._cache_index(cache, page_table, ring_rows, positions, n_new)[:, 0], backend=self.backend,
                 eps=self.q_norm.eps, mesh=self.mesh)
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q[:, None], r, positions, n_new, tau)
-            return self.wo(out.reshape(batch, seq, -1)), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
+            return out.reshape(batch, seq, -1), dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
 
         k, k_conv = self.k_sconv(k, None if cache is None else cache.k_conv, segment_ids, n_new, keep_conv_inputs)
         v, v_conv = self.v_sconv(v, None if cache is None else cache.v_conv, segment_ids, n_new, keep_conv_inputs)
@@ -78,10 +87,10 @@ class Attention(nnx.Module):
             out, new_k, new_v = self._cached_attention(cache, page_table, ring_rows, q, k, v, r, positions, n_new,
                                                        tau)
             updated = dict(k=new_k, v=new_v, k_conv=k_conv, v_conv=v_conv)
-        return self.wo(out.reshape(batch, seq, -1)), updated
+        return out.reshape(batch, seq, -1), updated
 
-    def _project(self, u):
-        """(q, k, v, r) of u [B, T, hidden], flat per token. Serving forms replace the four maps
+    def project(self, u):
+        """(q, k, v, r) of u [B, T, hidden], flat per token: the position-wise maps. Serving forms replace them
         (`inkling_jax.quant.attention`)."""
         return self.wq(u), self.wk(u), self.wv(u), self.wr(u)
 

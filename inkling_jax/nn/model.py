@@ -20,6 +20,7 @@ from inkling_jax.nn.decoder import DecoderLayer
 from inkling_jax.nn.layers import RMSNorm, normal
 from inkling_jax.nn.moe import MoE
 from inkling_jax.nn.mtp import MTPHead
+from inkling_jax.nn.token_sets import ChunkSet, LayerSet
 from inkling_jax.nn.towers import AudioTower, VisionTower
 from inkling_jax.parallel.vocab import take_rows
 
@@ -152,22 +153,39 @@ class InklingModel(nnx.Module):
                       audio_input_ids_mask=None, *, embeds=None, keep_conv_inputs: bool = False):
         """`extend_hidden`, and the experts each MoE layer chose for every position of the chunk, [B, T, MoE layers,
         top_k] int32 (None without MoE layers): what routing replay records."""
-        batch, seq = input_ids.shape
-        if n_new is None:
-            n_new = jnp.full((batch,), seq, jnp.int32)
         x = self.embed_inputs(input_ids, pixel_values, audio_input_ids, audio_input_ids_mask) if embeds is None \
             else embeds
-        positions = cache.lengths[:, None] + jnp.arange(seq)[None, :]
-        new_layers, chosen = [], []
-        for layer, layer_cache in zip(self.layers, cache.layers):
-            x, new_cache, ids = layer(x, positions, cache=layer_cache, n_new=n_new, page_table=cache.page_table,
-                                      ring_rows=cache.ring_rows, keep_conv_inputs=keep_conv_inputs)
-            new_layers.append(new_cache)
-            if ids is not None:
-                chosen.append(ids.reshape(batch, seq, -1))
-        layers = tuple(new_layers) + cache.layers[len(new_layers):]
-        experts = jnp.stack(chosen, axis=2).astype(jnp.int32) if chosen else None
-        return self.norm(x), cache.replace(lengths=cache.lengths + n_new, layers=layers), experts
+        (hidden,), (cache,), (experts,) = self._extend([x], [cache], [n_new], keep_conv_inputs)
+        return hidden, cache, experts
+
+    def extend_sets(self, sets: list[ChunkSet]):
+        """Several chunks, each over its own rows, in one pass: `ChunkSet`s whose caches share one cache's page pools
+        and rings (`serve.runner.cache_rows.take_rows` of it) and touch disjoint pages and rings. The position-wise
+        work (projections, MLP, MoE) runs once over all the sets' tokens, so each weight is read once
+        (`DecoderLayer.over_sets`); each set's tokens see only its own rows, as in `extend_routed`. Returns three
+        lists, per set: the final-normed hidden states [B_i, T_i, hidden], its Cache (each with the pools after
+        every set's writes), and its experts [B_i, T_i, MoE layers, top_k] (None without MoE layers)."""
+        xs = [self.embed_tokens(s.input_ids) if s.embeds is None else s.embeds for s in sets]
+        return self._extend(xs, [s.cache for s in sets], [s.n_new for s in sets])
+
+    def _extend(self, xs: list, caches: list[Cache], n_news: list, keep_conv_inputs: bool = False):
+        """The layers over sets of embedded chunks xs[i] [B_i, T_i, hidden], each continuing its cache; returns
+        (hidden, caches, experts) per set, as `extend_sets` does."""
+        n_news = [jnp.full((x.shape[0],), x.shape[1], jnp.int32) if n is None else n for x, n in zip(xs, n_news)]
+        positions = [c.lengths[:, None] + jnp.arange(x.shape[1])[None, :] for x, c in zip(xs, caches)]
+        new_layers, chosen = [[] for _ in xs], [[] for _ in xs]
+        for i, layer in enumerate(self.layers):
+            sets = [LayerSet(p, c.layers[i], n, c.page_table, c.ring_rows) for p, c, n in zip(positions, caches,
+                                                                                                n_news)]
+            xs, layer_caches, ids = layer.over_sets(xs, sets, keep_conv_inputs=keep_conv_inputs)
+            for j, layer_cache in enumerate(layer_caches):
+                new_layers[j].append(layer_cache)
+                if ids is not None:
+                    chosen[j].append(ids[j].reshape(*xs[j].shape[:2], -1))
+        caches = [c.replace(lengths=c.lengths + n, layers=tuple(layers) + c.layers[len(layers):])
+                  for c, n, layers in zip(caches, n_news, new_layers)]
+        experts = [jnp.stack(ids, axis=2).astype(jnp.int32) if ids else None for ids in chosen]
+        return [self.norm(x) for x in xs], caches, experts
 
     # ------------------------------------------------------------------------------------------------------
     # Inputs

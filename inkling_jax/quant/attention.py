@@ -28,6 +28,6 @@ class FusedAttention(ServingForm, Attention):
         kernels = [getattr(attention, name).kernel[...] for name in PROJECTIONS]
         return cls(attention, Linear.from_kernel(jnp.concatenate(kernels, axis=1), attention.wq.backend), attention.wo)
 
-    def _project(self, u):
+    def project(self, u):
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return jnp.split(self.wqkvr(u), [q_width, q_width + kv_width, q_width + 2 * kv_width], axis=-1)

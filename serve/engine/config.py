@@ -79,6 +79,10 @@ class EngineConfig:
     # its [rows x chunk, vocab] logits); off for engines that never score prompts (RL rollouts): one program and
     # its buffers fewer
     score_prompts: bool = True
+    # a step of decodes and one prompt chunk runs as one program (`StepPrograms.mixed`): the projections, MLPs,
+    # MoEs and head over both sets' tokens at once, so the step reads the weights once; off, or where no mixed
+    # program fits (`mixed_buckets`), such a step runs a decode program and a prefill program
+    mixed_steps: bool = True
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -151,6 +155,27 @@ class EngineConfig:
         every position, chunks padded to the largest): the most rows of a bucket whose largest chunks fit the token
         budget. A step's prefill rows run in it when any of them asks."""
         return max(r for r in self.rows if r * self.max_chunk <= self.max_num_batched_tokens)
+
+    @property
+    def mixed_buckets(self) -> tuple[int, ...]:
+        """The decode row buckets of the mixed programs (`mixed_steps`), each with one prompt chunk in the smallest
+        row bucket at the largest chunk size (`mixed_prefill`). None are compiled with speculative decoding, or
+        where the smallest row bucket is every row (the chunk's rows are gathered, apart from the decode rows)."""
+        if not self.mixed_steps or self.speculative is not None or self.rows[0] == self.num_rows:
+            return ()
+        return self.rows
+
+    @property
+    def mixed_prefill(self) -> tuple[int, int]:
+        """(rows, tokens) of a mixed program's prefill chunk."""
+        return self.rows[0], self.max_chunk
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens (padding included) that one compiled step program runs: a bucket's rows x tokens, or a
+        mixed program's decode rows plus its chunk."""
+        mixed = [rows + self.rows[0] * self.max_chunk for rows in self.mixed_buckets]
+        return max([r * t for r, t in self.buckets] + mixed)
 
     def fits(self, rows: int, tokens: int) -> bool:
         """Whether a step of `rows` rows of up to `tokens` tokens has a compiled bucket."""

@@ -355,6 +355,6 @@ class Engine:
     def _update_gauges(self) -> None:
         self.metrics.record_state(len(self.scheduler.waiting), len(self.scheduler.running),
                                   1.0 - self.blocks.num_free / self.blocks.num_blocks,
-                                  compilation_count(threading.get_ident()))
+                                  compilation_count(threading.get_ident()), self.runner.mixed_runs)
         with self._lock:
             self._queued = len(self.scheduler.waiting)

@@ -67,16 +67,17 @@ def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype,
     """What the engine keeps beside its KV pool, by kind, counted whole (as if every device held all of it):
     the slots' sliding rings and ShortConv states (with their lengths and page table), the prefix snapshots
     (a slot's rings and states each), the sampler's per-row state, the largest step's logits (a row each, with
-    its softmax and draws, fp32) and its widest activations. The drafter's layers are counted as a cache of
-    their own (its lengths and page table too: a few bytes a row more than the engine keeps)."""
+    its softmax and draws, fp32; a mixed step samples its decode and prefill rows together) and its widest
+    activations (`EngineConfig.max_step_tokens`). The drafter's layers are counted as a cache of their own (its
+    lengths and page table too: a few bytes a row more than the engine keeps)."""
     cfg, vocab = config, text.unpadded_vocab_size
     slots = sum(cache_bytes(layers, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1)
                 for layers in _cache_layers(text, drafter))
     slots -= page_bytes(text, cfg, dtype, drafter=drafter)
     return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
             "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)
-            "step logits": 4 * cfg.rows[-1] * vocab * 4,
-            "step activations": 2 * max(r * t for r, t in cfg.buckets) * text.hidden_size * 4 * 4}
+            "step logits": 4 * (cfg.rows[-1] + (cfg.rows[0] if cfg.mixed_buckets else 0)) * vocab * 4,
+            "step activations": 2 * cfg.max_step_tokens * text.hidden_size * 4 * 4}
 
 
 def pages_in(budget: float, text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1,

@@ -39,6 +39,8 @@ class Metrics:
         self.compilations = Counter("inkling_compilations_after_warmup", "Programs the engine thread built while "
                                     "serving (compiled or loaded from the compilation cache): 0 unless a step fell "
                                     "outside the shapes compiled at warm-up", registry=r)
+        self.mixed_steps = Counter("inkling_mixed_steps", "Steps whose decodes and prompt chunk ran as one program "
+                                   "(EngineConfig.mixed_steps)", registry=r)
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731
                                                       list(labels), registry=r)
@@ -65,6 +67,7 @@ class Metrics:
         self._adapter_labels, self._labelled = adapter_labels, set()
         self._queried = self._hits = 0
         self._built = 0  # programs built on the engine thread, as last counted
+        self._mixed = 0  # mixed steps run, as last counted
         self._rounds = self._emitted = 0
         self._verified, self._accepted = collections.Counter(), collections.Counter()  # position -> rounds
 
@@ -86,13 +89,15 @@ class Metrics:
         else:
             self.itl.observe(now - last)
 
-    def record_state(self, queued: int, running: int, cache_usage: float, built: int) -> None:
-        """The gauges, and `built`: the programs the engine thread has built so far (compilation_count)."""
+    def record_state(self, queued: int, running: int, cache_usage: float, built: int, mixed: int = 0) -> None:
+        """The gauges, `built`: the programs the engine thread has built so far (compilation_count), and `mixed`:
+        the mixed steps it has run so far."""
         self.queued.set(queued)
         self.running.set(running)
         self.cache_usage.set(cache_usage)
         self.compilations.inc(built - self._built)
-        self._built = built
+        self.mixed_steps.inc(mixed - self._mixed)
+        self._built, self._mixed = built, mixed
 
     def count_builds_from(self, built: int) -> None:
         """The engine thread's compilation_count when it starts: what it builds from then on counts."""

@@ -15,12 +15,22 @@ WIDE_GPU_COMPILE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_
 
 
 def compile_options(key) -> dict | None:
-    """XLA options for the `warm_up` program of `key`, (rows, chunk, full) for a step or a helper's name. On CPU
-    (tests, demos) compile time dominates, which XLA's cheaper backend passes cut."""
+    """XLA options for the `warm_up` program of `key`: (rows, chunk, full) for a step, ("mixed", decode rows, prompt
+    chunk tokens, full) for a mixed step (`StepPrograms.mixed`) or a helper's name. On CPU (tests, demos) compile
+    time dominates, which XLA's cheaper backend passes cut."""
     if jax.default_backend() == "cpu":
         return CPU_COMPILE_OPTIONS
-    wide = isinstance(key, tuple) and key[1] > 1 and key[0] * key[1] >= WIDE_TOKENS  # a wide prefill
-    return WIDE_GPU_COMPILE_OPTIONS if wide else None
+    return WIDE_GPU_COMPILE_OPTIONS if _wide(key) else None
+
+
+def _wide(key) -> bool:
+    """Whether `key`'s program is a wide prefill: at least WIDE_TOKENS rows x chunk tokens, a mixed step's decode
+    rows counted beside its chunk."""
+    if not isinstance(key, tuple):
+        return False
+    if key[0] == "mixed":
+        return key[1] + key[2] >= WIDE_TOKENS
+    return key[1] > 1 and key[0] * key[1] >= WIDE_TOKENS
 
 
 # A program built: compiled, or loaded from the persistent compilation cache (a cache miss all the same).

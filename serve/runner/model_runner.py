@@ -5,7 +5,8 @@ Every bucket is compiled ahead of time by `warm_up` (serve/runner/warm_up.py), a
 an error, never a silent compilation. A decode group runs as max(`steps`) dispatches of its `decode` program back
 to back, each feeding the next its samples on device (each chunk takes its own `steps` of them); a prefill group
 as one `prefill` program, or where a chunk computes prompt logprobs, as the one prefill program that does (at
-`EngineConfig.prompt_logprobs_rows` rows of the largest chunk).
+`EngineConfig.prompt_logprobs_rows` rows of the largest chunk). A step of one-token decodes and one prompt chunk
+runs both groups in one mixed program instead (`serve.runner.mixed_steps`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from serve.lora.slots import AdapterSlots, UnknownAdapter
 from serve.lora.view import lora_view
 from serve.runner import cache_rows
 from serve.runner.drafters import OracleDrafter, fill_drafts, plan_columns, read_rounds
+from serve.runner.mixed_steps import MixedSteps
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
 from serve.runner.routing_record import RoutingRecord
@@ -40,7 +42,7 @@ from serve.runner.warm_up import StepCompilation
 
 log = logging.getLogger(__name__)
 
-class ModelRunner(StepCompilation):
+class ModelRunner(StepCompilation, MixedSteps):
     def __init__(self, model: InklingModel, config: EngineConfig, placement: Placement | None = None,
                  oracle: OracleDrafter | None = None, on_round: Callable[[int, int], None] = lambda *_: None,
                  draft_model: InklingModel | None = None,
@@ -95,6 +97,7 @@ class ModelRunner(StepCompilation):
                                                     no_previous_round(rows, spec.num_draft_tokens))
                            for rows in config.rows}
         self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
+        self._mixed: dict[tuple[int, bool], object] = {}  # (decode rows, full sampler) -> mixed program
         self._save = self._restore = self._init_penalties = self._scoring = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
                  "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,
@@ -193,8 +196,11 @@ class ModelRunner(StepCompilation):
                 tokens[:len(seq)] = seq.token_ids
                 self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
                                                                             np.int32(seq.num_prompt))))
+        groups = self._groups(chunks)
+        if self.runs_mixed(groups, previous):
+            return self.dispatch_mixed(*groups, on_queued)
         return [(group, *self._dispatch(group, on_queued if i == 0 else lambda: None, previous))
-                for i, group in enumerate(self._groups(chunks))]
+                for i, group in enumerate(groups)]
 
     @staticmethod
     def last_tokens(dispatched: list):
@@ -271,8 +277,7 @@ class ModelRunner(StepCompilation):
         drafts, (per round: tokens each row emitted (None: a prefill), the last drafts, per round: drafts each row
         verified) (else None)."""
         rows, chunk = self._shape(group)
-        if self.lora is not None and self.lora.assign(self.model, [c.seq for c in group]):
-            self.params = flat_params(self.model)[0]  # the slots' new factors
+        self._assign_adapters(group)
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
@@ -280,8 +285,7 @@ class ModelRunner(StepCompilation):
                                                                              inputs, targets)
             on_queued()
             return [out], None, scored, (None, drafts[0], None) if drafts else None
-        full = self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in group)
-        program = self._steps[rows, chunk, full]
+        program = self._steps[rows, chunk, self._full(group)]
         if chunk > 1:
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
@@ -290,6 +294,16 @@ class ModelRunner(StepCompilation):
             outs, carry = self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued)
             return [o[0] for o in outs], None, None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
         return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
+
+    def _assign_adapters(self, chunks: list[Chunk]) -> None:
+        """Puts the chunks' LoRA adapters in device slots and gives their sequences the slots (`AdapterSlots.assign`);
+        `params` then holds the slots' new factors."""
+        if self.lora is not None and self.lora.assign(self.model, [c.seq for c in chunks]):
+            self.params = flat_params(self.model)[0]
+
+    def _full(self, chunks: list[Chunk]) -> bool:
+        """Whether a step of these chunks samples with the full sampler (`sampler.sample`)."""
+        return self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in chunks)
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None):

@@ -11,8 +11,10 @@ each row's parameters and (seed, output index), so the tokens equal those of one
 discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
 reads its condition on the host at every iteration and copies loop-carried buffers: idle device time per token
 (see docs/performance.md).
+`mixed`: a decode step of some rows and a prefill chunk of others in one program, which reads the weights once
+(`InklingModel.extend_sets`; `serve.runner.mixed_steps` says when the runner takes it).
 
-Both gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
+All gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it
 back; cache and penalty state are donated. `constrain` pins the returned cache to its sharding (a mesh); `whole`
 puts the `full` sampler's logits whole on every device (a mesh), one gather of [R, V] rather than the collective
 per pass of the cutoff searches that XLA would otherwise give the vocabulary-split filters (`sampler.top_k_top_p`).
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from inkling_jax.nn.token_sets import ChunkSet
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Chunk
 from serve.lora.view import route
@@ -133,14 +136,10 @@ class StepPrograms:
         inp = unpack(packed, self.pages_per_row)
         route(model, inp.adapters)
         sub = self._rows_in(cache, inp, gather)
-        embeds = None
-        if inp.media is not None:
-            tokens = model.embed_tokens(inp.ids)
-            embeds = jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
         last = jnp.maximum(inp.n_new - 1, 0)
-        hidden, sub, experts = model.extend_routed(inp.ids, sub, inp.n_new, embeds=embeds)
+        hidden, sub, experts = model.extend_routed(inp.ids, sub, inp.n_new, embeds=_embeds(model, inp))
         logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
-        out, counts = self._sample(model, logits, penalties, inp, inp.params, inp.steps > 0, full)
+        out, counts = self._sample(model, logits, penalties, inp.rows, inp.params, inp.steps > 0, full)
         sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
         outputs = cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None]
@@ -168,9 +167,36 @@ class StepPrograms:
         inp = inp.replace(n_new=active.astype(jnp.int32))
         hidden, sub, experts = model.extend_routed(ids, sub, inp.n_new)
         params = inp.params.replace(index=inp.params.index + step)
-        out, counts = self._sample(model, model.logits(hidden[:, 0]), penalties, inp, params, active, full)
+        out, counts = self._sample(model, model.logits(hidden[:, 0]), penalties, inp.rows, params, active, full)
         cache = self._rows_out(cache, inp, sub, gather)
         return cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None], out.tokens
+
+    def mixed(self, param_leaves, cache, penalties: PenaltyState, decode: PackedInputs, prefill: PackedInputs, *,
+              gather: bool, full: bool):
+        """The decode rows' step (`decode`'s first: one token each) and the prefill rows' chunk (as `prefill`) in one
+        program, every position-wise module over both sets' tokens at once (`InklingModel.extend_sets`), so that
+        the step reads each weight once; the sets sample together. `gather`: whether the decode rows are gathered
+        (the prefill rows always are); `full` as in `decode`. Returns (cache, penalties, the decode rows' samples
+        [1, R, ...], the prefill rows' [1, R', ...]), each as its own program gives them."""
+        model = self.merge(param_leaves)
+        dec, pre = unpack(decode, self.pages_per_row), unpack(prefill, self.pages_per_row)
+        dec = dec.replace(n_new=(dec.steps > 0).astype(jnp.int32))  # as a decode run's first step
+        route(model, jnp.concatenate([dec.adapters, jnp.repeat(pre.adapters, pre.ids.shape[1])]))  # per token
+        # Decode rows first: a whole-cache decode set returns every row, and the prefill rows go over it.
+        (hidden_d, hidden_p), (sub_d, sub_p), (experts_d, experts_p) = model.extend_sets([
+            ChunkSet(dec.ids[:, :1], self._rows_in(cache, dec, gather), dec.n_new),
+            ChunkSet(pre.ids, self._rows_in(cache, pre, True), pre.n_new, _embeds(model, pre))])
+        last = hidden_p[jnp.arange(hidden_p.shape[0]), jnp.maximum(pre.n_new - 1, 0)]
+        logits = model.logits(jnp.concatenate([hidden_d[:, 0], last]))
+        both = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
+        out, counts = self._sample(model, logits, penalties, both(dec.rows, pre.rows),
+                                   jax.tree.map(both, dec.params, pre.params),
+                                   both(dec.n_new > 0, pre.steps > 0), full)
+        split = dec.rows.shape[0]
+        out_d, out_p = jax.tree.map(lambda x: x[:split], out), jax.tree.map(lambda x: x[split:], out)
+        cache = self._rows_out(self._rows_out(cache, dec, sub_d, gather), pre, sub_p, True)
+        return (cache, penalties.replace(counts=counts), self._packed(out_d, experts_d, dec)[None],
+                self._packed(out_p, experts_p, pre)[None])
 
     def _packed(self, out, experts, inp: StepInputs):
         """The samples packed (`sampler.pack_samples`), followed where the programs record routing by each
@@ -181,19 +207,19 @@ class StepPrograms:
         slots = pool_slots(inp.page_rows, inp.lengths, inp.n_new, self.routing_page_size, experts.shape[1])
         return jnp.concatenate([packed, routing_columns(experts, slots)], axis=1)
 
-    def _sample(self, model, logits, penalties: PenaltyState, inp: StepInputs, p: SamplingBatch, active, full):
-        """One token per row. Returns the samples and the output-token counts, with the active penalised rows'
-        new tokens added (`full` only: penalised rows always run the full sampler). A batch-invariant model's
-        rows are sampled in fixed-order sums (`sampler.sample`'s `invariant`). The full sampler applies
-        penalties to every row (neutral values change nothing): a branch on whether any row uses them would
-        cost a host round-trip (see `sampler.sample`)."""
+    def _sample(self, model, logits, penalties: PenaltyState, rows, p: SamplingBatch, active, full):
+        """One token per row of logits [R, V], whose cache rows are `rows` [R]. Returns the samples and the
+        output-token counts, with the active penalised rows' new tokens added (`full` only: penalised rows always
+        run the full sampler). A batch-invariant model's rows are sampled in fixed-order sums (`sampler.sample`'s
+        `invariant`). The full sampler applies penalties to every row (neutral values change nothing): a branch on
+        whether any row uses them would cost a host round-trip (see `sampler.sample`)."""
         if not full:
             return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
-        rows = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        out = sample(self.whole(logits), p, rows(penalties.counts), rows(penalties.prompt_mask), self.num_top,
+        take = lambda x: x.at[rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
+        out = sample(self.whole(logits), p, take(penalties.counts), take(penalties.prompt_mask), self.num_top,
                      invariant=model.backend.batch_invariant)
-        counts = penalties.counts.at[inp.rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
-                                                               mode="drop")
+        counts = penalties.counts.at[rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
+                                                          mode="drop")
         return out, counts
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
@@ -203,6 +229,15 @@ class StepPrograms:
 
     def _rows_out(self, cache, inp: StepInputs, sub, gather: bool):
         return self.constrain(cache_rows.put_rows(cache, inp.rows, sub) if gather else sub)
+
+
+def _embeds(model, inp: StepInputs):
+    """A multimodal prefill's input embeddings: its tokens' with the media features at their positions; None
+    without media."""
+    if inp.media is None:
+        return None
+    tokens = model.embed_tokens(inp.ids)
+    return jnp.where(inp.is_media[..., None], inp.media.astype(tokens.dtype), tokens)
 
 
 def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: int, chunk: int,

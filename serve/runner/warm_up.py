@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import math
 import os
 import time
 
@@ -27,23 +28,25 @@ class StepCompilation:
         program's buffers that the KV pool leaves (`memory_plan.pages_that_fit`)."""
         start = time.perf_counter()
         jit = self.placement.jit
-        step_out = {"decode": None, "prefill": None, "scoring": None}
+        step_out = {"decode": None, "prefill": None, "scoring": None, "mixed": None}
         if self.cache_shardings is not None:
             replicated = self.placement.replicated()
             drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
             step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
                         "prefill": (self.cache_shardings, replicated, replicated) + drafts,
-                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts}
+                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts,
+                        "mixed": (self.cache_shardings, replicated, replicated, replicated)}
         # With speculative decoding a decode step is a round, `K + 1` tokens per row.
         decode = jit(self.programs.round if self.speculative else self.programs.decode,
                      out_shardings=step_out["decode"], static_argnames=("gather", "full"), donate_argnums=(1, 2))
         prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
                       donate_argnums=(1, 2))
         lowered = {}
+        fulls = (True,) if self.config.full_sampler_only else (False, True)  # per kind of `sampler.sample`
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
-            for full in (True,) if self.config.full_sampler_only else (False, True):  # per kind of `sampler.sample`
+            for full in fulls:
                 if chunk > 1:
                     lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
                                                                gather=gather, full=full)
@@ -51,6 +54,14 @@ class StepCompilation:
                     lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
                                                               self._step_index[0], self._no_tokens[rows],
                                                               gather=gather, full=full)
+        if self.config.mixed_buckets:
+            mixed = jit(self.programs.mixed, out_shardings=step_out["mixed"], static_argnames=("gather", "full"),
+                        donate_argnums=(1, 2))
+            for rows, inputs in self._mixed_inputs():
+                for full in fulls:
+                    lowered["mixed", rows, math.prod(self.config.mixed_prefill), full] = mixed.lower(
+                        self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
+                        full=full)
         if self.config.score_prompts:
             rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
             scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"],
@@ -85,11 +96,14 @@ class StepCompilation:
         self._init_penalties = compiled.pop("init_penalties")
         self._scoring = compiled.pop("prompt_logprobs", None)
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
+        self._mixed = {(key[1], key[3]): compiled.pop(key) for key in list(compiled) if key[0] == "mixed"}
         self._steps = compiled
         self._run_once()
         seconds = time.perf_counter() - start
-        log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) in %.1fs",
-                 len(self._steps), self.config.buckets, self.config.decode_steps, seconds)
+        log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) and %d mixed ones "
+                 "(decode rows %s with a chunk of rows x tokens %s) in %.1fs", len(self._steps), self.config.buckets,
+                 self.config.decode_steps, len(self._mixed), self.config.mixed_buckets,
+                 self.config.mixed_prefill, seconds)
         return seconds
 
     def page_bytes_per_device(self) -> int:
@@ -105,6 +119,12 @@ class StepCompilation:
         self.penalties = None  # freed, with the cache, before the smaller pool is made
         self.reset()
 
+    def _mixed_inputs(self) -> list[tuple[int, tuple]]:
+        """(decode rows, device inputs of a mixed step of those rows that holds nothing) per mixed bucket."""
+        chunk = self.placement.put(pack(self._inputs([], *self.config.mixed_prefill)))
+        return [(rows, (self.placement.put(pack(self._inputs([], rows, 1))), chunk))
+                for rows in self.config.mixed_buckets]
+
     def _run_once(self) -> None:
         """Runs every step program once on rows that hold nothing (they change no state), so that the first run
         of a program on a GPU (loading its kernels) does not land in a request's time to first token."""
@@ -114,6 +134,9 @@ class StepCompilation:
                 self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
+        mixed_inputs = dict(self._mixed_inputs()) if self._mixed else {}
+        for (rows, _), program in self._mixed.items():
+            self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, *mixed_inputs[rows])
         if self._scoring is not None:
             rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
             self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties,

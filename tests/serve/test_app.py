@@ -19,6 +19,7 @@ from tests.serve.engine.sequences import seq_of
 def test_command_line_defaults_suit_the_backend():
     config = engine_config(parse_args(["--max-num-seqs", "4", "--no-prefix-caching"]))
     assert config.buckets == [(5, 1), (5, 16)] and not config.prefix_caching  # CPU: two compilations
+    assert not config.mixed_buckets  # its one row bucket is every row: no mixed steps
     assert engine_config(parse_args([])).buckets == [(9, 1), (9, 16)]
     with pytest.raises(ValueError):
         engine_config(parse_args(["--chunk-buckets", "16,64"]))  # decode needs the 1-token bucket
@@ -37,6 +38,9 @@ def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(mon
     assert {r for r, t in config.buckets if t == 1} == set(config.rows)
     assert max(r for r, t in config.buckets if t == 256) == 8 and (129, 16) in config.buckets
     assert config.fits(8, 256) and not config.fits(9, 256)
+    # a step of decodes and one prompt chunk (one row of 256 tokens) runs as one program, for every decode bucket
+    assert config.mixed_buckets == config.rows and config.mixed_prefill == (1, 256)
+    assert not engine_config(parse_args(["--no-mixed-steps"])).mixed_buckets
     scheduler = Scheduler(config, BlockManager(20_000, config.page_size, config.snapshots))
     for _ in range(128):  # a burst of long prompts
         scheduler.add(seq_of(1000))

@@ -14,8 +14,9 @@ def test_only_wide_prefill_programs_compile_untuned_on_gpu(monkeypatch):
     monkeypatch.setattr(compilation.jax, "default_backend", lambda: "gpu")
     assert compile_options((WIDE_TOKENS // 128, 128, False)) == compile_options((32, 128, True)) == \
         WIDE_GPU_COMPILE_OPTIONS
-    for narrow in ((1, 128, False), (WIDE_TOKENS, 1, False), "init_penalties"):  # a short prefill, a decode, a helper
-        assert compile_options(narrow) is None
+    assert compile_options(("mixed", 8, WIDE_TOKENS - 8, False)) == WIDE_GPU_COMPILE_OPTIONS  # decodes + a chunk
+    for narrow in ((1, 128, False), (WIDE_TOKENS, 1, False), "init_penalties", ("mixed", 8, 128, True)):
+        assert compile_options(narrow) is None  # a short prefill, a decode, a helper, a short mixed step
 
 
 def test_compilations_are_counted_on_the_thread_that_builds_them():

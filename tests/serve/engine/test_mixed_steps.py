@@ -1,0 +1,57 @@
+"""Mixed steps (`EngineConfig.mixed_steps`): a step of decodes and one prompt chunk runs as one program, and the
+engine's outputs (greedy tokens, logprobs, the routing record) equal those of the engine that runs such steps as a
+decode program and a prefill program."""
+
+import numpy as np
+import pytest
+
+from inkling_jax import preset
+from serve.engine.config import EngineConfig
+from serve.engine.engine import Engine
+from serve.engine.sampling_params import SamplingParams
+from serve.offline import generate
+from serve.random_weights import random_model
+from tests.backends import REFERENCE
+
+CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))  # sliding + dense, full + MoE
+RNG = np.random.default_rng(5)
+# Three slots for four prompts: the last is prefilled, chunk by chunk, while the others decode.
+PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 9, 40, 23)]
+
+
+def sharp_model():
+    """Random weights with the head 100 times larger: a random model's logits are nearly flat, which hides
+    differences in the hidden states from the logprobs (a lost ShortConv state moved them by 5e-6)."""
+    model = random_model(CONFIG, seed=3, backend=REFERENCE)
+    model.unembed.set_value(model.unembed.get_value() * 100)
+    return model
+
+
+def run(mixed_steps: bool):
+    engine = Engine(sharp_model(), EngineConfig(
+        max_num_seqs=3, max_model_len=64, max_num_batched_tokens=32, page_size=8, chunk_buckets=(1, 16),
+        row_buckets=(1, 4), num_pages=24, decode_steps=2, prefix_caching=False, full_sampler_only=True,
+        score_prompts=False, record_experts=True, mixed_steps=mixed_steps), eos_token_id=CONFIG.eos_token_id)
+    engine.start()
+    try:
+        outputs = generate(engine, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True))
+        metric = engine.metrics.registry.get_sample_value("inkling_mixed_steps_total")
+        return outputs, engine.runner.mixed_runs, metric
+    finally:
+        engine.shutdown(drain_seconds=0)
+
+
+@pytest.fixture(scope="module")
+def two_programs():
+    return run(mixed_steps=False)
+
+
+def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
+    outputs, mixed_runs, metric = run(mixed_steps=True)
+    assert mixed_runs >= 2 and metric == mixed_runs  # a chunk of the long prompts rode along with decodes
+    expected, none, _ = two_programs
+    assert none == 0
+    for got, want in zip(outputs, expected):
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 8
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
