@@ -111,21 +111,26 @@ def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 12
     return rows, runner.placement.put(pack(inputs))
 
 
-def decode_program_seconds(engine: Engine, num_rows: int, cached: int = 128, steps: int | None = None) -> float:
-    """Seconds per call of the compiled decode program alone (no host work between calls): `num_rows` rows at
-    `cached` tokens, `steps` steps per call (default the engine's `decode_steps`; a step samples one token, or is
-    a speculative round), in the smallest decode bucket that holds them. Run after the engine thread has
-    stopped: it uses the engine's cache."""
+def decode_program_call(engine: Engine, num_rows: int, cached: int = 128, steps: int | None = None):
+    """One call of the compiled decode program alone, as the engine dispatches it: `num_rows` rows at `cached`
+    tokens, `steps` steps per call (default the engine's `decode_steps`; a step samples one token, or is a
+    speculative round), in the smallest decode bucket that holds them. Use it after the engine thread has
+    stopped: it runs on the engine's cache."""
     runner = engine.runner
     steps = steps or runner.config.decode_steps
     rows, inputs = _program_inputs(engine, num_rows, 1, cached, steps)
     program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
 
-    def call():  # one device call, as the engine dispatches it
+    def call():
         _, last_tokens = runner.run_decode(program, rows, inputs, steps)
         return last_tokens
 
-    return median_seconds(call, trials=5)
+    return call
+
+
+def decode_program_seconds(engine: Engine, num_rows: int, cached: int = 128, steps: int | None = None) -> float:
+    """Seconds per call of `decode_program_call` (no host work between calls)."""
+    return median_seconds(decode_program_call(engine, num_rows, cached, steps), trials=5)
 
 
 def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float:

@@ -7,10 +7,12 @@ import math
 import runpy
 import sys
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from benchmarks import moe_tiles, rl, timing
+from benchmarks.profile import device_op_times, op_table
 from benchmarks.speculative import plant_successor
 from inkling_jax import preset
 from serve.random_weights import random_model
@@ -126,3 +128,11 @@ def test_the_speculative_benchmarks_model_continues_each_token_with_the_next(dty
     vocab = config.text.unpadded_vocab_size
     prompt = [5, vocab - 3, 77, vocab - 2]  # the rule wraps around the unpadded vocabulary
     assert greedy_tokens(model, prompt, 6) == [(vocab - 2 + i) % vocab for i in range(1, 7)]
+
+
+def test_device_op_times_sum_a_traced_programs_operations():
+    product = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+    x = jnp.ones((128, 128))
+    times = device_op_times(lambda: product(x), calls=2)
+    assert times and max(sum(ops.values()) for ops in times.values()) > 0
+    assert "us per call" in op_table(times, top=3)
