@@ -78,7 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="directory for multi_lora.json")
     # what `build_engine` reads beyond these: bf16 weights (expert adapters need bf16 routed experts), fused
     # projections (the adapters of fused projections stay fused)
-    p.set_defaults(expert_precision="bf16", dense_precision="bf16", fp8_twins=False, no_fuse_projections=False)
+    p.set_defaults(expert_precision="bf16", dense_precision="bf16", fp8_twins=False, no_fuse_projections=False,
+                   no_mixed_steps=False)
     args = p.parse_args(argv)
     counts = sorted({0, *(int(n) for n in args.adapters.split(","))})
     if args.passes < 1 or args.concurrency < 1:

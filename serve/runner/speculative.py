@@ -114,19 +114,25 @@ class SpeculativePrograms(StepPrograms):
     def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
               gather: bool, full: bool):
         """Round `step` (int32 scalar) of a run of rounds over the same inputs (module docstring), ids [R, K + 1]
-        and an oracle's plan after them (`drafters.plan_columns`: its drafts replace the drafter's). Round 0
-        verifies the host's ids and n_new; a later one each row's last token and drafts from `previous`, the run's
-        carry (last token [R], drafts [R, K], tokens emitted in the run so far [R]; zeros at round 0).
+        and an oracle's plan after them (`drafters.plan_columns`: the later rounds verify its drafts, not the
+        drafter's, which still come back as the run's last drafts). Round 0 verifies the host's ids and n_new; a
+        later one each row's last token and drafts from `previous`, the run's carry (last token [R], drafts
+        [R, K], tokens emitted in the run so far [R]; zeros at round 0).
         Row r emits at most `steps[r]` tokens in the run. Returns (cache, penalties, (samples [K + 1, R, 2 + 2N]
         (`sampler.pack_samples` per position), tokens each row emitted [R], drafts it verified [R]), carry)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         plan = inp.ids[:, self.num_drafts + 1:]  # an oracle's plan (`drafters.plan_columns`; else no columns)
         last, drafted, emitted = previous
+        verified = drafted
+        if plan.shape[1]:  # the oracle's drafts: its plan after the tokens the run has emitted
+            at = emitted[:, None] + jnp.arange(self.num_drafts)[None, :]
+            verified = jnp.where(at < plan.shape[1], jnp.take_along_axis(plan, jnp.minimum(at, plan.shape[1] - 1),
+                                                                          axis=1), 0)
         left = inp.steps - emitted
         later = jnp.where(left > 0, 1 + jnp.clip(left - 1, 0, self.num_drafts), 0)
         inp = inp.replace(ids=jnp.where(step == 0, inp.ids[:, :self.num_drafts + 1],
-                                        jnp.concatenate([last[:, None], drafted], axis=1)),
+                                        jnp.concatenate([last[:, None], verified], axis=1)),
                           n_new=jnp.where(step == 0, inp.n_new, later), lengths=inp.lengths + emitted,
                           params=inp.params.replace(index=inp.params.index + emitted))
         sub = self._rows_in(cache, inp, gather)
@@ -155,10 +161,6 @@ class SpeculativePrograms(StepPrograms):
         elif self.method == "draft":
             drafter, drafts = self._model_drafts(self.merge_draft(param_leaves), drafter.replace(lengths=inp.lengths),
                                                  inp.ids, kept, after, active)
-        if plan.shape[1]:  # the oracle's next drafts: its plan after the tokens the run has emitted
-            at = (emitted + kept)[:, None] + jnp.arange(self.num_drafts)[None, :]
-            drafts = jnp.where(at < plan.shape[1], jnp.take_along_axis(plan, jnp.minimum(at, plan.shape[1] - 1),
-                                                                        axis=1), 0)
         cache = self._rows_out(cache, inp, self._join(trunk, drafter), gather)
         samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
                                .reshape(rows, width, -1), 1, 0)
