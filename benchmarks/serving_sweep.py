@@ -12,8 +12,9 @@ programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
    /metrics counts of compilations after warm-up and preemptions.
 3. With the server stopped, this process builds the same engine (serve.app's own `build_service`, so the same
    flags, shapes and KV pool; its programs come from the compilation cache the server filled) and times its
-   programs alone: the decode program at each level's rows (at the load's mean context), and the prefill of one
-   prompt of --input-len tokens (its chunks of the largest size, one after the other).
+   programs alone: the decode program at each level's rows (at the load's mean context), the prefill of one
+   prompt of --input-len tokens (its chunks of the largest size, one after the other), and the mixed program
+   (each level's decode rows with one chunk of the largest size) beside a decode step plus that chunk apart.
 4. A table: served output tok/s against the decode program's tok/s at the same rows, TTFT p50 against one
    prompt's prefill, TPOT p50 against the decode program's time per token; DIR/sweep.json holds everything.
 """
@@ -151,7 +152,7 @@ def measure_programs(args, results: dict) -> None:
     """The server's engine rebuilt here (the GPU is free again), its programs timed alone."""
     import jax
 
-    from benchmarks.serving import decode_program_seconds, prefill_program_seconds
+    from benchmarks.serving import decode_program_seconds, mixed_program_seconds, prefill_program_seconds
     from benchmarks.timing import attempt, stamp
     from serve.app import build_service, parse_args as server_args
 
@@ -183,6 +184,15 @@ def measure_programs(args, results: dict) -> None:
         results["prefill_ms"] = 1e3 * seconds * chunks
         log(f"one {args.input_len}-token prompt's prefill: {chunks} x {config.max_chunk}-token chunk "
             f"{1e3 * seconds:.2f} ms = {results['prefill_ms']:.1f} ms")
+    mixed = results.setdefault("mixed_ms", {})
+    for rows in args.level_list if config.mixed_buckets else ():
+        seconds = attempt(f"mixed program, {rows} rows", lambda: mixed_program_seconds(engine, rows, context))
+        if seconds is not None:
+            mixed[rows] = 1e3 * seconds
+            apart = decode.get(rows, math.nan) + results.get("prefill_ms", math.nan) / chunks
+            log(f"mixed program alone, {rows} decode rows + one {config.max_chunk}-token chunk: {mixed[rows]:.2f} ms "
+                f"(a decode step and the chunk's prefill apart: {apart:.2f} ms)")
+        save(args, results)
 
 
 def table(results: dict) -> str:
