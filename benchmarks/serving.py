@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.model import decode_step_bytes
-from benchmarks.timing import (copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, save_json,
+from benchmarks.programs import decode_program_seconds, prefill_program_seconds
+from benchmarks.timing import (copy_bandwidth, matmul_flops, read_bandwidth, save_json,
                                show_progress_logs, stamp, stamp_line)
 from inkling_jax import preset
 from inkling_jax.backend import add_backend_flag
@@ -50,7 +51,6 @@ from serve.engine.sampling_params import SamplingParams
 from serve.http.text_stream import Delta
 from serve.random_weights import random_weights
 from serve.runner.placement import Placement
-from serve.runner.steps import pack
 
 PEER = r"""
 import json, sys, time, torch
@@ -88,81 +88,6 @@ class Timestamps:
 
     def finish(self):
         return []
-
-
-def _program_inputs(engine: Engine, num_rows: int, tokens: int, cached: int = 128, steps: int | None = None,
-                    first_row: int = 0):
-    """Device inputs of a step of `num_rows` rows (cache rows from `first_row` on) in the smallest row bucket that
-    holds them: `tokens` new tokens per row (1: decode after `cached` ones, `steps` device steps per call, default
-    the engine's `decode_steps`; a speculative engine's decode step is a round over its K + 1 tokens per row;
-    more: a prefill chunk from position 0)."""
-    runner = engine.runner
-    cfg = runner.config
-    rows = cfg.row_bucket(num_rows)
-    inputs = runner._inputs([], rows, cfg.chunk_bucket(tokens))
-    if rows != cfg.num_rows:
-        inputs.rows[:num_rows] = first_row + np.arange(num_rows)
-    per_decode_step = 1 if cfg.speculative is None else cfg.speculative.num_draft_tokens + 1
-    inputs.lengths[:num_rows] = cached if tokens == 1 else 0
-    inputs.n_new[:num_rows] = per_decode_step if tokens == 1 else tokens
-    inputs.steps[:num_rows] = (steps or cfg.decode_steps) if tokens == 1 else 1
-    pages = (first_row + np.arange(num_rows))[:, None] * cfg.pages_per_row + np.arange(cfg.pages_per_row)
-    inputs.page_rows[:num_rows] = pages % runner.num_pages
-    # Distinct random tokens per row: identical rows would route to the same few experts, and the step would read
-    # fewer expert weights than the engine's requests make it read.
-    inputs.ids[:num_rows] = np.random.default_rng(num_rows).integers(0, runner.vocab, inputs.ids[:num_rows].shape)
-    return rows, runner.placement.put(pack(inputs))
-
-
-def decode_program_call(engine: Engine, num_rows: int, cached: int = 128, steps: int | None = None):
-    """One call of the compiled decode program alone, as the engine dispatches it: `num_rows` rows at `cached`
-    tokens, `steps` steps per call (default the engine's `decode_steps`; a step samples one token, or is a
-    speculative round), in the smallest decode bucket that holds them. Use it after the engine thread has
-    stopped: it runs on the engine's cache."""
-    runner = engine.runner
-    steps = steps or runner.config.decode_steps
-    rows, inputs = _program_inputs(engine, num_rows, 1, cached, steps)
-    program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
-
-    def call():
-        _, last_tokens = runner.run_decode(program, rows, inputs, steps)
-        return last_tokens
-
-    return call
-
-
-def decode_program_seconds(engine: Engine, num_rows: int, cached: int = 128, steps: int | None = None) -> float:
-    """Seconds per call of `decode_program_call` (no host work between calls)."""
-    return median_seconds(decode_program_call(engine, num_rows, cached, steps), trials=5)
-
-
-def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float:
-    """Seconds per call of the compiled prefill program alone: `num_rows` prompts of `tokens` tokens."""
-    runner = engine.runner
-    rows, inputs = _program_inputs(engine, num_rows, tokens)
-    program = runner._steps[rows, runner.config.chunk_bucket(tokens), False]  # greedy rows, as the load's
-
-    def call():
-        runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)
-        return out
-
-    return median_seconds(call, trials=5)
-
-
-def mixed_program_seconds(engine: Engine, num_rows: int, cached: int) -> float:
-    """Seconds per call of the compiled mixed program alone (`StepPrograms.mixed`): `num_rows` decode rows at
-    `cached` tokens and one prompt chunk of the largest size, from position 0, in a row past them."""
-    runner = engine.runner
-    rows, decode = _program_inputs(engine, num_rows, 1, cached, steps=1)
-    _, prefill = _program_inputs(engine, 1, runner.config.max_chunk, first_row=num_rows)
-    program = runner._mixed[rows, False]  # greedy rows: the sampler without filters
-
-    def call():
-        runner.cache, runner.penalties, *out = program(runner.params, runner.cache, runner.penalties, decode,
-                                                       prefill)
-        return out
-
-    return median_seconds(call, trials=5)
 
 
 def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:

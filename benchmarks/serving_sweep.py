@@ -152,7 +152,7 @@ def measure_programs(args, results: dict) -> None:
     """The server's engine rebuilt here (the GPU is free again), its programs timed alone."""
     import jax
 
-    from benchmarks.serving import decode_program_seconds, mixed_program_seconds, prefill_program_seconds
+    from benchmarks.programs import decode_program_seconds, mixed_program_seconds, prefill_program_seconds
     from benchmarks.timing import attempt, stamp
     from serve.app import build_service, parse_args as server_args
 

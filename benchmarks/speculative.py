@@ -42,7 +42,7 @@ import numpy as np
 
 from benchmarks.model import decode_step_bytes
 from benchmarks.profile import device_op_times, op_table
-from benchmarks.serving import decode_program_call, decode_program_seconds
+from benchmarks.programs import decode_program_call, decode_program_seconds
 from benchmarks.timing import save_json, show_progress_logs, stamp, stamp_line
 from inkling_jax import InklingModel, load_pretrained, preset
 from inkling_jax.assets import default_model_dir
