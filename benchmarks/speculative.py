@@ -21,10 +21,9 @@ own experts.
   head (acceptance ~0: the round's cost without its gain), each up to `--decode-steps` rounds per call. The
   oracle's plan is the plain run's output; should a near tie still part them, the oracle runs again with its last
   output as its plan until the output equals the plan (`passes`), and the last pass is timed. Then the same
-  oracle, wrong at a seeded
-  `--wrong-fraction` of the output positions, runs once more: the acceptance of a real drafter (the default
-  0.24 gives the mean acceptance length the shipped default's MTP head reaches on held-out text at K = 3, 2.79;
-  docs/speculative-decoding.md).
+  oracle, wrong at a seeded `--wrong-fraction` of the output positions, runs once more: the acceptance of a real
+  drafter (the default 0.24 gives the mean acceptance length the shipped default's MTP head reaches on held-out
+  text at K = 3, 2.79; docs/speculative-decoding.md).
 `--acceptance`: the shipped default (float32) continues prompts cut from the held-out chapters
 (`tests/train/data/inkling_tiny_heldout.txt`), greedily or sampled (`--temperature`, `--top-p`), for each K;
 it reports the mean acceptance length (tokens per round) and each draft position's acceptance rate.
@@ -47,6 +46,7 @@ from benchmarks.timing import save_json, show_progress_logs, stamp, stamp_line
 from inkling_jax import InklingModel, load_pretrained, preset
 from inkling_jax.assets import default_model_dir
 from inkling_jax.config import MTPConfig
+from inkling_jax.nn.moe import MoE
 from serve.engine.acceptance import summarize
 from serve.engine.config import EngineConfig, SpeculativeConfig
 from serve.engine.engine import Engine
@@ -119,8 +119,9 @@ def plant_successor(model: InklingModel, damping: float = 1 / 256) -> InklingMod
     embed = model.embed.get_value()
     model.unembed.set_value(jnp.zeros_like(embed).at[:vocab].set(jnp.roll(embed[:vocab], 1, axis=0)))
     for layer in model.layers:
-        outputs = [layer.attn.wo.kernel, layer.mlp.w_down] + ([layer.mlp.shared_down] if hasattr(
-            layer.mlp, "shared_down") else [])
+        outputs = [layer.attn.wo.kernel, layer.mlp.w_down]
+        if isinstance(layer.mlp, MoE):
+            outputs.append(layer.mlp.shared_down)
         for param in outputs:
             param.set_value(param.get_value() * jnp.asarray(damping, param.get_value().dtype))
     return model

@@ -10,6 +10,7 @@ while serving.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from serve.lora.config import LoRAConfig
 
@@ -174,7 +175,7 @@ class EngineConfig:
     def max_step_tokens(self) -> int:
         """The most tokens (padding included) that one compiled step program runs: a bucket's rows x tokens, or a
         mixed program's decode rows plus its chunk."""
-        mixed = [rows + self.rows[0] * self.max_chunk for rows in self.mixed_buckets]
+        mixed = [rows + math.prod(self.mixed_prefill) for rows in self.mixed_buckets]
         return max([r * t for r, t in self.buckets] + mixed)
 
     def fits(self, rows: int, tokens: int) -> bool:
