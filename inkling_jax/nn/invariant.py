@@ -11,6 +11,8 @@ dozen rows, and a row of `X[:M] @ W` with M (on the H200 too: docs/rl.md). Here
   block shared by several experts adds exact zeros for the rows of the others.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -67,14 +69,22 @@ def matmul(x, w, *, interpret: bool):
     pad_k, pad_n = -k % WIDTH_MULTIPLE, -n % WIDTH_MULTIPLE
     if pad_k or pad_n:
         rows, w = jnp.pad(rows, ((0, 0), (0, pad_k))), jnp.pad(w, ((0, pad_k), (0, pad_n)))
+    return _one_group(rows, w, interpret)[:, :n].reshape(*x.shape[:-1], n)
+
+
+# The kernels are called through jitted functions: a program that calls one at every projection of every layer
+# then traces and lowers it once per shape, not once per call (Mosaic GPU lowers each call of a kernel apart).
+@functools.partial(jax.jit, static_argnums=2)
+def _one_group(rows, w, interpret):
     sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-    out = ops.grouped_matmul(rows, w[None], sizes, interpret=interpret, configs=KernelConfigs())
-    return out[:, :n].reshape(*x.shape[:-1], n)
+    return ops.grouped_matmul(rows, w[None], sizes, interpret=interpret, configs=KernelConfigs())
 
 
+@functools.cache
 def expert_ffn(interpret: bool):
     """The routed experts on rows sorted by expert, as `moe_dispatch.grouped_ffn` returns them: the SwiGLU and
     down-projection kernels at the default tiles, whatever the number of rows."""
+    @jax.jit
     def ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
         w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
         return ops.moe_ffn_core(rows, w_gate, w_up, w_down, group_sizes, row_weights, interpret, KernelConfigs(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.lora.config import LoRAConfig
 
 # Where no token budget is given: a decode token for every slot, plus this many prompt chunks of the largest size,
@@ -76,6 +77,9 @@ class EngineConfig:
     # every step samples with the full sampler (filters, penalties, logprobs; `serve.runner.sampler`), and only its
     # programs compile, half of them: for engines whose requests all ask for logprobs (RL rollouts)
     full_sampler_only: bool = False
+    # the full sampler's top-k / top-p / min-p filters (16 passes over [rows, vocab] per step, most of the sampler's
+    # time); off, for engines whose requests never filter (RL rollouts), requests that do are refused
+    sampling_filters: bool = True
     # requests may ask for their prompts' logprobs (a prefill program that runs the head at every position, with
     # its [rows x chunk, vocab] logits); off for engines that never score prompts (RL rollouts): one program and
     # its buffers fewer
@@ -109,6 +113,16 @@ class EngineConfig:
             raise ValueError("LoRA adapters are not served with speculative decoding yet")
         if self.record_experts and self.speculative is not None:
             raise ValueError("record_experts (routing replay) does not work with speculative decoding yet")
+
+    def check_request(self, params: SamplingParams) -> None:
+        """Raises InvalidParams for what this engine does not compile: prompt scoring (`score_prompts`), the
+        sampling filters (`sampling_filters`)."""
+        if params.prompt_logprobs is not None and not self.score_prompts:
+            raise InvalidParams("prompt_logprobs: this engine does not score prompts", "prompt_logprobs")
+        if not self.sampling_filters:
+            used = {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0}
+            for name in (n for n, on in used.items() if on):
+                raise InvalidParams(f"{name}: this engine samples without filters", name)
 
     @property
     def num_rows(self) -> int:

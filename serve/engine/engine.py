@@ -31,7 +31,7 @@ from serve.engine.metrics import Metrics
 from serve.engine.outputs import Output, Sample
 from serve.engine.idle_mailbox import IdleMailbox
 from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
-from serve.engine.sampling_params import InvalidParams, SamplingParams
+from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
 from serve.engine.sequence import Sequence
 from serve.runner.compilation import compilation_count
@@ -98,9 +98,8 @@ class Engine:
                adapter: str | None = None) -> Request:
         """Queue n choices for each prompt; choice i * n + j is prompt i's j-th. `media`: a `serve.http.media.Media`
         of the (single) prompt's placeholders; `adapter`: the LoRA adapter they run with (None: the base). Raises
-        QueueFull, EngineStopped, `serve.lora.slots.UnknownAdapter` or InvalidParams (`EngineConfig.score_prompts`)."""
-        if params.prompt_logprobs is not None and not self.config.score_prompts:
-            raise InvalidParams("prompt_logprobs: this engine does not score prompts", "prompt_logprobs")
+        QueueFull, EngineStopped, `serve.lora.slots.UnknownAdapter` or InvalidParams (`EngineConfig.check_request`)."""
+        self.config.check_request(params)
         adapter = self.runner.lora_adapter(adapter)
         seed = random.getrandbits(32)
         extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}

@@ -87,7 +87,8 @@ class ModelRunner(StepCompilation, MixedSteps):
                              f"the {config.max_num_seqs} slots' own state, their snapshots and the step buffers leave "
                              "of the memory: lower --max-num-seqs, --num-snapshots or --max-model-len)")
         self.reset()
-        shared = (self._merge, self.text, config.max_logprobs, config.pages_per_row, self._constrain_cache, self._whole)
+        shared = (self._merge, self.text, config.max_logprobs, config.sampling_filters, config.pages_per_row,
+                  self._constrain_cache, self._whole)
         self.programs = StepPrograms(*shared, routing_page_size=config.page_size if config.record_experts else None) \
             if spec is None else SpeculativePrograms(*shared, config=model.config, speculative=spec,
                                                      drafter=self.drafter)

@@ -22,10 +22,11 @@ from serve.runner.sampler import (SamplingBatch, apply_penalties, gumbel_noise, 
 ACCEPT_SEED_MIX = 0x2545F491  # the acceptance uniforms' stream, apart from the draws' (same seed and index)
 
 
-def verify(logits, ids, n_new, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool):
+def verify(logits, ids, n_new, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool,
+           filters: bool = True):
     """logits [R, T, V] of a verify over ids [R, T] (each row's last token, then its drafts; n_new [R] = 1 + its
     drafts); params per row at the output index of position 0; counts and prompt_mask [R, V] the rows' penalty
-    state (read with `full` only, which also computes logprobs: `sampler.sample`).
+    state (read with `full` only, which also computes logprobs and, with `filters`, filters: `sampler.sample`).
 
     Returns (Sampled [R, T(, N)]: position j's token is d_{j+1} where accepted, else its draw, with the model's
     own logprobs (zeros without `full`); accepted [R], the number of leading drafts kept)."""
@@ -40,7 +41,7 @@ def verify(logits, ids, n_new, params: SamplingBatch, counts, prompt_mask, num_t
         before = jnp.concatenate([jnp.zeros((rows, 1, vocab), jnp.int32), drafted], axis=1)
         penalised = counts[:, None] + before * params.uses_penalties[:, None, None]
         x = apply_penalties(flat, penalised.reshape(rows * width, vocab), spread(prompt_mask), p)
-    x = target_logits(x, p, filtered=full)
+    x = target_logits(x, p, filtered=full and filters)
     proposed = jnp.concatenate([ids[:, 1:], jnp.zeros((rows, 1), ids.dtype)], axis=1).reshape(-1)
     has_draft = (jnp.arange(width)[None, :] < n_new[:, None] - 1).reshape(-1)
     chance = jnp.exp(jnp.take_along_axis(x, proposed[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1))

@@ -94,7 +94,7 @@ def read_samples(host: Sampled, row: int, count: int, num_top: int) -> list[Samp
 
 
 def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, full: bool = True,
-           invariant: bool = False) -> Sampled:
+           invariant: bool = False, filters: bool = True) -> Sampled:
     """logits [R, V]; counts [R, V] (output tokens so far) and prompt_mask [R, V] feed the penalties.
 
     Branch-free: a data-dependent `lax.cond` makes the GPU program wait for its predicate on the host, which
@@ -103,11 +103,14 @@ def sample(logits, params: SamplingBatch, counts, prompt_mask, num_top: int, ful
     `num_top` ones (~20 passes and a top-k over [R, V]); without it, a temperature draw that reads the logits
     once, so that XLA fuses the LM head's epilogue into it (its logprobs are zeros; counts and prompt_mask are
     not read): the common request's decode step skips the penalties' counts and the passes for logprobs and
-    min-p (see docs/performance.md). `invariant`: see the module doc."""
+    min-p (see docs/performance.md). `filters` (static) False: the full sampler without the top-k / top-p / min-p
+    passes, for engines that refuse requests using them (`EngineConfig.sampling_filters`). `invariant`: see the
+    module doc."""
     if not full:
         return without_logprobs(_draw(logits.astype(jnp.float32), params, filtered=False), num_top)
     logits = logits.astype(jnp.float32)
-    tokens = _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=True, invariant=invariant)
+    tokens = _draw(apply_penalties(logits, counts, prompt_mask, params), params, filtered=filters,
+                   invariant=invariant)
     return with_logprobs(logits, tokens, num_top, invariant)
 
 

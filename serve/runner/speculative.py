@@ -144,7 +144,8 @@ class SpeculativePrograms(StepPrograms):
         take = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         logits = model.logits(hidden)
         out, accepted = verify(self.whole(logits) if full else logits, inp.ids, inp.n_new, inp.params,
-                               take(penalties.counts), take(penalties.prompt_mask), self.num_top, full)
+                               take(penalties.counts), take(penalties.prompt_mask), self.num_top, full,
+                               self.filters)
         active = left > 0
         kept = jnp.where(active, accepted + 1, 0)
         trunk = keep_conv_prefix(trunk, kept, self.history)

@@ -113,15 +113,15 @@ def init_penalties(penalties: PenaltyState, row, tokens, num_prompt) -> PenaltyS
 
 
 class StepPrograms:
-    def __init__(self, merge: Callable, text_config, num_top: int, pages_per_row: int,
+    def __init__(self, merge: Callable, text_config, num_top: int, filters: bool, pages_per_row: int,
                  constrain: Callable = lambda cache: cache, whole: Callable = lambda logits: logits,
                  routing_page_size: int | None = None):
-        """routing_page_size: the page size, where the programs record routing (`serve.runner.routing_record`);
-        None: they record nothing."""
+        """filters: the full sampler's filters (`sampler.sample`); routing_page_size: the page size, where the
+        programs record routing (`serve.runner.routing_record`); None: they record nothing."""
         self.merge = merge  # parameter leaves -> model (see `flat_params`)
         self.pages_per_row = pages_per_row
         self.text = text_config
-        self.num_top = num_top
+        self.num_top, self.filters = num_top, filters
         self.constrain = constrain
         self.whole = whole
         self.routing_page_size = routing_page_size
@@ -217,7 +217,7 @@ class StepPrograms:
             return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
         take = lambda x: x.at[rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         out = sample(self.whole(logits), p, take(penalties.counts), take(penalties.prompt_mask), self.num_top,
-                     invariant=model.backend.batch_invariant)
+                     invariant=model.backend.batch_invariant, filters=self.filters)
         counts = penalties.counts.at[rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
                                                           mode="drop")
         return out, counts

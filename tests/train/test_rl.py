@@ -94,13 +94,16 @@ def test_reward_rises_and_rollouts_match_the_trainer(long_run):
 
 
 def test_the_rollout_engine_compiles_only_what_rollouts_run(long_run, engines):
-    """Rollouts ask for their tokens' logprobs, never for their prompts': each engine of the pool compiled the full
-    sampler's step programs alone and no prompt-scoring program, and it refuses prompt logprobs, saying why."""
+    """Rollouts ask for their tokens' logprobs, never for their prompts', and draw at a temperature only: each
+    engine of the pool compiled the full sampler's step programs alone, without filters, and no prompt-scoring
+    program, and it refuses prompt logprobs and filters, saying why."""
     for engine in engines:
         assert {full for _, _, full in engine.runner._steps} == {True} and engine.runner._scoring is None
-        with pytest.raises(InvalidParams, match="does not score prompts"):
-            engine.submit("scored", [[1, 2, 3]], SamplingParams(max_tokens=1, prompt_logprobs=1), 1,
-                          lambda: None, lambda output: None)
+        assert engine.runner.programs.filters is False
+        for params, why in ((SamplingParams(max_tokens=1, prompt_logprobs=1), "does not score prompts"),
+                            (SamplingParams(max_tokens=1, top_p=0.9), "without filters")):
+            with pytest.raises(InvalidParams, match=why):
+                engine.submit("refused", [[1, 2, 3]], params, 1, lambda: None, lambda output: None)
 
 
 def test_a_resumed_run_continues_with_the_same_metrics(prompts, engines, long_run, tmp_path):

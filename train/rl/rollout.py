@@ -96,7 +96,8 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_e
     (all rows: the sequences of a step start together), prefill chunks up to the longest prompt; `record_experts`:
     routing replay's record. A batch-invariant model's engine runs the trainer's own (unfused) projections. Its
     requests ask for the sampled tokens' logprobs alone: every step runs the sampler that computes them, with no
-    top tokens (no top-k over the vocabulary per step) and no prompt scoring."""
+    top tokens (no top-k over the vocabulary per step), no filters (rollouts draw at a temperature only) and no
+    prompt scoring."""
     seqs = min(sequences, MAX_CONCURRENCY)
     max_len = -(-(max_prompt + max_new_tokens + 1) // PAGE_SIZE) * PAGE_SIZE
     top = next((c for c in CHUNKS if c >= max_prompt), CHUNKS[-1])  # longer prompts prefill in several chunks
@@ -105,7 +106,7 @@ def engine_config(sequences: int, max_prompt: int, max_new_tokens: int, record_e
                         row_buckets=(seqs + 1,), max_num_batched_tokens=(seqs + 1) * chunks[-1],
                         num_pages=seqs * (max_len // PAGE_SIZE) + 1, max_queued=max(sequences, 256),
                         record_experts=record_experts, fuse_projections=not batch_invariant,
-                        full_sampler_only=True, score_prompts=False, max_logprobs=0)
+                        full_sampler_only=True, sampling_filters=False, score_prompts=False, max_logprobs=0)
 
 
 class Rollouts:

@@ -1,7 +1,9 @@
-"""Sampling parameters: a bad value names its field; what sends a request to the full sampler; per-choice seeds."""
+"""Sampling parameters: a bad value names its field; what sends a request to the full sampler; per-choice seeds;
+what an engine that compiles less refuses."""
 
 import pytest
 
+from serve.engine.config import EngineConfig
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 
 
@@ -24,3 +26,13 @@ def test_only_filters_penalties_and_logprobs_need_the_full_sampler():
 def test_each_choice_draws_from_its_own_seed():
     assert [SamplingParams(seed=2**32 - 1).for_choice(i, 5).seed for i in range(3)] == [2**32 - 1, 0, 1]
     assert [SamplingParams().for_choice(i, 5).seed for i in range(2)] == [5, 6]  # unseeded: the engine's draw
+
+
+def test_an_engine_without_filters_or_prompt_scoring_refuses_requests_that_need_them():
+    lean = EngineConfig(sampling_filters=False, score_prompts=False)
+    for field, value in (("top_k", 5), ("top_p", 0.9), ("min_p", 0.1), ("prompt_logprobs", 1)):
+        with pytest.raises(InvalidParams) as caught:
+            lean.check_request(SamplingParams(**{field: value}))
+        assert caught.value.param == field
+        EngineConfig().check_request(SamplingParams(**{field: value}))  # the default engine takes them
+    lean.check_request(SamplingParams(temperature=0.9, seed=1, logprobs=0, presence_penalty=0.2))

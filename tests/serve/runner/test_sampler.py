@@ -156,6 +156,20 @@ def test_the_plain_sampler_draws_what_the_full_one_draws_where_nothing_else_is_a
     assert not np.asarray(plain.logprobs).any() and plain.top_ids.shape == (96, 3)
 
 
+def test_the_full_sampler_without_filters_draws_and_scores_as_with_them_where_no_row_filters():
+    logits = jnp.asarray(RNG.normal(0, 2, (64, 300)), jnp.float32)
+    params = batch(64, temperature=jnp.tile(jnp.asarray([0.0, 0.7, 1.3, 1.0]), 16), seed=jnp.arange(64), index=2,
+                   presence_penalty=jnp.tile(jnp.asarray([0.0, 0.5]), 32))
+    counts = jnp.asarray(RNG.integers(0, 2, logits.shape), jnp.int32)
+    run = jax.jit(lambda x, filters: sample(x, params, counts, counts > 1, 3, filters=filters), static_argnums=1)
+    with_filters, without = run(logits, True), run(logits, False)
+    for got, want in zip(jax.tree.leaves(without), jax.tree.leaves(with_filters)):
+        np.testing.assert_array_equal(got, want)
+    filtered = jax.jit(lambda x: sample(x, params.replace(top_k=jnp.full((64,), 2, jnp.int32)), counts,
+                                        counts > 1, 3, filters=False))(logits)
+    np.testing.assert_array_equal(filtered.tokens, without.tokens)  # the static flag decides, not the rows
+
+
 def test_a_rows_samples_are_read_out_with_the_top_tokens_asked_for():
     logits = jnp.asarray(RNG.normal(0, 2, (4, 40)), jnp.float32)
     out = draw(logits, seed=jnp.arange(4))
