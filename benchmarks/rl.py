@@ -4,7 +4,7 @@ measured in the same run, weight-sync seconds, and the train-rollout mismatch pe
 (`fast`), fast with routing replay (`replay`) and batch-invariant (`invariant`, whose slowdown against `fast` it
 reports).
 
-    python -m benchmarks.rl [--out DIR]                   # an H200: the `bench` preset, as many layers as fit
+    python -m benchmarks.rl [--out DIR] [--profile]       # an H200: the `bench` preset, as many layers as fit
     python -m benchmarks.rl --preset tiny --concurrency 4 --group-size 2 --prompt-tokens 8 --output-tokens 8 \\
         --steps 1                                          # a functional check on CPU
 
@@ -39,6 +39,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.profile import device_op_times, op_table
 from benchmarks.rl_memory import (
     device_bytes,
     layers_that_fit,
@@ -89,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", help="compute dtype (default: float32 on CPU, else bfloat16)")
     add_backend_flag(p)
     p.add_argument("--ceiling-n", type=int, help="size of the bf16 matmul ceiling (default: 8192 on GPU, else 256)")
+    p.add_argument("--profile", action="store_true", help="also print where a rollout's and a policy step's device "
+                   "time goes, per mode (`benchmarks.profile`)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for rl.json (default: $OUT or .)")
     args = p.parse_args(argv)
@@ -153,6 +156,9 @@ def run_mode(args, config, mode: str, seq_len: int) -> dict:
                                                   "clip_fraction", "loss")}})
             print(f"{mode} step {step}: " + ", ".join(f"{k} {v:.4g}" for k, v in result["steps"][-1].items()
                                                      if k != "step"), flush=True)
+        if args.profile:
+            state = profile_step(mode, rollouts, policy, state, frozen, batch, [prompts[i] for i in chosen], seeds,
+                                 args)
         engine = rollouts.engine
         run_load(engine, args.concurrency, args.prompt_tokens, 4, vocab, seed=args.seed)  # first calls: compiles
         result["serving"] = [run_load(engine, args.concurrency, args.prompt_tokens, args.output_tokens, vocab,
@@ -160,6 +166,22 @@ def run_mode(args, config, mode: str, seq_len: int) -> dict:
     stats = jax.devices()[0].memory_stats() or {}
     result["peak_bytes"] = stats.get("peak_bytes_in_use")
     return summarise(result)
+
+
+def profile_step(mode: str, rollouts, policy, state, frozen, batch, prompts, seeds, args):
+    """Prints the device time by operation of a rollout and of a policy step (the last step's prompts and batch);
+    returns the state after the profiled policy steps."""
+    print(f"{mode} rollout, device time by operation:\n" + op_table(device_op_times(
+        lambda: rollouts.generate(prompts, seeds, args.group_size, args.output_tokens, 1.0), calls=1)), flush=True)
+    held = [state]
+
+    def train():
+        held[0], metrics = policy.step(held[0], frozen, None, batch)
+        return metrics
+
+    print(f"{mode} policy step, device time by operation:\n" + op_table(device_op_times(train, calls=1)),
+          flush=True)
+    return held[0]
 
 
 def summarise(result: dict) -> dict:
