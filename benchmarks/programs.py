@@ -64,7 +64,7 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
     """Seconds per call of the compiled prefill program alone: `num_rows` prompts of `tokens` tokens."""
     runner = engine.runner
     rows, inputs = _program_inputs(engine, num_rows, tokens)
-    program = runner._steps[rows, runner.config.chunk_bucket(tokens), False]  # greedy rows, as the load's
+    program = runner._steps[rows, runner.config.chunk_bucket(tokens), True]  # prefill programs: the full sampler
 
     def call():
         runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)

@@ -61,29 +61,27 @@ def softmax(x):
     return e / tree_sum(e, keepdims=True)
 
 
-def matmul(x, w, *, interpret: bool):
-    """x [..., K] @ w [K, N] by the grouped-matmul kernel as one group (differentiable: its own backward kernels).
-    K and N are zero-padded to WIDTH_MULTIPLE where needed (the padding adds exact zeros)."""
-    k, n = w.shape
+def matmul(x, w, *, interpret: bool, transposed: bool = False):
+    """x [..., K] @ w [K, N] (or w [N, K] `transposed`: x @ w^T, the weight read as it lies) by the grouped-matmul
+    kernel as one group (differentiable: its own backward kernels). K and N are zero-padded to WIDTH_MULTIPLE where
+    needed (the padding adds exact zeros)."""
+    n, k = w.shape if transposed else w.shape[::-1]
     rows = x.reshape(-1, k).astype(w.dtype)
     pad_k, pad_n = -k % WIDTH_MULTIPLE, -n % WIDTH_MULTIPLE
     if pad_k or pad_n:
-        rows, w = jnp.pad(rows, ((0, 0), (0, pad_k))), jnp.pad(w, ((0, pad_k), (0, pad_n)))
-    return _one_group(rows, w, interpret)[:, :n].reshape(*x.shape[:-1], n)
-
-
-# The kernels are called through jitted functions: a program that calls one at every projection of every layer
-# then traces and lowers it once per shape, not once per call (Mosaic GPU lowers each call of a kernel apart).
-@functools.partial(jax.jit, static_argnums=2)
-def _one_group(rows, w, interpret):
+        rows = jnp.pad(rows, ((0, 0), (0, pad_k)))
+        w = jnp.pad(w, ((0, pad_n), (0, pad_k)) if transposed else ((0, pad_k), (0, pad_n)))
     sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-    return ops.grouped_matmul(rows, w[None], sizes, interpret=interpret, configs=KernelConfigs())
+    out = ops.grouped_matmul(rows, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
+                             configs=KernelConfigs())
+    return out[:, :n].reshape(*x.shape[:-1], n)
 
 
 @functools.cache
 def expert_ffn(interpret: bool):
     """The routed experts on rows sorted by expert, as `moe_dispatch.grouped_ffn` returns them: the SwiGLU and
-    down-projection kernels at the default tiles, whatever the number of rows."""
+    down-projection kernels at the default tiles, whatever the number of rows. Jitted, as the kernels' public
+    entries are (`pallas_kernels`), and one function per `interpret`, so that the layers share it."""
     @jax.jit
     def ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
         w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)

@@ -27,11 +27,12 @@ from pallas_kernels.shortconv import reference as shortconv_reference
 from pallas_kernels.shortconv import shortconv_prefill as shortconv_kernel
 
 
-def matmul(x, w, *, backend: Backend):
-    """x [..., K] @ w [K, N]: XLA's dot, or under `batch_invariant` the fixed-tile kernel (`invariant.matmul`)."""
+def matmul(x, w, *, backend: Backend, transposed: bool = False):
+    """x [..., K] @ w [K, N] (or w [N, K] `transposed`: x @ w^T): XLA's dot, or under `batch_invariant` the
+    fixed-tile kernel (`invariant.matmul`), which reads a transposed weight as it lies."""
     if backend.batch_invariant:
-        return invariant.matmul(x, w, interpret=backend.resolve().interpret)
-    return x @ w
+        return invariant.matmul(x, w, interpret=backend.resolve().interpret, transposed=transposed)
+    return x @ (w.T if transposed else w)
 
 
 def _one_device(mesh, what: str):

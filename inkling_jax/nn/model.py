@@ -110,7 +110,7 @@ class InklingModel(nnx.Module):
     def _head(self, x):
         """x @ the head's [vocab, hidden] weight transposed. Serving forms hold it quantised
         (`inkling_jax.quant.head`)."""
-        return kernels.matmul(x, self.unembed[...].T, backend=self.backend)
+        return kernels.matmul(x, self.unembed[...], backend=self.backend, transposed=True)
 
     def mtp_logits(self, input_ids):
         """Teacher-forced MTP drafts of a text sequence: one logits array [B, T, V] per depth."""

@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -51,6 +52,7 @@ def contiguous_as_pages(cache, page_size):
     return cache.reshape(batch * pages_per_seq, page_size, kv_heads, dim), table
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "pages_per_block", "num_splits", "num_warps", "num_stages"))
 def paged_decode_attention(q, k_pages, v_pages, page_table, lengths, r, rel_proj, *, tau=None, scale=None,
                            interpret=None, pages_per_block=None, num_splits=None, num_warps=None,
                            num_stages=None):

@@ -2,6 +2,7 @@
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -37,6 +38,7 @@ def _largest_dividing_power_of_two(window, cap):
     return block
 
 
+@functools.partial(jax.jit, static_argnames=("window", "scale", "interpret", "block_slots", "num_splits", "num_warps", "num_stages"))
 def ring_decode_attention(q, k_ring, v_ring, lengths, r, rel_proj, *, window, rows=None, scale=None,
                           interpret=None, block_slots=None, num_splits=None, num_warps=None, num_stages=None):
     """Sliding-window attention of one new token per sequence over a ring cache, with Inkling's relative bias.

@@ -3,6 +3,7 @@
 import functools
 import operator
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels._common import interpret_default, round_up
@@ -12,6 +13,7 @@ from pallas_kernels.moe.nvfp4 import PREFILL_SLAB
 from pallas_kernels.moe.w4_codes import ROWS
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "cfg", "k_splits"))
 def kernel_product(rows, codes, block_scales, *, interpret: bool | None = None, cfg=None,
                    k_splits: int | None = None):
     """f16(rows [M, in_pad]) @ (code * block_scale), [M, out_pad] fp32 (rounded to bf16 on the way): up to

@@ -7,6 +7,8 @@ read. The results are gathered back to the caller's row order. `in_slabs` withou
 whole row blocks instead: the layout the fp8 kernels (fp8.py) need at every size.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -18,6 +20,7 @@ from pallas_kernels.moe.tuning import KernelConfigs
 SLAB_ROWS = 64  # wgmma's row granularity per warpgroup
 
 
+@functools.partial(jax.jit, static_argnames=("max_group_rows", "interpret", "configs"))
 def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_group_rows: int,
                    interpret: bool | str | None = None, configs: KernelConfigs | None = None):
     """`moe_ffn` for decode batches. Requires max(group_sizes) <= max_group_rows (static).

@@ -1,5 +1,9 @@
 """Public SwiGLU MoE FFN over rows sorted by expert: picks the decode layout for few rows."""
 
+import functools
+
+import jax
+
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, ops
 from pallas_kernels.moe.jax_mgpu import MatmulKernels
@@ -9,6 +13,7 @@ from pallas_kernels.moe.tuning import KernelConfigs
 DECODE_MAX_ROWS = decode.SLAB_ROWS
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "configs", "kernels"))
 def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: bool | str | None = None,
             configs: KernelConfigs | None = None, kernels: MatmulKernels | None = None):
     """out[rows of g] = row_weights * (silu(x @ w_gate[g]) * (x @ w_up[g])) @ w_down[g].

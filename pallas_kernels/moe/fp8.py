@@ -18,6 +18,7 @@ that straddles two; instead every expert's rows are padded to whole row blocks f
 `moe_ffn_fp8_reference` is that formula in jnp (the CPU path of the model and the tests' contract). Forward only.
 """
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -86,6 +87,7 @@ def _row_scales(experts: Fp8Experts, group_sizes, num_rows):
     return experts.gate_scale[g], experts.up_scale[g], experts.down_scale[g]
 
 
+@functools.partial(jax.jit, static_argnames=("max_group_rows", "width_axis", "interpret", "configs"))
 def moe_ffn_fp8(x, experts: Fp8Experts, group_sizes, row_weights, *, max_group_rows: int | None = None,
                 width_axis: str | None = None, interpret: bool | str | None = None,
                 configs: KernelConfigs | None = None):

@@ -156,6 +156,7 @@ def slab_tokens(max_group_rows: int | None) -> int:
     return next((slab for bound, slab in DECODE_SLABS if max_group_rows <= bound), PREFILL_SLAB)
 
 
+@functools.partial(jax.jit, static_argnames=("max_group_rows", "slab", "interpret", "cfg"))
 def moe_ffn_nvfp4(x, experts: Nvfp4Experts, group_sizes, row_weights, *, max_group_rows: int | None = None,
                   slab: int | None = None, interpret: bool | None = None, cfg: W4Config | None = None):
     """The module doc's y for rows x [M, H] sorted by expert, as two W4A16 kernels; [M, H] in x.dtype, zeros past

@@ -65,13 +65,15 @@ def _wgrad(x, dy, group_sizes, configs, interpret, use, dtype):
     return matmuls.tgmm(x, dy, group_sizes, cfg=configs.get("wgrad", x.dtype), interpret=interpret).astype(dtype)
 
 
-def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "interpret", "configs", "kernels"))
+def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, interpret: bool | str | None = None,
                    configs: KernelConfigs | None = None, kernels: MatmulKernels | None = None):
     """out[rows of g] = x[rows of g] @ w[g]; like `jax.lax.ragged_dot(x, w, group_sizes)`.
 
     Args:
-      x: [M, K], rows sorted by group. w: [G, K, N] (same dtype). group_sizes: [G] int32, sum <= M; rows past
-        the sum produce zeros.
+      x: [M, K], rows sorted by group. w: [G, K, N] (same dtype), or [G, N, K] with `transpose_rhs` (out = x @
+        w[g]^T: a weight stored [out, in], such as the LM head, is read as it lies, not transposed first).
+        group_sizes: [G] int32, sum <= M; rows past the sum produce zeros.
       interpret: None picks compiled Mosaic GPU on a GPU backend and the portable interpreted kernel elsewhere;
         "mosaic" runs the Mosaic-GPU kernels in Pallas's GPU interpreter (slow; checks the GPU code on CPU).
       configs: tile overrides (`tuning.KernelConfigs`).
@@ -82,22 +84,26 @@ def grouped_matmul(x, w, group_sizes, *, interpret: bool | str | None = None,
     """
     _check(x, w)
     interpret = interpret_default() if interpret is None else interpret
-    return _grouped_matmul(x, w, group_sizes, interpret, configs or KernelConfigs(), kernels or MatmulKernels())
+    return _grouped_matmul(x, w, group_sizes, transpose_rhs, interpret, configs or KernelConfigs(),
+                           kernels or MatmulKernels())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped_matmul(x, w, group_sizes, interpret, configs, kernels):
-    return _mm([x], [w], group_sizes, configs, interpret, kernels.forward)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _grouped_matmul(x, w, group_sizes, transpose_rhs, interpret, configs, kernels):
+    return _mm([x], [w], group_sizes, configs, interpret, kernels.forward, transpose_rhs=transpose_rhs)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes, interpret, configs, kernels):
-    return _mm([x], [w], group_sizes, configs, interpret, kernels.forward), (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, transpose_rhs, interpret, configs, kernels):
+    return _mm([x], [w], group_sizes, configs, interpret, kernels.forward, transpose_rhs=transpose_rhs), \
+        (x, w, group_sizes)
 
 
-def _grouped_matmul_bwd(interpret, configs, kernels, res, dy):
+def _grouped_matmul_bwd(transpose_rhs, interpret, configs, kernels, res, dy):
     x, w, group_sizes = res
-    dx = _mm([dy], [w], group_sizes, configs, interpret, kernels.backward, transpose_rhs=True)
-    return dx, _wgrad(x, dy, group_sizes, configs, interpret, kernels.backward, w.dtype), None
+    dx = _mm([dy], [w], group_sizes, configs, interpret, kernels.backward, transpose_rhs=not transpose_rhs)
+    dw = _wgrad(dy, x, group_sizes, configs, interpret, kernels.backward, w.dtype) if transpose_rhs else \
+        _wgrad(x, dy, group_sizes, configs, interpret, kernels.backward, w.dtype)
+    return dx, dw, None
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)

@@ -56,7 +56,9 @@ class StandIns:
 @pytest.fixture
 def stand_ins(monkeypatch):
     """jax's kernels replaced by recording stand-ins; they take any interpret flag, so that ours can run
-    interpreted beside them."""
+    interpreted beside them. The kernels' entries are jitted: their traces of earlier tests are dropped, so that
+    this test's calls trace (and record) anew."""
+    jax.clear_caches()
     fakes = StandIns()
     monkeypatch.setattr(jax_mgpu, "kernels", lambda interpret: (fakes.ragged_dot, fakes.transposed_ragged_dot))
     return fakes
@@ -69,7 +71,9 @@ CHOICES = [(PALLAS, JAX), (JAX, PALLAS), (JAX, JAX)]
 
 
 def _expected(calls, forward, backward):
-    return (calls["forward"] if forward == JAX else []) + (calls["backward"] if backward == JAX else [])
+    """The kinds of call to jax's kernels (a jitted entry traces its forward for the primal and again for the
+    gradient: kinds, not counts)."""
+    return set((calls["forward"] if forward == JAX else []) + (calls["backward"] if backward == JAX else []))
 
 
 @pytest.mark.parametrize("forward,backward", CHOICES)
@@ -77,7 +81,7 @@ def test_moe_ffn_runs_the_chosen_matmuls(stand_ins, forward, backward):
     args = moe_inputs(jax.random.key(3), 300, 192, 192, GROUP_SIZES, jnp.bfloat16)
     check_moe(lambda *a: moe_ffn(*a, interpret=True, configs=small_configs(jnp.bfloat16),
                                  kernels=MatmulKernels(forward, backward)), args, jnp.bfloat16)
-    assert stand_ins.calls == _expected(MOE_CALLS, forward, backward)
+    assert set(stand_ins.calls) == _expected(MOE_CALLS, forward, backward)
 
 
 @pytest.mark.parametrize("forward,backward", CHOICES)
@@ -96,7 +100,7 @@ def test_grouped_matmul_runs_the_chosen_matmuls(stand_ins, forward, backward):
         assert rel_err(got, ref) < 2e-2
     calls = {"forward": [("ragged_dot", False)],
              "backward": [("ragged_dot", True), ("transposed_ragged_dot", None)]}
-    assert stand_ins.calls == _expected(calls, forward, backward)
+    assert set(stand_ins.calls) == _expected(calls, forward, backward)
 
 
 def test_jax_matmuls_refuse_what_they_cannot_run():

@@ -62,13 +62,15 @@ def test_row_block_passes_schedule():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_grouped_matmul_forward_and_grads(dtype, backend):
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["w", "w_transposed"])
+def test_grouped_matmul_forward_and_grads(dtype, backend, transpose_rhs):
     m, k, n = 300, 192, 192
     gs = jnp.array(GROUP_SIZES, jnp.int32)
     kx, kw, kd = jax.random.split(jax.random.key(0), 3)
     x, w, dy = normal(kx, (m, k), dtype), normal(kw, (len(GROUP_SIZES), k, n), dtype, 0.1), normal(kd, (m, n), dtype)
-    out, grads = value_and_vjp(lambda x, w: grouped_matmul(x, w, gs, interpret=backend, configs=small_configs(dtype)),
-                               (x, w), dy)
+    stored = lambda w: w.transpose(0, 2, 1) if transpose_rhs else w  # noqa: E731  (w as the kernel takes it)
+    out, grads = value_and_vjp(lambda x, w: grouped_matmul(x, stored(w), gs, transpose_rhs=transpose_rhs,
+                                                           interpret=backend, configs=small_configs(dtype)), (x, w), dy)
     want, grads_ref = value_and_vjp(lambda x, w: reference.grouped_matmul(x, w, gs), (x, w), dy)
     assert out.dtype == dtype and out.shape == (m, n)
     assert rel_err(out, want) < tolerance(dtype)

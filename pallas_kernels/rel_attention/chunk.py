@@ -62,6 +62,7 @@ def _chunk_kernel(q_start_ref, key_start_ref, key_end_ref, table_ref, k_ref, v_r
     o_ref[tok, head, :] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("window", "scale", "interpret", "blocks"))
 def rel_chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, key_start, key_end,
                         window: int | None = None, tau=None, scale: float | None = None,
                         interpret: bool | None = None, blocks: Blocks | None = None):

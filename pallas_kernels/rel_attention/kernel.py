@@ -100,6 +100,7 @@ def prepare(q, k, v, r, rel_proj, *, q_offset, window, tau, segment_ids, scale, 
     return geos, args
 
 
+@functools.partial(jax.jit, static_argnames=("q_offset", "window", "scale", "interpret", "block_q", "block_k", "forward_impl"))
 def rel_flash_attention(q, k, v, r, rel_proj, *, q_offset: int = 0, window: int | None = None, tau=None,
                         segment_ids=None, scale: float | None = None, interpret: bool | None = None,
                         block_q: int | None = None, block_k: int | None = None, forward_impl: str | None = None):

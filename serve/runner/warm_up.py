@@ -46,7 +46,9 @@ class StepCompilation:
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
-            for full in fulls:
+            # Prefill steps sample with the full sampler only: it costs them little beside a chunk's forward (it
+            # costs a decode step much), and start-up compiles a program fewer per prefill bucket.
+            for full in fulls if chunk == 1 else (True,):
                 if chunk > 1:
                     lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
                                                                gather=gather, full=full)

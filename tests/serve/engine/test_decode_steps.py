@@ -131,3 +131,12 @@ def test_prefill_writes_the_rings_in_place(engine):
 
 def test_a_started_engine_keeps_its_warm_objects_out_of_full_collections(engine):
     assert gc.get_freeze_count() > 10_000  # the model, programs and caches alive at the end of warm-up
+
+
+def test_decode_buckets_compile_both_samplers_and_prefill_buckets_the_full_one(engine):
+    assert set(engine.runner._steps) == {(4, 1, False), (4, 1, True), (4, 16, True)}
+    engine.decode_steps = 4
+    plain = generate(engine, PROMPTS, SamplingParams(ignore_eos=True, max_tokens=6, temperature=0.8, seed=3))
+    full = generate(engine, PROMPTS, SamplingParams(ignore_eos=True, max_tokens=6, temperature=0.8, seed=3,
+                                                    logprobs=0))
+    assert [p.token_ids for p in plain] == [f.token_ids for f in full]
