@@ -44,6 +44,7 @@ from benchmarks.timing import (attempt, copy_bandwidth, matmul_flops, median_sec
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
+from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
@@ -133,7 +134,7 @@ def kernels_name(kernels: MatmulKernels) -> str:
 
 def backend_name(backend: Backend, num_tokens: int) -> str:
     use = backend.resolve()
-    if use.moe == "pallas" and num_tokens <= DECODE_MAX_ROWS:
+    if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
     return f"moe={use.moe}, moe_forward={use.moe_forward}, moe_backward={use.moe_backward}"
 
@@ -264,8 +265,9 @@ def quantized_vs_bf16(run, w):
         d = rows_inputs(s, tokens, seed=tokens)
         args = (d["x"], d["gs"], d["rw"])
         bound = tokens if tokens <= 128 else None
-        cases = {"bf16": (jax.jit(functools.partial(moe_ffn_decode, max_group_rows=tokens)
-                                  if bound and tokens <= 64 else moe_ffn), lambda f: f(args[0], *w, *args[1:])),
+        layout = dict(max_group_rows=tokens if tokens <= DECODE_MAX_ROWS else None)  # as the layer picks it
+        cases = {"bf16": (jax.jit(functools.partial(moe_ffn_decode, **layout) if tokens <= MAX_SLAB_TOKENS
+                                  else moe_ffn), lambda f: f(args[0], *w, *args[1:])),
                  "fp8": (jax.jit(functools.partial(moe_ffn_fp8, max_group_rows=bound)),
                          lambda f: f(args[0], q8, *args[1:])),
                  "nvfp4": (jax.jit(functools.partial(moe_ffn_nvfp4, max_group_rows=bound)),

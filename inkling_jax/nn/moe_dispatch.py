@@ -13,6 +13,7 @@ from inkling_jax.backend import Backend
 from inkling_jax.nn import invariant
 from inkling_jax.nn.layers import swiglu
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, grouped_matmul, moe_ffn, moe_ffn_decode
+from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
 
 # The MoE's parameter names of its routed experts in each form, and of its shared experts' stacks
 ROUTED_BF16 = ("w_gate", "w_up", "w_down")
@@ -91,12 +92,14 @@ def order_by_group(group):
 def grouped_ffn(backend: Backend, num_tokens: int | None = None):
     """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
     row_weights) -> [M, H], zeros past sum(group_sizes). `num_tokens` (static, when the rows are the top-k
-    copies of that many tokens) bounds every group's size, which lets decode-sized batches use the kernel's
-    layout that reads each touched expert once (at 32 tokens x top-6 the rows exceed its row threshold), on our
-    kernels; larger ones run the grouped matmuls of the backend's `moe_forward` and `moe_backward`."""
+    copies of that many tokens) lets steps of up to `MAX_SLAB_TOKENS` use the kernel's layout that reads each
+    touched expert once (at 32 tokens x top-6 the rows exceed its row threshold), on our kernels, every group in
+    one slab where num_tokens bounds its rows within one; larger steps run the grouped matmuls of the backend's
+    `moe_forward` and `moe_backward`."""
     if backend.moe == "pallas":
-        if num_tokens is not None and num_tokens <= DECODE_MAX_ROWS:
-            return functools.partial(moe_ffn_decode, max_group_rows=num_tokens, interpret=backend.interpret)
+        if num_tokens is not None and num_tokens <= MAX_SLAB_TOKENS:
+            bound = num_tokens if num_tokens <= DECODE_MAX_ROWS else None
+            return functools.partial(moe_ffn_decode, max_group_rows=bound, interpret=backend.interpret)
         kernels = MatmulKernels(forward=backend.moe_forward, backward=backend.moe_backward)
         return functools.partial(moe_ffn, interpret=backend.interpret, kernels=kernels)
     return _ragged_ffn

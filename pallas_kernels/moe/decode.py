@@ -18,12 +18,17 @@ from pallas_kernels.moe.groups import group_bounds, group_of_rows, row_groups, r
 from pallas_kernels.moe.tuning import KernelConfigs
 
 SLAB_ROWS = 64  # wgmma's row granularity per warpgroup
+# Steps of up to this many tokens run this layout (`inkling_jax.nn.moe_dispatch.grouped_ffn`): with top-k routing
+# their rows fill about one slab per touched expert, which each slab's kernel block streams once, where the
+# row-blocked prefill kernels would run blocks that straddle several experts, one pass per expert.
+MAX_SLAB_TOKENS = 256
 
 
 @functools.partial(jax.jit, static_argnames=("max_group_rows", "interpret", "configs"))
-def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_group_rows: int,
+def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_group_rows: int | None,
                    interpret: bool | str | None = None, configs: KernelConfigs | None = None):
-    """`moe_ffn` for decode batches. Requires max(group_sizes) <= max_group_rows (static).
+    """`moe_ffn` for decode batches. Requires max(group_sizes) <= max_group_rows (static), or None: each group
+    in as many slabs as its rows fill (`in_slabs`).
 
     With top-k routing each token visits an expert at most once, so the number of tokens in the step is a
     valid bound. Rows of a group past the bound would be dropped. Differentiable like `moe_ffn`.

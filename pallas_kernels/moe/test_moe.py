@@ -125,10 +125,13 @@ def test_moe_ffn_decode_sized(backend):
     check_moe(lambda *a: moe_ffn(*a, interpret=backend), args, jnp.bfloat16)
 
 
-def test_moe_ffn_decode_explicit_bound():
-    # 24 tokens x 4 rows = 96 rows (> DECODE_MAX_ROWS); no group exceeds the 24-token bound.
-    args = moe_inputs(jax.random.key(5), 96, 128, 128, (24, 10, 0, 14, 24, 24), jnp.float32)
-    check_moe(lambda *a: moe_ffn_decode(*a, max_group_rows=24), args, jnp.float32)
+@pytest.mark.parametrize("bound", [24, None], ids=["bounded", "slabs_per_group"])
+def test_moe_ffn_decode_explicit_bound(bound):
+    # 24 tokens x 4 rows = 96 rows (> DECODE_MAX_ROWS); no group exceeds the 24-token bound. Unbounded, the
+    # groups of 70 and 2 rows take two slabs and one.
+    sizes = (24, 10, 0, 14, 24, 24) if bound else (70, 2, 0, 10, 14, 0)
+    args = moe_inputs(jax.random.key(5), 120 if bound is None else 96, 128, 128, sizes, jnp.float32)
+    check_moe(lambda *a: moe_ffn_decode(*a, max_group_rows=bound), args, jnp.float32)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -75,7 +75,8 @@ class EngineConfig:
     # (`serve.runner.routing_record`); off, the step programs and the host do nothing more
     record_experts: bool = False
     # every step samples with the full sampler (filters, penalties, logprobs; `serve.runner.sampler`), and only its
-    # programs compile, half of them: for engines whose requests all ask for logprobs (RL rollouts)
+    # programs compile (prefill programs always do; decode and mixed ones then lose their plain twins): for engines
+    # whose requests all ask for logprobs (RL rollouts)
     full_sampler_only: bool = False
     # the full sampler's top-k / top-p / min-p filters (16 passes over [rows, vocab] per step, most of the sampler's
     # time); off, for engines whose requests never filter (RL rollouts), requests that do are refused

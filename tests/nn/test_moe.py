@@ -61,9 +61,11 @@ def _assert_same(got, want, atol=1e-6):
 
 
 # The tiny preset's expert shapes (hidden 64, width 32, 8 experts, top-2 + 2 shared). 14 tokens give 28 routed
-# rows: the Pallas kernel's decode layout; 80 tokens give 160 rows: its row-blocked path. A width of 32 once left
-# the Pallas w_down gradient unwritten (all NaN).
-@pytest.mark.parametrize("backend,tokens", [("ragged", 14), ("ragged", 80), ("pallas", 14), ("pallas", 80)])
+# rows: the Pallas kernel's decode layout, one slab per expert; 80 tokens (160 rows) the same layout, each
+# expert in as many slabs as its rows fill; 300 tokens its row-blocked path. A width of 32 once left the Pallas
+# w_down gradient unwritten (all NaN).
+@pytest.mark.parametrize("backend,tokens", [("ragged", 14), ("ragged", 80), ("pallas", 14), ("pallas", 80),
+                                            ("pallas", 300)])
 def test_backends_agree_in_value_and_gradient(backend, tokens):
     got = nnx.jit(_run)(_moe(backend=backend), _input((2, tokens // 2)))
     _assert_same(got, _reference((2, tokens // 2)))
@@ -110,13 +112,13 @@ def test_a_batch_split_over_expert_stays_split(rows, split):
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-@pytest.mark.parametrize("tokens,decode_bounds", [((5, 8), [40]), ((8, 15), [])])
+@pytest.mark.parametrize("tokens,decode_bounds", [((5, 8), [40]), ((8, 15), [None])])
 def test_expert_parallel_picks_the_decode_layout_by_a_safe_bound(monkeypatch, tokens, decode_bounds):
     """Over 8 expert shards each shard's receive buffer has 8 x ceil(T / 8) x top-2 rows. At T = 40 that is 80
     rows, past the kernel's 64-row decode threshold, yet no expert can receive more than the 40 tokens: the
     decode layout applies with that bound. At T = 120 skewed routing sends more than 64 tokens to expert 0,
-    more than a decode slab holds: a bound from one shard's share (15 tokens, 30 rows) would take the decode
-    layout and drop rows."""
+    more than a decode slab holds: a bound from one shard's share (15 tokens, 30 rows) would drop rows; the
+    layout takes no bound there, each expert in as many slabs as its rows fill."""
     bounds, decode = [], moe_dispatch.moe_ffn_decode
 
     def recording(*args, max_group_rows, **kwargs):
