@@ -4,17 +4,19 @@ programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
     python -m benchmarks.serving_sweep --out DIR                       # bf16 weights
     python -m benchmarks.serving_sweep --out DIR --server-args "--expert-precision nvfp4 --fp8-twins"
 
-1. `python -m serve.app --random-weights --preset bench` starts with the defaults (only --max-model-len is set, to
-   hold a prompt and its output), its log in DIR/server.log; the run waits for /health.
-2. `inkling-bench-serving` loads it at each --max-concurrency level (random prompts of --input-len tokens,
-   --output-len output tokens, EOS ignored, greedy, all sent at once; --prompts-per-level x the level prompts),
-   then at each --request-rates rate; each result is printed and saved (DIR/load-*.json) as it comes, with what
-   /metrics counts of compilations after warm-up and preemptions.
-3. With the server stopped, this process builds the same engine (serve.app's own `build_service`, so the same
-   flags, shapes and KV pool; its programs come from the compilation cache the server filled) and times its
-   programs alone: the decode program at each level's rows (at the load's mean context), the prefill of one
-   prompt of --input-len tokens (its chunks of the largest size, one after the other), and the mixed program
-   (each level's decode rows with one chunk of the largest size) beside a decode step plus that chunk apart.
+1. The server that `python -m serve.app --random-weights --preset bench` starts, with the defaults (only
+   --max-model-len is set, to hold a prompt and its output), built in this process by serve.app's own
+   `build_service` and served by its uvicorn `Server` on a thread, so that its engine is built and compiled
+   once for the whole run.
+2. `inkling-bench-serving` (a subprocess, so that the load's threads do not share the server's interpreter) loads
+   it at each --max-concurrency level (random prompts of --input-len tokens, --output-len output tokens, EOS
+   ignored, greedy, all sent at once; --prompts-per-level x the level prompts), then at each --request-rates
+   rate; each result is printed and saved (DIR/load-*.json) as it comes, with what /metrics counts of
+   compilations after warm-up and preemptions.
+3. With the HTTP server stopped and the engine thread ended, the same engine's programs are timed alone: the
+   decode program at each level's rows (at the load's mean context), the prefill of one prompt of --input-len
+   tokens (its chunks of the largest size, one after the other), and the mixed program (each level's decode rows
+   with one chunk of the largest size) beside a decode step plus that chunk apart.
 4. A table: served output tok/s against the decode program's tok/s at the same rows, TTFT p50 against one
    prompt's prefill, TPOT p50 against the decode program's time per token; DIR/sweep.json holds everything.
 """
@@ -22,18 +24,17 @@ programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 
-from benchmarks.load import cli
 from benchmarks.load.datasets import DEFAULT_TOKEN_RANGE
-from benchmarks.timing import save_json
+from benchmarks.timing import save_json, show_progress_logs
 from inkling_jax import preset
 from inkling_jax.config.schema import ConfigError
 
@@ -43,7 +44,7 @@ HOST = "127.0.0.1"
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.serving_sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="serving-sweep", help="directory for the results and the server's log")
+    p.add_argument("--out", default="serving-sweep", help="directory for the results")
     p.add_argument("--preset", default="bench", help="the random-weights model the server builds")
     p.add_argument("--levels", default="1,8,32,128", help="--max-concurrency levels of the load")
     p.add_argument("--request-rates", default="", help="request rates (req/s, Poisson) to load at after the "
@@ -54,7 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-prompts", type=int, default=512, help="prompts sent at a level or rate at most")
     p.add_argument("--port", type=int, default=8321)
     p.add_argument("--server-args", default="", help="more serve.app flags, e.g. \"--expert-precision fp8\"")
-    p.add_argument("--startup-timeout", type=float, default=600, help="seconds to wait for /health")
     args = p.parse_args(argv)
     try:
         args.level_list = sorted(int(c) for c in args.levels.split(","))
@@ -88,38 +88,21 @@ def save(args, results: dict) -> None:
     save_json(args.out, "sweep.json", results)
 
 
-def start_server(args) -> subprocess.Popen:
-    command = [sys.executable, "-m", "serve.app", *server_flags(args)]
-    log("starting: " + shlex.join(command))
-    with open(os.path.join(args.out, "server.log"), "w") as server_log:
-        return subprocess.Popen(command, stdout=server_log, stderr=subprocess.STDOUT)
+def start_server(args):
+    """serve.app's service built with the run's flags and served on a thread; (server thread, engine)."""
+    import jax
 
+    from serve.app import build_service, parse_args as server_args
+    from serve.http.routes import create_app
+    from serve.http.server import ServerThread
 
-def wait_healthy(args, server: subprocess.Popen) -> float:
-    """Seconds until /health answers; SystemExit (with the log's tail) if the server dies or never answers."""
-    start = time.monotonic()
-    while time.monotonic() - start < args.startup_timeout:
-        if server.poll() is not None:
-            break
-        try:
-            with urllib.request.urlopen(f"http://{HOST}:{args.port}/health", timeout=5) as r:
-                if r.status == 200:
-                    return time.monotonic() - start
-        except OSError:
-            time.sleep(2)
-    stop_server(server)
-    with open(os.path.join(args.out, "server.log")) as f:
-        tail = f.read()[-3000:]
-    raise SystemExit(f"the server did not come up within {args.startup_timeout:.0f}s:\n{tail}")
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    server.send_signal(signal.SIGINT)
-    try:
-        server.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
+    flags = server_args(server_flags(args))
+    log("serving as: python -m serve.app " + shlex.join(server_flags(args)))
+    if flags.compilation_cache:  # as serve.app does
+        jax.config.update("jax_compilation_cache_dir", flags.compilation_cache)
+    service = build_service(flags)
+    server = ServerThread(create_app(service), HOST, args.port, flags.drain_seconds)  # stopping it leaves the engine
+    return server.__enter__(), service.engine
 
 
 def server_counter(args, name: str) -> float:
@@ -135,11 +118,17 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
              str(rate), "--seed", str(prompts), "--disable-tqdm", "--random-token-range",
              ",".join(map(str, args.token_range)),
              *(["--max-concurrency", str(concurrency)] if concurrency else [])]
-    found = cli.benchmark(cli.parse_args(flags))
+    path = os.path.join(args.out, f"load-{label}.json")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.load.cli", *flags, "--save-result", "--result-filename",
+                           path], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the load generator failed ({label}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    with open(path) as f:
+        found = json.load(f)
     found["compilations_after_warmup"] = server_counter(args, "inkling_compilations_after_warmup_total")
     found["preemptions"] = server_counter(args, "inkling_preemptions_total")
     found["mixed_steps"] = server_counter(args, "inkling_mixed_steps_total")  # so far: decodes + a chunk as one
-    save_json(args.out, f"load-{label}.json", found)
+    save_json(args.out, f"load-{label}.json", found)  # with the server's counts
     log(f"{label}: {found['completed']} done, {found['failed']} failed in {found['duration']:.1f}s; output "
         f"{found['output_throughput']:.0f} tok/s; TTFT p50 {found['median_ttft_ms']:.1f} ms, p99 "
         f"{found['p99_ttft_ms']:.1f} ms; TPOT p50 {found['median_tpot_ms']:.2f} ms; ITL p99 "
@@ -148,27 +137,18 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
     return {k: v for k, v in found.items() if k not in ("input_lens", "output_lens", "ttfts", "itls", "errors")}
 
 
-def measure_programs(args, results: dict) -> None:
-    """The server's engine rebuilt here (the GPU is free again), its programs timed alone."""
-    import jax
-
+def measure_programs(args, results: dict, engine, startup_s: float) -> None:
+    """The server's engine, its thread ended, its programs timed alone."""
     from benchmarks.programs import decode_program_seconds, mixed_program_seconds, prefill_program_seconds
     from benchmarks.timing import attempt, stamp
-    from serve.app import build_service, parse_args as server_args
 
     results["stamp"] = stamp()
-    flags = server_args(server_flags(args))
-    if flags.compilation_cache:  # as serve.app does: the server's programs load from it
-        jax.config.update("jax_compilation_cache_dir", flags.compilation_cache)
-    start = time.perf_counter()
-    engine = build_service(flags).engine
-    engine.shutdown(drain_seconds=0)
     config = engine.runner.config
-    results["engine"] = {"build_and_warm_up_s": time.perf_counter() - start, "max_num_seqs": config.max_num_seqs,
+    results["engine"] = {"build_and_warm_up_s": startup_s, "max_num_seqs": config.max_num_seqs,
                          "max_num_batched_tokens": config.max_num_batched_tokens, "buckets": config.buckets,
                          "num_pages": engine.runner.num_pages, "decode_steps": config.decode_steps}
-    log(f"engine rebuilt in {results['engine']['build_and_warm_up_s']:.0f}s: {config.max_num_seqs} slots, "
-        f"budget {config.max_num_batched_tokens}, {engine.runner.num_pages} pages, buckets {config.buckets}")
+    log(f"engine: {config.max_num_seqs} slots, budget {config.max_num_batched_tokens}, {engine.runner.num_pages} "
+        f"pages, buckets {config.buckets}")
     context = args.input_len + args.output_len // 2  # a decoding row's mean context during the load
     decode = results.setdefault("decode_ms_per_token", {})
     for rows in args.level_list:
@@ -233,12 +213,13 @@ def targets(results: dict) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    show_progress_logs()
     results = {"args": vars(args), "server_flags": server_flags(args), "levels": {}, "rates": {}}
-    # No JAX in this process until the server has stopped: it would take most of the GPU's memory.
-    server = start_server(args)
+    start = time.monotonic()
+    server, engine = start_server(args)
+    results["server_startup_s"] = time.monotonic() - start
+    log(f"server up after {results['server_startup_s']:.0f}s")
     try:
-        results["server_startup_s"] = wait_healthy(args, server)
-        log(f"server healthy after {results['server_startup_s']:.0f}s")
         for level in args.level_list:
             prompts = min(args.prompts_per_level * level, args.max_prompts)
             results["levels"][level] = load(args, f"c{level}", level, math.inf, prompts)
@@ -248,9 +229,10 @@ def main(argv=None) -> None:
             results["rates"][rate] = load(args, f"r{rate:g}", None, rate, prompts)
             save(args, results)
     finally:
-        stop_server(server)
+        server.__exit__(None, None, None)
+        engine.shutdown(drain_seconds=0)
     log("server stopped")
-    measure_programs(args, results)
+    measure_programs(args, results, engine, results["server_startup_s"])
     save(args, results)
     print(table(results), flush=True)
     log(f"results in {os.path.join(args.out, 'sweep.json')}")

@@ -136,3 +136,17 @@ def test_device_op_times_sum_a_traced_programs_operations():
     times = device_op_times(lambda: product(x), calls=2)
     assert times and max(sum(ops.values()) for ops in times.values()) > 0
     assert "us per call" in op_table(times, top=3)
+
+
+def test_the_serving_sweep_serves_loads_and_times_the_same_engine(tmp_path):
+    """`benchmarks.serving_sweep` on the tiny preset: the server it hosts answers the load generator's subprocess
+    at each level, nothing compiles after warm-up, and its engine's programs are timed after the load."""
+    from benchmarks import serving_sweep
+
+    serving_sweep.main(["--preset", "tiny", "--levels", "1,2", "--input-len", "24", "--output-len", "4",
+                        "--prompts-per-level", "1", "--port", "8377", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "sweep.json").read_text())
+    assert [int(level) for level in found["levels"]] == [1, 2]
+    for level in found["levels"].values():
+        assert level["failed"] == 0 and level["compilations_after_warmup"] == 0 and level["output_throughput"] > 0
+    assert set(found["decode_ms_per_token"]) == {"1", "2"} and found["prefill_ms"] > 0
