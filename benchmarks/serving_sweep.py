@@ -88,8 +88,9 @@ def save(args, results: dict) -> None:
     save_json(args.out, "sweep.json", results)
 
 
-def start_server(args):
-    """serve.app's service built with the run's flags and served on a thread; (server thread, engine)."""
+def build_server(args):
+    """serve.app's service built with the run's flags: (the HTTP server to run on a thread, its engine). Stopping
+    the server leaves the engine running (an app without a drain)."""
     import jax
 
     from serve.app import build_service, parse_args as server_args
@@ -101,8 +102,7 @@ def start_server(args):
     if flags.compilation_cache:  # as serve.app does
         jax.config.update("jax_compilation_cache_dir", flags.compilation_cache)
     service = build_service(flags)
-    server = ServerThread(create_app(service), HOST, args.port, flags.drain_seconds)  # stopping it leaves the engine
-    return server.__enter__(), service.engine
+    return ServerThread(create_app(service), HOST, args.port, flags.drain_seconds), service.engine
 
 
 def server_counter(args, name: str) -> float:
@@ -216,20 +216,20 @@ def main(argv=None) -> None:
     show_progress_logs()
     results = {"args": vars(args), "server_flags": server_flags(args), "levels": {}, "rates": {}}
     start = time.monotonic()
-    server, engine = start_server(args)
+    server, engine = build_server(args)
     results["server_startup_s"] = time.monotonic() - start
-    log(f"server up after {results['server_startup_s']:.0f}s")
+    log(f"server built in {results['server_startup_s']:.0f}s")
     try:
-        for level in args.level_list:
-            prompts = min(args.prompts_per_level * level, args.max_prompts)
-            results["levels"][level] = load(args, f"c{level}", level, math.inf, prompts)
-            save(args, results)
-        for rate in args.rate_list:
-            prompts = min(args.max_prompts, max(args.prompts_per_level, math.ceil(30 * rate)))  # ~30 s of arrivals
-            results["rates"][rate] = load(args, f"r{rate:g}", None, rate, prompts)
-            save(args, results)
+        with server:
+            for level in args.level_list:
+                prompts = min(args.prompts_per_level * level, args.max_prompts)
+                results["levels"][level] = load(args, f"c{level}", level, math.inf, prompts)
+                save(args, results)
+            for rate in args.rate_list:
+                prompts = min(args.max_prompts, max(args.prompts_per_level, math.ceil(30 * rate)))  # ~30 s of load
+                results["rates"][rate] = load(args, f"r{rate:g}", None, rate, prompts)
+                save(args, results)
     finally:
-        server.__exit__(None, None, None)
         engine.shutdown(drain_seconds=0)
     log("server stopped")
     measure_programs(args, results, engine, results["server_startup_s"])
