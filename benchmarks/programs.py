@@ -46,7 +46,7 @@ def decode_program_call(engine: Engine, num_rows: int, cached: int = 128, steps:
     runner = engine.runner
     steps = steps or runner.config.decode_steps
     rows, inputs = _program_inputs(engine, num_rows, 1, cached, steps)
-    program = runner._steps[rows, 1, False]  # greedy rows: the sampler without filters
+    program = runner._steps[rows, 1, runner.config.full_sampler(1, False)]  # greedy rows' sampler
 
     def call():
         _, last_tokens = runner.run_decode(program, rows, inputs, steps)
@@ -64,7 +64,8 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
     """Seconds per call of the compiled prefill program alone: `num_rows` prompts of `tokens` tokens."""
     runner = engine.runner
     rows, inputs = _program_inputs(engine, num_rows, tokens)
-    program = runner._steps[rows, runner.config.chunk_bucket(tokens), True]  # prefill programs: the full sampler
+    chunk = runner.config.chunk_bucket(tokens)
+    program = runner._steps[rows, chunk, runner.config.full_sampler(chunk, False)]  # greedy rows' sampler
 
     def call():
         runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)
@@ -79,7 +80,7 @@ def mixed_program_seconds(engine: Engine, num_rows: int, cached: int) -> float:
     runner = engine.runner
     rows, decode = _program_inputs(engine, num_rows, 1, cached, steps=1)
     _, prefill = _program_inputs(engine, 1, runner.config.max_chunk, first_row=num_rows)
-    program = runner._mixed[rows, False]  # greedy rows: the sampler without filters
+    program = runner._mixed[rows, runner.config.full_sampler(1, False)]  # greedy rows' sampler
 
     def call():
         runner.cache, runner.penalties, *out = program(runner.params, runner.cache, runner.penalties, decode,

@@ -120,10 +120,21 @@ class EngineConfig:
         sampling filters (`sampling_filters`)."""
         if params.prompt_logprobs is not None and not self.score_prompts:
             raise InvalidParams("prompt_logprobs: this engine does not score prompts", "prompt_logprobs")
-        if not self.sampling_filters:
-            used = {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0}
-            for name in (n for n, on in used.items() if on):
-                raise InvalidParams(f"{name}: this engine samples without filters", name)
+        used = {"top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0}
+        filter_used = next((name for name, on in used.items() if on), None)
+        if filter_used and not self.sampling_filters:
+            raise InvalidParams(f"{filter_used}: this engine samples without filters", filter_used)
+
+    def full_sampler(self, tokens: int, asked: bool) -> bool:
+        """Whether a step of `tokens` tokens per row (a mixed step counts as a decode step, 1) runs the full
+        sampler's program (`serve.runner.sampler.sample`); `asked`: whether one of its requests needs it
+        (`SamplingParams.needs_full_sampler`). Prefill steps always do: it costs them little beside a chunk's
+        forward (a decode step much), and start-up compiles one program per prefill bucket, not two."""
+        return asked or self.full_sampler_only or tokens > 1
+
+    def samplers(self, tokens: int) -> tuple[bool, ...]:
+        """The sampler programs (`full_sampler`'s answers) compiled for a bucket of `tokens` tokens per row."""
+        return tuple(sorted({self.full_sampler(tokens, False), True}))
 
     @property
     def num_rows(self) -> int:

@@ -35,7 +35,7 @@ class MixedSteps:
         self._assign_adapters(decode + prefill)
         inputs = self.placement.put((pack(self._inputs(decode, rows, 1)), pack(self._inputs(prefill, chunk_rows,
                                                                                           chunk))))
-        self.cache, self.penalties, decode_out, prefill_out = self._mixed[rows, self._full(decode + prefill)](
+        self.cache, self.penalties, decode_out, prefill_out = self._mixed[rows, self._full(decode + prefill, 1)](
             self.params, self.cache, self.penalties, *inputs)
         on_queued()
         self.mixed_runs += 1

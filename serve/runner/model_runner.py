@@ -286,7 +286,7 @@ class ModelRunner(StepCompilation, MixedSteps):
                                                                              inputs, targets)
             on_queued()
             return [out], None, scored, (None, drafts[0], None) if drafts else None
-        program = self._steps[rows, chunk, chunk > 1 or self._full(group)]
+        program = self._steps[rows, chunk, self._full(group, chunk)]
         if chunk > 1:
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
@@ -302,10 +302,10 @@ class ModelRunner(StepCompilation, MixedSteps):
         if self.lora is not None and self.lora.assign(self.model, [c.seq for c in chunks]):
             self.params = flat_params(self.model)[0]
 
-    def _full(self, chunks: list[Chunk]) -> bool:
-        """Whether a decode or mixed step of these chunks samples with the full sampler (`sampler.sample`); a
-        prefill step always does (`warm_up`)."""
-        return self.config.full_sampler_only or any(c.seq.params.needs_full_sampler for c in chunks)
+    def _full(self, chunks: list[Chunk], tokens: int) -> bool:
+        """Whether a step of these chunks, `tokens` per row, samples with the full sampler (`EngineConfig.
+        full_sampler`)."""
+        return self.config.full_sampler(tokens, any(c.seq.params.needs_full_sampler for c in chunks))
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None):

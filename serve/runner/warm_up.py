@@ -42,13 +42,10 @@ class StepCompilation:
         prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
                       donate_argnums=(1, 2))
         lowered = {}
-        fulls = (True,) if self.config.full_sampler_only else (False, True)  # per kind of `sampler.sample`
         for rows, chunk in self.config.buckets:
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             gather = rows != self.config.num_rows
-            # Prefill steps sample with the full sampler only: it costs them little beside a chunk's forward (it
-            # costs a decode step much), and start-up compiles a program fewer per prefill bucket.
-            for full in fulls if chunk == 1 else (True,):
+            for full in self.config.samplers(chunk):
                 if chunk > 1:
                     lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
                                                                gather=gather, full=full)
@@ -60,7 +57,7 @@ class StepCompilation:
             mixed = jit(self.programs.mixed, out_shardings=step_out["mixed"], static_argnames=("gather", "full"),
                         donate_argnums=(1, 2))
             for rows, inputs in self._mixed_inputs():
-                for full in fulls:
+                for full in self.config.samplers(1):
                     lowered["mixed", rows, math.prod(self.config.mixed_prefill), full] = mixed.lower(
                         self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
                         full=full)

@@ -36,3 +36,10 @@ def test_an_engine_without_filters_or_prompt_scoring_refuses_requests_that_need_
         assert caught.value.param == field
         EngineConfig().check_request(SamplingParams(**{field: value}))  # the default engine takes them
     lean.check_request(SamplingParams(temperature=0.9, seed=1, logprobs=0, presence_penalty=0.2))
+
+
+def test_prefill_steps_and_full_sampler_engines_run_the_full_sampler_only():
+    plain, rollouts = EngineConfig(), EngineConfig(full_sampler_only=True)
+    assert plain.samplers(1) == (False, True) and plain.samplers(16) == rollouts.samplers(1) == (True,)
+    assert not plain.full_sampler(1, asked=False) and plain.full_sampler(1, asked=True)
+    assert plain.full_sampler(16, asked=False) and rollouts.full_sampler(1, asked=False)
