@@ -122,7 +122,7 @@ class Attention(nnx.Module):
         """Write the chunk's K/V into the cache and attend over the cache (and, on sliding layers, the chunk)."""
         batch, seq = positions.shape
         cached = positions[:, 0]
-        step = seq == 1 and not self.backend.batch_invariant  # batch-invariant decode steps are one-token chunks
+        step = seq == 1
         if self.local and not step:  # one page per row: [the ring as it was before this chunk, oldest first | chunk]
             window = cache.k.shape[1]
             rows = jnp.arange(batch) if ring_rows is None else ring_rows

@@ -85,7 +85,7 @@ def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, backend: Ba
     """Prefill chunks continuing a cache, keys read through a page table (contract and layouts in
     `pallas_kernels/rel_attention/chunk.py`); by the backend's `attention`. first_position [B]: the absolute
     position of each row's query 0 where key indices are not positions (`invariant_attention.chunk_attention`,
-    which `batch_invariant` runs, and which decode steps then run too)."""
+    which `batch_invariant` runs)."""
     use = backend.resolve()
     if use.batch_invariant:
         _one_device(mesh, "attention")
@@ -177,9 +177,14 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Back
                      ring_rows=None, window=None, tau=None, mesh=None):
     """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
     given) or a window ring (sliding layers; row b's ring is `ring_rows[b]`, default b). `lengths` counts the
-    new token. By the backend's `decode_attention`."""
+    new token. By the backend's `decode_attention`, or where it is batch-invariant, by `invariant_attention`'s."""
     use = backend.resolve()
     pallas = use.decode_attention == "pallas"
+    if use.batch_invariant:
+        _one_device(mesh, "attention")
+        return invariant_attention.decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, page_table=page_table,
+                                                    ring_rows=ring_rows, window=window, tau=tau,
+                                                    interpret=use.interpret)
     if page_table is None:
         fn = functools.partial(decode.ring_decode_attention, interpret=use.interpret) if pallas \
             else decode.ring_decode_reference
