@@ -63,18 +63,32 @@ def softmax(x):
 
 def matmul(x, w, *, interpret: bool, transposed: bool = False):
     """x [..., K] @ w [K, N] (or w [N, K] `transposed`: x @ w^T, the weight read as it lies) by the grouped-matmul
-    kernel as one group (differentiable: its own backward kernels). K and N are zero-padded to WIDTH_MULTIPLE where
-    needed (the padding adds exact zeros)."""
-    n, k = w.shape if transposed else w.shape[::-1]
-    rows = x.reshape(-1, k).astype(w.dtype)
-    pad_k, pad_n = -k % WIDTH_MULTIPLE, -n % WIDTH_MULTIPLE
-    if pad_k or pad_n:
-        rows = jnp.pad(rows, ((0, 0), (0, pad_k)))
-        w = jnp.pad(w, ((0, pad_n), (0, pad_k)) if transposed else ((0, pad_k), (0, pad_n)))
-    sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-    out = ops.grouped_matmul(rows, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
-                             configs=KernelConfigs())
-    return out[:, :n].reshape(*x.shape[:-1], n)
+    kernel as one group. K and N are zero-padded to WIDTH_MULTIPLE where needed (the padding adds exact zeros).
+    Its gradient is XLA's dot's: only the values must not depend on the rows (the logprobs that rollouts and the
+    trainer compare), not the gradient's."""
+    def fixed_tiles(x, w):
+        n, k = w.shape if transposed else w.shape[::-1]
+        rows = x.reshape(-1, k).astype(w.dtype)
+        pad_k, pad_n = -k % WIDTH_MULTIPLE, -n % WIDTH_MULTIPLE
+        if pad_k or pad_n:
+            rows = jnp.pad(rows, ((0, 0), (0, pad_k)))
+            w = jnp.pad(w, ((0, pad_n), (0, pad_k)) if transposed else ((0, pad_k), (0, pad_n)))
+        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+        out = ops.grouped_matmul(rows, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
+                                 configs=KernelConfigs())
+        return out[:, :n].reshape(*x.shape[:-1], n)
+
+    def dot(x, w):
+        return x.astype(w.dtype) @ (w.T if transposed else w)
+    return with_gradient_of(fixed_tiles, dot)(x, w)
+
+
+def with_gradient_of(forward, backward):
+    """A function whose value is forward(*args) and whose gradient is backward's (the same function computed in
+    another way)."""
+    fn = jax.custom_vjp(lambda *args: forward(*args))
+    fn.defvjp(lambda *args: (forward(*args), args), lambda args, cotangent: jax.vjp(backward, *args)[1](cotangent))
+    return fn
 
 
 @functools.cache

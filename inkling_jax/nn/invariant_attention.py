@@ -15,7 +15,6 @@ as it lies (`decode_attention`).
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.rel_attention import rel_chunk_attention, tuning
@@ -92,11 +91,3 @@ def self_attention(q, k, v, r, rel_proj, *, window, tau, interpret: bool):
     return chunk_attention(q, k, v, jnp.arange(batch, dtype=jnp.int32)[:, None], r, rel_proj, q_start=zeros,
                            key_start=zeros, key_end=jnp.full((batch,), seq, jnp.int32), window=window, tau=tau,
                            interpret=interpret)
-
-
-def with_gradient_of(forward, backward):
-    """A function whose value is forward(*args) and whose gradient is backward's (the same function computed in
-    another way: the kernel above has no backward of its own)."""
-    fn = jax.custom_vjp(lambda *args: forward(*args))
-    fn.defvjp(lambda *args: (forward(*args), args), lambda args, cotangent: jax.vjp(backward, *args)[1](cotangent))
-    return fn

@@ -129,7 +129,7 @@ def self_attention(q, k, v, r, rel_proj, positions, *, backend: Backend, window=
         def forward(q, k, v, r, rel_proj, positions, tau, segment_ids):
             return invariant_attention.self_attention(q, k, v, r, rel_proj, window=window, tau=tau,
                                                       interpret=use.interpret)
-        call = invariant_attention.with_gradient_of(forward, call)
+        call = invariant.with_gradient_of(forward, call)  # the kernel has no backward of its own
     how = split(mesh, (q.shape[2], k.shape[2]), batch=q.shape[0])
     if how:
         heads, rows = how.spec(2, 0), how.spec(None, 0)

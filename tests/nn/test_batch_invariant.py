@@ -56,6 +56,14 @@ def test_fixed_order_pieces_agree_with_xla_and_do_not_depend_on_the_rows():
     assert np.allclose(invariant.log_softmax(x), jax.nn.log_softmax(x), atol=1e-5)
     product = jax.jit(lambda x: invariant.matmul(x, w, interpret=True))
     assert np.allclose(product(x), x @ w, atol=1e-3)
+    for transposed in (False, True):  # the gradient is the dot's, whichever way the weight lies
+        weight = w.T if transposed else w
+        def loss(x, weight, transposed=transposed):
+            return (invariant.matmul(x, weight, interpret=True, transposed=transposed) ** 2).sum()
+        want = jax.grad(lambda x, w: ((x @ w) ** 2).sum(), argnums=(0, 1))(x, w)
+        got = jax.grad(loss, argnums=(0, 1))(x, weight)
+        assert np.allclose(got[0], want[0], rtol=1e-4, atol=1e-2)
+        assert np.allclose(got[1].T if transposed else got[1], want[1], rtol=1e-4, atol=1e-2)
     for rows in (1, 7, 40):  # row 0 of X[:M] @ W, whatever M
         np.testing.assert_array_equal(product(x[:rows])[0], product(x[:1])[0])
     sums = jax.jit(invariant.tree_sum)
