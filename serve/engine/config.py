@@ -52,6 +52,12 @@ class SpeculativeConfig:
         chain (their entries are never read once the row's length passes them, but need pages)."""
         return 2 * self.num_draft_tokens
 
+    def ring_slots(self, window: int) -> int:
+        """Slots of the target's sliding rings: K past the window. A verify writes K + 1 positions from a row's
+        length and the row keeps at least the first, so what it writes past the kept tokens lands in slots of
+        positions before the window, and a rejection copies nothing back."""
+        return window + self.num_draft_tokens
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -154,6 +160,10 @@ class EngineConfig:
     def lookahead(self) -> int:
         """Positions past its tokens that a step may write for a row (`SpeculativeConfig.lookahead`; else 0)."""
         return 0 if self.speculative is None else self.speculative.lookahead
+
+    def ring_slots(self, window: int) -> int | None:
+        """Slots of the target's sliding rings (`SpeculativeConfig.ring_slots`); None: the window."""
+        return None if self.speculative is None else self.speculative.ring_slots(window)
 
     @property
     def pages_per_row(self) -> int:

@@ -115,7 +115,8 @@ class ModelRunner(StepCompilation, MixedSteps):
         def cache():
             return init_serving_cache(self.model.config.text, self.drafter, cfg.num_rows, cfg.max_model_len +
                                       cfg.lookahead, self.model.dtype, page_size=cfg.page_size,
-                                      num_pages=self.num_pages)
+                                      num_pages=self.num_pages,
+                                      ring_slots=cfg.ring_slots(self.model.config.text.sliding_window))
 
         def snapshots():
             return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)

@@ -1,12 +1,12 @@
-"""Undoing what a speculative verify wrote past the tokens a row accepts.
+"""Undoing what speculative decoding wrote past the tokens a row keeps.
 
 Full-attention K/V pages are addressed by absolute position and nothing reads past a row's length, so there a
-rejection is just not advancing the length. A sliding layer's ring holds position p in slot p % window: a verify
-of T tokens from length L overwrites the slots of positions L - window .. L + T - 1 - window, which a row that
-keeps fewer than T tokens still attends to. `ring_slots` reads those slots before the verify and
-`restore_ring_slots` puts back the ones past the kept tokens (T <= window, so no two positions of one verify
-share a slot): K + 1 slots per sliding layer and row, against the window the attention reads anyway. The
-ShortConv states come back from the verify with every input (`keep_conv_inputs`), and `keep_conv_prefix` keeps
+rejection is just not advancing the length; so it is in the model's sliding rings, which hold K slots past the
+window (`SpeculativeConfig.ring_slots`). The drafter's rings have the window's length (its chain's decode steps
+read them with the ring kernel): a draft chain of T tokens from length L overwrites the slots of positions
+L - window .. L + T - 1 - window, which the row still attends to. `ring_slots` reads those slots before the
+chain and `restore_ring_slots` puts them back (T <= window, so no two positions of one chain share a slot). The
+ShortConv states come back from a verify with every input (`keep_conv_inputs`), and `keep_conv_prefix` keeps
 the state after the kept tokens.
 """
 
@@ -37,13 +37,12 @@ def ring_slots(cache: Cache, local: tuple[bool, ...], positions) -> tuple:
     return tuple(saved)
 
 
-def restore_ring_slots(cache: Cache, positions, saved: tuple, restore) -> Cache:
-    """`cache` with the ring slots of `positions [B, S]` set back to `saved` (`ring_slots`) where `restore [B, S]`
-    holds."""
+def restore_ring_slots(cache: Cache, positions, saved: tuple) -> Cache:
+    """`cache` with the ring slots of `positions [B, S]` set back to `saved` (`ring_slots`)."""
     layers = []
     for layer, kv in zip(cache.layers, saved):
         if kv is not None:
-            index = jnp.where(restore, _ring_index(cache, layer.k.shape[1], positions), -1)
+            index = _ring_index(cache, layer.k.shape[1], positions)
             layer = layer.replace(k=scatter_rows(layer.k, index, kv[0]), v=scatter_rows(layer.v, index, kv[1]))
         layers.append(layer)
     return cache.replace(layers=tuple(layers))

@@ -3,20 +3,21 @@
 A round, for every running row at cached length L whose last sampled token t0 is not yet in the cache:
 
 1. verify: the target extends [t0, d1 .. dK] (the row's drafts; `n_new` = 1 + the drafts it may use) in one
-   chunk over the paged cache, the ShortConv inputs kept (`keep_conv_inputs`) and the ring slots it overwrites
-   saved (`rollback`);
+   chunk over the paged cache, the ShortConv inputs kept (`keep_conv_inputs`). Its sliding layers' rings hold K
+   slots past the window (`SpeculativeConfig.ring_slots`), so what it writes for drafts the row rejects
+   overwrites no position the window still needs;
 2. accept (`rejection.verify`): position j's logits give the target's distribution after d1 .. dj as the plain
    sampler would draw from it (the row's parameters at output index + j, penalties counting the drafts before
    j). A greedy row keeps the longest prefix of drafts with d_{j+1} == argmax; a sampling row keeps each draft
    with the target's probability of it and draws the token after its last kept draft from the residual, so the
    output is distributed exactly as plain sampling's. a = drafts kept; the row emits them and one more token;
-3. commit: the cache keeps t0, d1 .. da (length L + a + 1), the ShortConv states after them, and the ring slots
-   past them restored;
+3. commit: the cache keeps t0, d1 .. da (length L + a + 1) and the ShortConv states after them; nothing is
+   copied back;
 4. draft (method "mtp"): every MTP depth runs over the kept positions with the trunk's hidden states and the
    tokens after them (g_0 .. g_a), so its cache advances with the trunk's (`MTPHead.extend`); depth 0's output at
    the last kept position drafts d'1, and the chain feeds each step's hidden state and token to the next
    position (step j through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length are
-   undone as the verify's are: its ring slots restored, its ShortConv states not kept.
+   undone: its ring slots restored (`rollback`), its ShortConv states not kept.
 
 Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
 kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, undone past the length as the MTP
@@ -64,9 +65,11 @@ def cache_layout(target: TextConfig, drafter: TextConfig | None) -> TextConfig:
                                    target.num_layers + i for i in drafter.local_layer_ids))
 
 
-def init_serving_cache(target: TextConfig, drafter: TextConfig | None, *args, **kwargs) -> Cache:
-    """`init_cache` of the target with the drafter's layers appended (same rows, lengths and page table)."""
-    cache = init_cache(target, *args, **kwargs)
+def init_serving_cache(target: TextConfig, drafter: TextConfig | None, *args, ring_slots: int | None = None,
+                       **kwargs) -> Cache:
+    """`init_cache` of the target (its rings of `ring_slots`: `EngineConfig.ring_slots`) with the drafter's layers
+    appended (same rows, lengths and page table)."""
+    cache = init_cache(target, *args, ring_slots=ring_slots, **kwargs)
     return cache if drafter is None else cache.replace(layers=cache.layers + init_cache(drafter, *args,
                                                                                          **kwargs).layers)
 
@@ -137,9 +140,7 @@ class SpeculativePrograms(StepPrograms):
                           params=inp.params.replace(index=inp.params.index + emitted))
         sub = self._rows_in(cache, inp, gather)
         rows, width = inp.ids.shape
-        positions = inp.lengths[:, None] + jnp.arange(width)[None, :]
         trunk, drafter = self._split(sub)
-        saved = ring_slots(trunk, self.local, positions)
         hidden, trunk = model.extend_hidden(inp.ids, trunk, inp.n_new, keep_conv_inputs=True)
         take = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         logits = model.logits(hidden)
@@ -149,7 +150,6 @@ class SpeculativePrograms(StepPrograms):
         active = left > 0
         kept = jnp.where(active, accepted + 1, 0)
         trunk = keep_conv_prefix(trunk, kept, self.history)
-        trunk = restore_ring_slots(trunk, positions, saved, jnp.arange(width)[None, :] >= kept[:, None])
         trunk = trunk.replace(lengths=inp.lengths + kept)
         counts = penalties.counts.at[inp.rows[:, None], out.tokens].add(
             ((jnp.arange(width)[None, :] < kept[:, None]) & inp.params.uses_penalties[:, None]).astype(jnp.int32),
@@ -227,7 +227,7 @@ class SpeculativePrograms(StepPrograms):
         chain's K/V entries stay (never read once the length passes them) except in rings, which get their `saved`
         slots back; its ShortConv states and lengths are not kept."""
         layers = tuple(layer.replace(k=chained.k, v=chained.v) for layer, chained in zip(kept.layers, chain.layers))
-        return restore_ring_slots(kept.replace(layers=layers), positions, saved, jnp.ones(positions.shape, bool))
+        return restore_ring_slots(kept.replace(layers=layers), positions, saved)
 
     def _split(self, cache):
         """(the trunk's cache, the MTP depths' cache): views of one cache, sharing lengths and pages."""

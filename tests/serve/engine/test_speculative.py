@@ -164,10 +164,10 @@ def _row_state(engine, slot: int, length: int) -> dict[str, np.ndarray]:
         owner = "drafter " if i >= trunk else ""
         for name in ("k", "v"):
             pool = np.asarray(getattr(layer, name))
-            if layout.is_local(i):
-                window = pool.shape[1]
+            if layout.is_local(i):  # the target's rings hold more slots than its window (the drafter's do not)
+                window = CONFIG.text.sliding_window if i < trunk else pool.shape[1]
                 kept = positions[-window:]
-                state[f"{owner}ring {i} {name}"] = pool[slot, kept % window]
+                state[f"{owner}ring {i} {name}"] = pool[slot, kept % pool.shape[1]]
             else:
                 page_size = pool.shape[1]
                 state[f"{owner}full kv {i} {name}"] = pool[pages[positions // page_size], positions % page_size]
