@@ -69,9 +69,9 @@ STEP_KERNELS = {"bf16": {"mosaic": 2, "triton": 5}, "fp8": {"mosaic": 2, "triton
                 "nvfp4": {"mosaic": 7, "triton": 5}}
 
 
-def _step_kernels(model, rows: int, tokens: int) -> dict[str, int]:
+def _step_kernels(model, rows: int, tokens: int, ring_slots: int | None = None) -> dict[str, int]:
     leaves, merged = flat_params(model)
-    cache = jax.eval_shape(lambda: model.init_cache(rows, 512))
+    cache = jax.eval_shape(lambda: model.init_cache(rows, 512, ring_slots=ring_slots))
     ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
     per_row = jax.ShapeDtypeStruct((rows,), jnp.int32)
 
@@ -86,6 +86,13 @@ def _step_kernels(model, rows: int, tokens: int) -> dict[str, int]:
 @pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # a decode step, a prefill chunk per row
 def test_serving_steps_lower_for_cuda(precision, rows, tokens):
     assert _step_kernels(_abstract_model(precision, precision), rows, tokens) == STEP_KERNELS[precision]
+
+
+def test_a_speculative_verify_over_rings_longer_than_the_window_lowers_for_cuda():
+    """A verify of K + 1 = 4 tokens per row over the rings a speculative engine keeps (K slots past the window):
+    the prefill chunk's kernels."""
+    model = _abstract_model("bf16", "bf16")
+    assert _step_kernels(model, 33, 4, ring_slots=_config().text.sliding_window + 3) == STEP_KERNELS["bf16"]
 
 
 @pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # the gathered form, the segmented
