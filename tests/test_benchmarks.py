@@ -150,3 +150,19 @@ def test_the_serving_sweep_serves_loads_and_times_the_same_engine(tmp_path):
     for level in found["levels"].values():
         assert level["failed"] == 0 and level["compilations_after_warmup"] == 0 and level["output_throughput"] > 0
     assert set(found["decode_ms_per_token"]) == {"1", "2"} and found["prefill_ms"] > 0
+    assert found["largest_prefill_us_per_token"] > 0
+
+
+def test_the_sweeps_ceiling_decodes_at_full_rows_and_prefills_at_the_cheapest_measured_cost():
+    from benchmarks.serving_sweep import schedule_ceiling, table
+
+    results = {"args": {"input_len": 1024, "output_len": 256}, "engine": {"max_chunk": 256},
+               "decode_ms_per_token": {128: 10.0}, "mixed_ms": {128: 17.0}, "largest_prefill_us_per_token": 30.0,
+               "levels": {128: {"completed": 512, "failed": 0, "output_throughput": 4000.0, "median_ttft_ms": 900.0,
+                                "median_tpot_ms": 20.0, "p99_itl_ms": 90.0}}}
+    # 256 outputs at 10 ms a step of 128 rows, 1024 prompt tokens riding mixed steps at (17 - 10) / 256 ms each
+    assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 128 + 1024 * 7 / 256))
+    results["largest_prefill_us_per_token"] = 20.0  # now the cheaper way to prefill
+    assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 128 + 1024 * 0.02))
+    assert schedule_ceiling(results, 32) is None  # not timed at 32 rows
+    assert "the timed programs' ceiling is 0.49 of it" in table(results)
