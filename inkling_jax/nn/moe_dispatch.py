@@ -35,9 +35,8 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
     if backend.moe == "dense" and precision_of(routed) == "bf16":
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
-    source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
     group, row_weights = expert_ids.reshape(-1), weights.reshape(-1)
-    y = grouped_rows(x, source, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width_axis))
+    y = grouped_rows(x, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width_axis), top_k)
     out = y.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(1)
     return out + shared_dense(x, shared, shared_weights)
 
@@ -47,9 +46,8 @@ def _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, b
     if precision_of(routed) != "bf16":
         raise ValueError("the batch-invariant MoE runs bf16 or fp32 experts, not quantised ones")
     num_tokens, top_k = expert_ids.shape
-    source = jnp.arange(num_tokens * top_k, dtype=jnp.int32) // top_k
-    y = grouped_rows(x, source, expert_ids.reshape(-1), weights.reshape(-1), routed,
-                     invariant.expert_ffn(backend.interpret))
+    y = grouped_rows(x, expert_ids.reshape(-1), weights.reshape(-1), routed, invariant.expert_ffn(backend.interpret),
+                     top_k)
     out = invariant.combine_top_k(y, num_tokens, top_k)
     if shared is None:
         return out
@@ -62,15 +60,37 @@ def _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, b
     return out + invariant.tree_sum(jnp.stack(outs), axis=0)
 
 
-def grouped_rows(x, source, group, row_weights, stack, ffn):
-    """y[r] = row_weights[r] * E_{group[r]}(x[source[r]]) for rows in any order, by one grouped matmul per
-    projection on the rows sorted by group; a group >= G (the number of experts in `stack`) means no expert
-    and gives zeros. Returns [R, H] in x.dtype, in the order of `source`."""
+def grouped_rows(x, group, row_weights, stack, ffn, copies: int = 1):
+    """y[r] = row_weights[r] * E_{group[r]}(x[r // copies]) for the rows of x [T, H] each taken `copies` times in
+    a row (a token's top-k copies), in that order, by one grouped matmul per projection on the rows sorted by
+    group; a group >= G (the number of experts in `stack`) means no expert and gives zeros. Returns [R, H] in
+    x.dtype."""
     num_groups = stack[0].shape[0]
     order, place = order_by_group(group)
     group_sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)  # drops the "no expert" rows
-    y = ffn(x[source[order]], *stack, group_sizes, row_weights[order])
-    return y[place]
+    y = ffn(take_rows(x, order // copies, place.reshape(-1, copies)), *stack, group_sizes, row_weights[order])
+    return take_rows(y, place, order[:, None])
+
+
+@jax.custom_vjp
+def take_rows(x, index, inverse):
+    """x[index] for rows x [T, ...] that `index` [R] takes `inverse.shape[1]` times each, at the places
+    inverse [T, c] names: the gradient gathers each row's places and sums them (in fp32), where autodiff would
+    scatter-add into x with atomics."""
+    return x[index]
+
+
+def _take_rows_forward(x, index, inverse):
+    return x[index], inverse
+
+
+def _take_rows_backward(inverse, cotangent):
+    taken = cotangent[inverse]
+    summed = taken[:, 0] if inverse.shape[1] == 1 else taken.astype(jnp.float32).sum(1).astype(cotangent.dtype)
+    return summed, None, None
+
+
+take_rows.defvjp(_take_rows_forward, _take_rows_backward)
 
 
 def order_by_group(group):

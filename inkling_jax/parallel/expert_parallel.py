@@ -105,12 +105,11 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
                                             *plan.dispatch(), axis_name=AXIS)
 
         # Routed weights are applied at home, after the combine (the kernel's row weights are ones).
-        source = jnp.arange(capacity, dtype=jnp.int32)
         group, row_weights = plan.local_expert_of_received(capacity), jnp.ones((capacity,))
         # A local expert receives at most one copy of each of the group's num_tokens tokens (top-k picks are
         # distinct), from whichever shard holds it. So num_tokens bounds every group, and decode-sized steps get
         # the kernel's decode layout although the receive buffer (shards x per x top_k rows) is larger.
-        y = grouped_rows(received, source, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width))
+        y = grouped_rows(received, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width))
 
         back = ragged_all_to_all_padded(y, jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
                                         axis_name=AXIS)
