@@ -123,7 +123,10 @@ class Attention(nnx.Module):
         batch, seq = positions.shape
         cached = positions[:, 0]
         step = seq == 1
-        if self.local and not step:  # one page per row: [the ring as it was before this chunk, oldest first | chunk]
+        # Rings longer than the window by seq - 1 or more (a speculative verify's) take the chunk's writes in slots
+        # no query of it reads: they are written first and read in place, like the paged cache.
+        in_place = self.local and 1 < seq <= cache.k.shape[1] - self.window + 1
+        if self.local and not step and not in_place:  # a page a row: [the ring before the chunk, oldest first | chunk]
             window = cache.k.shape[1]
             rows = jnp.arange(batch) if ring_rows is None else ring_rows
             slots = jnp.mod(cached[:, None] - window + jnp.arange(window)[None, :], window)
@@ -142,6 +145,10 @@ class Attention(nnx.Module):
         new_k, new_v = scatter_rows(cache.k, flat, k), scatter_rows(cache.v, flat, v)
         if step:  # a decode step: attend straight over the cache
             out = self._decode_attention(new_k, new_v, page_table, ring_rows, q, r, positions, n_new, tau)
+            return out, new_k, new_v
+        if in_place:
+            out = kernels.ring_chunk_attention(q, new_k, new_v, ring_rows, r, self.rel_proj[...], backend=self.backend,
+                                               cached=cached, n_new=n_new, window=self.window, tau=tau, mesh=self.mesh)
             return out, new_k, new_v
         if not self.local:  # the paged cache, with the chunk already written
             k_pages, v_pages, table = new_k, new_v, page_table

@@ -16,6 +16,8 @@ the attention that reads them).
 All shapes are fixed by (batch, max_len), so prefill and decode steps jit once per shape.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -91,3 +93,16 @@ def cache_bytes(cfg: TextConfig, batch: int, max_len: int, dtype=jnp.bfloat16, *
     """Memory an `init_cache` of this size takes, without allocating it."""
     shapes = jax.eval_shape(lambda: init_cache(cfg, batch, max_len, dtype, **kwargs))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def ring_as_pages(rows, ring_len: int, first_key, span: int, align: int = 1):
+    """Sliding rings [N, ring_len, ...] read in place as one page each through a page table (the chunk kernel's
+    layout, `pallas_kernels/rel_attention/chunk.py`): every entry of row b's table names its ring `rows[b]`, so
+    key index i reads slot i % ring_len. Returns (table [B, n], base [B]): key index = position - base, base a
+    multiple of ring_len (and of `align`, which keeps key blocks at absolute positions) at most first_key [B],
+    the table long enough for the `span` positions from first_key on."""
+    period = math.lcm(ring_len, align)
+    base = first_key // period * period
+    table = jnp.broadcast_to(rows.astype(jnp.int32)[:, None], (rows.shape[0], -(-(period + span) // ring_len)))
+    return table, base
+

@@ -10,10 +10,8 @@ the other rows and tokens:
   carry is multiplied by exactly 0 there);
 - each query's row of a tile is computed apart from the other rows (a row of a tile's matmul).
 A decode step is a one-token chunk (padded to the tile), so it costs a tile's compute per row; it reads the cache
-as it lies (`decode_attention`).
+as it lies (`kernels.decode_attention`: a ring through `cache.ring_as_pages`, aligned to the tile's key blocks).
 """
-
-import math
 
 import jax.numpy as jnp
 
@@ -40,34 +38,6 @@ def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, q_start, ke
         q_start, key_start, key_end = q_start + shift, key_start + shift, key_end + shift
     return rel_chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, q_start=q_start, key_start=key_start,
                                key_end=key_end, window=window, tau=tau, interpret=interpret, blocks=tile)
-
-
-def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, page_table, ring_rows, window, tau,
-                     interpret: bool):
-    """One new token per row over the cache that already holds it (`kernels.decode_attention`'s contract), as a
-    one-token chunk at the fixed tile, with no copy of the cache:
-    - full layers: the paged cache, key indices are positions;
-    - sliding layers: each row's ring [L, Hkv, D] (position p at p % L) is a page that every entry of the row's
-      table names, so index i reads position i while i is within one lap of the query. Indices are positions less
-      a base, a multiple of both L (the ring offsets stay) and block_k (key blocks stay aligned), below the
-      window's first key."""
-    tile = blocks(q.shape[1] // k_cache.shape[2])
-    q, r = q[:, None], r[:, None]
-    tau = None if tau is None else tau[:, None]
-    if page_table is None:
-        span = k_cache.shape[1]
-        period = math.lcm(span, tile.block_k)
-        first = jnp.maximum(lengths - window, 0)
-        base = first // period * period
-        rows = jnp.arange(q.shape[0], dtype=jnp.int32) if ring_rows is None else ring_rows.astype(jnp.int32)
-        page_table = jnp.broadcast_to(rows[:, None], (q.shape[0], -(-(period + window) // span)))
-        key_start, lengths = first - base, lengths - base
-    else:
-        key_start = jnp.zeros_like(lengths)
-    out = rel_chunk_attention(q, k_cache, v_cache, page_table, r, rel_proj, q_start=lengths - 1,
-                              key_start=key_start, key_end=lengths, window=window, tau=tau, interpret=interpret,
-                              blocks=tile)
-    return out[:, 0]
 
 
 def _aligned(k_rows, v_rows, shift, block_k: int):

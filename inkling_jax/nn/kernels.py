@@ -15,6 +15,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.backend import Backend
+from inkling_jax.nn.cache import ring_as_pages
 from inkling_jax.nn import invariant, invariant_attention
 from inkling_jax.parallel.kernel_sharding import split
 from pallas_kernels import decode_attention as decode
@@ -108,6 +109,21 @@ def chunk_attention(q, k_pages, v_pages, page_table, r, rel_proj, *, backend: Ba
     return call(q, k_pages, v_pages, r, page_table, rel_proj, q_start, key_start, key_end, tau)
 
 
+def ring_chunk_attention(q, k_ring, v_ring, ring_rows, r, rel_proj, *, backend: Backend, cached, n_new, window: int,
+                         tau=None, mesh=None):
+    """`chunk_attention` of T tokens per row at positions cached .. cached + T - 1 (the first n_new [B] real)
+    over sliding rings [N, L, Hkv, D] that already hold them, read in place (`cache.ring_as_pages`): the chunk's
+    writes overwrote no key its queries see where L >= window + T - 1. ring_rows: [B] (None: row b's ring is b)."""
+    batch, seq = q.shape[:2]
+    rows = jax.numpy.arange(batch) if ring_rows is None else ring_rows
+    align = invariant_attention.blocks(q.shape[2] // k_ring.shape[2]).block_k if backend.resolve().batch_invariant \
+        else 1  # the fixed tile's key blocks stay at absolute positions
+    first = jax.numpy.maximum(cached + 1 - window, 0)
+    table, base = ring_as_pages(rows, k_ring.shape[1], first, window + seq - 1, align)
+    return chunk_attention(q, k_ring, v_ring, table, r, rel_proj, backend=backend, q_start=cached - base,
+                           key_start=first - base, key_end=cached + n_new - base, window=window, tau=tau, mesh=mesh)
+
+
 def self_attention(q, k, v, r, rel_proj, positions, *, backend: Backend, window=None, tau=None, segment_ids=None,
                    mesh=None):
     """T tokens attending among themselves; positions must step by one inside each segment (packed sequences
@@ -180,11 +196,18 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Back
     new token. By the backend's `decode_attention`, or where it is batch-invariant, by `invariant_attention`'s."""
     use = backend.resolve()
     pallas = use.decode_attention == "pallas"
-    if use.batch_invariant:
-        _one_device(mesh, "attention")
-        return invariant_attention.decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, page_table=page_table,
-                                                    ring_rows=ring_rows, window=window, tau=tau,
-                                                    interpret=use.interpret)
+    if use.batch_invariant:  # a one-token chunk at the fixed tile, over the cache as it lies
+        one = functools.partial(jax.numpy.expand_dims, axis=1)
+        tau = None if tau is None else one(tau)
+        if page_table is None:
+            out = ring_chunk_attention(one(q), k_cache, v_cache, ring_rows, one(r), rel_proj, backend=backend,
+                                       cached=lengths - 1, n_new=jax.numpy.ones_like(lengths), window=window,
+                                       tau=tau, mesh=mesh)
+        else:
+            out = chunk_attention(one(q), k_cache, v_cache, page_table, one(r), rel_proj, backend=backend,
+                                  q_start=lengths - 1, key_start=jax.numpy.zeros_like(lengths), key_end=lengths,
+                                  window=window, tau=tau, mesh=mesh)
+        return out[:, 0]
     if page_table is None:
         fn = functools.partial(decode.ring_decode_attention, interpret=use.interpret) if pallas \
             else decode.ring_decode_reference

@@ -8,7 +8,10 @@ through a page table, key s of row b at row s % page_size of page page_table[b, 
 - full layers: the paged cache with the chunk already written, q_start = cached length, key_start = 0,
   key_end = cached + new tokens;
 - sliding layers: [the ring in position order | the chunk] as one page per row ([B, W + T, Hkv, D] with table
-  [[0], [1], ...]), q_start = W, key_start = W - min(cached, W), key_end = W + new tokens.
+  [[0], [1], ...]), q_start = W, key_start = W - min(cached, W), key_end = W + new tokens;
+- sliding rings that already hold the chunk (decode steps, a speculative verify over rings longer than the
+  window), read in place: every table entry of a row names its ring, key indices are positions less a multiple
+  of the ring's length (`inkling_jax.nn.cache.ring_as_pages`).
 One program per (query block, KV head, row) walks only the key blocks inside [key_start, key_end), the causal
 limit and the window; keys are gathered row by row from their pages (Pallas Triton backend), so no copy of the
 span is made. The tiles, relative bias and online softmax are forward.py's (tiles.py).

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from inkling_jax import Backend, InklingModel, preset
-from inkling_jax.nn import invariant, invariant_attention
+from inkling_jax.nn import invariant, invariant_attention, kernels
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
@@ -93,46 +93,51 @@ def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_st
         np.testing.assert_array_equal(np.concatenate(got), want, err_msg=f"chunks {chunks}, {rows} rows")
 
 
-@pytest.mark.parametrize("ring", [8, 11])
-def test_a_decode_step_reads_the_cache_as_it_lies_and_matches_the_training_attention_bit_for_bit(ring):
-    """Decode steps at positions past several laps of a sliding layer's ring (of the window's length, or longer
-    as speculative decoding sizes it) and past multiples of the tile's key block, with stale entries in the ring;
-    and over a full layer's shuffled pages: each row's output is that of its position in the training forward."""
+@pytest.mark.parametrize("ring, tokens", [(8, 1), (11, 1), (11, 4)])
+def test_attention_over_the_cache_as_it_lies_matches_the_training_attention_bit_for_bit(ring, tokens):
+    """Decode steps and chunks of 4 at positions past several laps of a sliding layer's ring (of the window's length,
+    or longer as speculative decoding sizes it) and past multiples of the tile's key block, with stale entries in
+    the ring; decode steps over a full layer's shuffled pages: each query's output is that of its position in the
+    training forward."""
     window, seq, heads, kv_heads, dim, d_rel = 8, 150, 4, 2, 16, 4
     keys = iter(jax.random.split(jax.random.key(0), 8))
     q, r = (jax.random.normal(next(keys), (1, seq, heads, d), jnp.float32) for d in (dim, d_rel))
     k, v = (jax.random.normal(next(keys), (1, seq, kv_heads, dim), jnp.float32) for _ in range(2))
     rel_proj = jax.random.normal(next(keys), (d_rel, window), jnp.float32)
     tau = 1 + jax.random.uniform(next(keys), (1, seq), jnp.float32)
-    positions = np.array([0, 5, 63, 64, 70, 128, 149])
-    rows = len(positions)
+    starts = np.array([0, 5, 63, 64, 70, 124, 146])  # each row's first query
+    rows, span = len(starts), starts[:, None] + np.arange(tokens)[None, :]
+    query = lambda x: x[0, span]  # noqa: E731
 
     want = invariant_attention.self_attention(q, k, v, r, rel_proj, window=window, tau=None, interpret=True)[0]
     ring_rows = np.arange(rows, 0, -1)  # pool row of each batch row (row 0 of the pool is nobody's)
-    pools = [np.asarray(jax.random.normal(next(keys), (rows + 1, ring, kv_heads, dim), jnp.float32))] * 2
-    pools = [pool.copy() for pool in pools]
-    for b, p in enumerate(positions):
-        for pos in range(max(0, p + 1 - ring), p + 1):
+    pools = [np.array(jax.random.normal(next(keys), (rows + 1, ring, kv_heads, dim), jnp.float32)) for _ in "kv"]
+    for b, last in enumerate(span[:, -1]):
+        for pos in range(max(0, last + 1 - ring), last + 1):
             for pool, x in zip(pools, (k, v)):
                 pool[ring_rows[b], pos % ring] = x[0, pos]
-    got = invariant_attention.decode_attention(q[0, positions], *pools, r[0, positions], rel_proj,
-                                               jnp.asarray(positions + 1), page_table=None,
-                                               ring_rows=jnp.asarray(ring_rows), window=window, tau=None,
-                                               interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[positions])
+    if tokens == 1:
+        got = kernels.decode_attention(query(q)[:, 0], *pools, query(r)[:, 0], rel_proj, jnp.asarray(starts + 1),
+                                       backend=INVARIANT, ring_rows=jnp.asarray(ring_rows), window=window)[:, None]
+    else:
+        got = kernels.ring_chunk_attention(query(q), *pools, jnp.asarray(ring_rows), query(r), rel_proj,
+                                           backend=INVARIANT, cached=jnp.asarray(starts),
+                                           n_new=jnp.full((rows,), tokens), window=window)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[span])
+    if tokens > 1:
+        return
 
     want = invariant_attention.self_attention(q, k, v, r, rel_proj, window=None, tau=tau, interpret=True)[0]
     page_size, per_row = 16, -(-seq // 16)
     table = np.random.default_rng(0).permutation(rows * per_row).reshape(rows, per_row)
     pools = [np.zeros((rows * per_row, page_size, kv_heads, dim), np.float32) for _ in range(2)]
-    for b, p in enumerate(positions):
+    for b, p in enumerate(starts):
         for pos in range(p + 1):
             for pool, x in zip(pools, (k, v)):
                 pool[table[b, pos // page_size], pos % page_size] = x[0, pos]
-    got = invariant_attention.decode_attention(q[0, positions], *pools, r[0, positions], rel_proj,
-                                               jnp.asarray(positions + 1), page_table=jnp.asarray(table),
-                                               ring_rows=None, window=None, tau=tau[0, positions], interpret=True)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[positions])
+    got = kernels.decode_attention(q[0, starts], *pools, r[0, starts], rel_proj, jnp.asarray(starts + 1),
+                                   backend=INVARIANT, page_table=jnp.asarray(table), tau=tau[0, starts])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want)[starts])
 
 
 def test_the_engine_gives_a_request_the_same_tokens_and_logprobs_alone_and_among_others(model):
