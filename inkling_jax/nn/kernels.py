@@ -15,8 +15,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from inkling_jax.backend import Backend
-from inkling_jax.nn.cache import ring_as_pages
 from inkling_jax.nn import invariant, invariant_attention
+from inkling_jax.nn.cache import ring_as_pages
 from inkling_jax.parallel.kernel_sharding import split
 from pallas_kernels import decode_attention as decode
 from pallas_kernels.attn_prologue import attn_prologue
@@ -193,7 +193,7 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Back
                      ring_rows=None, window=None, tau=None, mesh=None):
     """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
     given) or a window ring (sliding layers; row b's ring is `ring_rows[b]`, default b). `lengths` counts the
-    new token. By the backend's `decode_attention`, or where it is batch-invariant, by `invariant_attention`'s."""
+    new token. By the backend's `decode_attention`; where it is batch-invariant, as a one-token `chunk_attention`."""
     use = backend.resolve()
     pallas = use.decode_attention == "pallas"
     if use.batch_invariant:  # a one-token chunk at the fixed tile, over the cache as it lies
