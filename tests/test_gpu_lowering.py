@@ -69,9 +69,9 @@ STEP_KERNELS = {"bf16": {"mosaic": 2, "triton": 5}, "fp8": {"mosaic": 2, "triton
                 "nvfp4": {"mosaic": 7, "triton": 5}}
 
 
-def _step_kernels(model, rows: int, tokens: int, ring_slots: int | None = None) -> dict[str, int]:
+def _step_kernels(model, rows: int, tokens: int, ring_slack: int = 0) -> dict[str, int]:
     leaves, merged = flat_params(model)
-    cache = jax.eval_shape(lambda: model.init_cache(rows, 512, ring_slots=ring_slots))
+    cache = jax.eval_shape(lambda: model.init_cache(rows, 512, ring_slack=ring_slack))
     ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
     per_row = jax.ShapeDtypeStruct((rows,), jnp.int32)
 
@@ -88,11 +88,13 @@ def test_serving_steps_lower_for_cuda(precision, rows, tokens):
     assert _step_kernels(_abstract_model(precision, precision), rows, tokens) == STEP_KERNELS[precision]
 
 
-def test_a_speculative_verify_over_rings_longer_than_the_window_lowers_for_cuda():
-    """A verify of K + 1 = 4 tokens per row over the rings a speculative engine keeps (K slots past the window):
-    the prefill chunk's kernels."""
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_steps_over_rings_longer_than_the_window_lower_for_cuda(tokens):
+    """Over the rings a speculative engine keeps (K = 3 slots past the window), a draft chain's decode step and a
+    verify of K + 1 tokens read the rings in place with the chunk kernel (in the decode step, instead of the ring
+    kernel): the same number of kernels."""
     model = _abstract_model("bf16", "bf16")
-    assert _step_kernels(model, 33, 4, ring_slots=_config().text.sliding_window + 3) == STEP_KERNELS["bf16"]
+    assert _step_kernels(model, 33, tokens, ring_slack=3) == STEP_KERNELS["bf16"]
 
 
 @pytest.mark.parametrize("rows, tokens", [(33, 1), (32, 128)])  # the gathered form, the segmented

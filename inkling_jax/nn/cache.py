@@ -4,7 +4,7 @@ Per layer:
 - K and V after their ShortConv (K also after its norm, never tau-scaled). Full-attention layers keep every
   position in pages, `[num_pages, page_size, Hkv, D]`, shared by all rows through `page_table [B, pages_per_row]`
   (position p of row b lives in page `page_table[b, p // page_size]` at offset `p % page_size`); sliding layers
-  keep a ring of `window` slots per row (or a few more, `ring_slots`), where position p lives in slot
+  keep a ring of `window` slots per row (or a few more, `ring_slack`), where position p lives in slot
   p % slots, so their memory never grows with the sequence.
 - The four ShortConv states (k, v, attention output, MLP output): the last `width - 1` conv *inputs*.
 Plus `lengths [B]`: tokens already in the cache per row (rows may differ). `init_cache` gives each row its own
@@ -51,11 +51,11 @@ DEFAULT_PAGE_SIZE = 16
 
 
 def init_layer_cache(cfg: TextConfig, local: bool, batch: int, num_pages: int, page_size: int, dtype,
-                     ring_slots: int | None = None) -> LayerCache:
+                     ring_slack: int = 0) -> LayerCache:
     shape = cfg.attention(local)
     hist = cfg.conv_kernel_size - 1
     kv_width = shape.num_kv_heads * shape.head_dim
-    rows = (batch, ring_slots or shape.window) if local else (num_pages, page_size)
+    rows = (batch, shape.window + ring_slack) if local else (num_pages, page_size)
     kv_shape = rows + (shape.num_kv_heads, shape.head_dim)
     # Every field its own buffer: the jitted steps donate the cache, and a buffer cannot be donated twice.
     return LayerCache(k=jnp.zeros(kv_shape, dtype), v=jnp.zeros(kv_shape, dtype),
@@ -66,25 +66,25 @@ def init_layer_cache(cfg: TextConfig, local: bool, batch: int, num_pages: int, p
 
 
 def init_cache(cfg: TextConfig, batch: int, max_len: int, dtype=jnp.float32, *, page_size: int = DEFAULT_PAGE_SIZE,
-               num_pages: int | None = None, ring_slots: int | None = None) -> Cache:
+               num_pages: int | None = None, ring_slack: int = 0) -> Cache:
     """An empty cache for `batch` rows of up to `max_len` tokens each.
 
     By default every row owns ceil(max_len / page_size) contiguous pages; pass `num_pages` to size a shared
-    pool (the page table then starts all-zero and the caller assigns pages). `ring_slots`: the sliding layers'
-    ring length (default the window): a ring longer by n lets a step write n positions past what its row keeps
-    without overwriting a position the window still holds (speculative decoding's verify).
+    pool (the page table then starts all-zero and the caller assigns pages). `ring_slack`: slots the sliding
+    layers' rings hold past the window: n of them let a step write n positions past what its row keeps without
+    overwriting a position the window still holds (speculative decoding's verify and draft chains).
     """
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"max_len {max_len} exceeds the model's context of {cfg.max_position_embeddings}")
-    if ring_slots is not None and ring_slots < cfg.sliding_window:
-        raise ValueError(f"ring_slots {ring_slots} is shorter than the sliding window ({cfg.sliding_window})")
+    if ring_slack < 0:
+        raise ValueError(f"ring_slack must be >= 0, got {ring_slack}")
     per_row = -(-max_len // page_size)
     if num_pages is None:
         num_pages = batch * per_row
         page_table = jnp.arange(num_pages, dtype=jnp.int32).reshape(batch, per_row)
     else:
         page_table = jnp.zeros((batch, per_row), jnp.int32)
-    layers = tuple(init_layer_cache(cfg, cfg.is_local(i), batch, num_pages, page_size, dtype, ring_slots)
+    layers = tuple(init_layer_cache(cfg, cfg.is_local(i), batch, num_pages, page_size, dtype, ring_slack)
                    for i in range(cfg.num_layers))
     return Cache(lengths=jnp.zeros((batch,), jnp.int32), page_table=page_table, layers=layers)
 

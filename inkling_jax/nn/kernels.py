@@ -193,21 +193,21 @@ def decode_attention(q, k_cache, v_cache, r, rel_proj, lengths, *, backend: Back
                      ring_rows=None, window=None, tau=None, mesh=None):
     """One new token per row over the cache that already holds it: paged pages (full layers, `page_table`
     given) or a window ring (sliding layers; row b's ring is `ring_rows[b]`, default b). `lengths` counts the
-    new token. By the backend's `decode_attention`; where it is batch-invariant, as a one-token `chunk_attention`."""
+    new token. By the backend's `decode_attention`; where it is batch-invariant, or a ring holds slots past the
+    window, as a one-token `chunk_attention`."""
     use = backend.resolve()
     pallas = use.decode_attention == "pallas"
-    if use.batch_invariant:  # a one-token chunk at the fixed tile, over the cache as it lies
-        one = functools.partial(jax.numpy.expand_dims, axis=1)
-        tau = None if tau is None else one(tau)
-        if page_table is None:
-            out = ring_chunk_attention(one(q), k_cache, v_cache, ring_rows, one(r), rel_proj, backend=backend,
-                                       cached=lengths - 1, n_new=jax.numpy.ones_like(lengths), window=window,
-                                       tau=tau, mesh=mesh)
-        else:
-            out = chunk_attention(one(q), k_cache, v_cache, page_table, one(r), rel_proj, backend=backend,
-                                  q_start=lengths - 1, key_start=jax.numpy.zeros_like(lengths), key_end=lengths,
-                                  window=window, tau=tau, mesh=mesh)
-        return out[:, 0]
+    one = functools.partial(jax.numpy.expand_dims, axis=1)
+    if page_table is None and (use.batch_invariant or k_cache.shape[1] > window):
+        # A one-token chunk over the ring as it lies: batch-invariant steps (at the fixed tile), and rings with
+        # slots past the window (speculative decoding's), which the ring kernels do not take.
+        return ring_chunk_attention(one(q), k_cache, v_cache, ring_rows, one(r), rel_proj, backend=backend,
+                                    cached=lengths - 1, n_new=jax.numpy.ones_like(lengths), window=window,
+                                    tau=None if tau is None else one(tau), mesh=mesh)[:, 0]
+    if use.batch_invariant:  # a one-token chunk at the fixed tile over the pages
+        return chunk_attention(one(q), k_cache, v_cache, page_table, one(r), rel_proj, backend=backend,
+                               q_start=lengths - 1, key_start=jax.numpy.zeros_like(lengths), key_end=lengths,
+                               window=window, tau=None if tau is None else one(tau), mesh=mesh)[:, 0]
     if page_table is None:
         fn = functools.partial(decode.ring_decode_attention, interpret=use.interpret) if pallas \
             else decode.ring_decode_reference

@@ -52,11 +52,13 @@ class SpeculativeConfig:
         chain (their entries are never read once the row's length passes them, but need pages)."""
         return 2 * self.num_draft_tokens
 
-    def ring_slots(self, window: int) -> int:
-        """Slots of the target's sliding rings: K past the window. A verify writes K + 1 positions from a row's
-        length and the row keeps at least the first, so what it writes past the kept tokens lands in slots of
-        positions before the window, and a rejection copies nothing back."""
-        return window + self.num_draft_tokens
+    @property
+    def ring_slack(self) -> int:
+        """Slots the sliding rings (the model's and the drafter's) hold past the window: K. A verify writes K + 1
+        positions from a row's length and a draft chain at most K from the new length, and the row keeps at least
+        the first, so what they write past the kept tokens lands in slots of positions before the window: a
+        rejection copies nothing back."""
+        return self.num_draft_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,9 +163,10 @@ class EngineConfig:
         """Positions past its tokens that a step may write for a row (`SpeculativeConfig.lookahead`; else 0)."""
         return 0 if self.speculative is None else self.speculative.lookahead
 
-    def ring_slots(self, window: int) -> int | None:
-        """Slots of the target's sliding rings (`SpeculativeConfig.ring_slots`); None: the window."""
-        return None if self.speculative is None else self.speculative.ring_slots(window)
+    @property
+    def ring_slack(self) -> int:
+        """Slots the sliding rings hold past the window (`SpeculativeConfig.ring_slack`; else 0)."""
+        return 0 if self.speculative is None else self.speculative.ring_slack
 
     @property
     def pages_per_row(self) -> int:

@@ -72,8 +72,7 @@ def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype,
     lengths and page table too: a few bytes a row more than the engine keeps)."""
     cfg, vocab = config, text.unpadded_vocab_size
     slots = sum(cache_bytes(layers, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1,
-                            ring_slots=cfg.ring_slots(text.sliding_window) if layers is text else None)
-                for layers in _cache_layers(text, drafter))
+                            ring_slack=cfg.ring_slack) for layers in _cache_layers(text, drafter))
     slots -= page_bytes(text, cfg, dtype, drafter=drafter)
     return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
             "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)

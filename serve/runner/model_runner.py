@@ -90,8 +90,7 @@ class ModelRunner(StepCompilation, MixedSteps):
         shared = (self._merge, self.text, config.max_logprobs, config.sampling_filters, config.pages_per_row,
                   self._constrain_cache, self._whole)
         self.programs = StepPrograms(*shared, routing_page_size=config.page_size if config.record_experts else None) \
-            if spec is None else SpeculativePrograms(*shared, config=model.config, speculative=spec,
-                                                     drafter=self.drafter)
+            if spec is None else SpeculativePrograms(*shared, config=model.config, speculative=spec)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32) if spec is None else
@@ -115,8 +114,7 @@ class ModelRunner(StepCompilation, MixedSteps):
         def cache():
             return init_serving_cache(self.model.config.text, self.drafter, cfg.num_rows, cfg.max_model_len +
                                       cfg.lookahead, self.model.dtype, page_size=cfg.page_size,
-                                      num_pages=self.num_pages,
-                                      ring_slots=cfg.ring_slots(self.model.config.text.sliding_window))
+                                      num_pages=self.num_pages, ring_slack=cfg.ring_slack)
 
         def snapshots():
             return cache_rows.empty_snapshots(self.text, shapes, cfg.snapshots)

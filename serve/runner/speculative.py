@@ -4,7 +4,7 @@ A round, for every running row at cached length L whose last sampled token t0 is
 
 1. verify: the target extends [t0, d1 .. dK] (the row's drafts; `n_new` = 1 + the drafts it may use) in one
    chunk over the paged cache, the ShortConv inputs kept (`keep_conv_inputs`). Its sliding layers' rings hold K
-   slots past the window (`SpeculativeConfig.ring_slots`), so what it writes for drafts the row rejects
+   slots past the window (`SpeculativeConfig.ring_slack`), so what it writes for drafts the row rejects
    overwrites no position the window still needs;
 2. accept (`rejection.verify`): position j's logits give the target's distribution after d1 .. dj as the plain
    sampler would draw from it (the row's parameters at output index + j, penalties counting the drafts before
@@ -16,12 +16,11 @@ A round, for every running row at cached length L whose last sampled token t0 is
 4. draft (method "mtp"): every MTP depth runs over the kept positions with the trunk's hidden states and the
    tokens after them (g_0 .. g_a), so its cache advances with the trunk's (`MTPHead.extend`); depth 0's output at
    the last kept position drafts d'1, and the chain feeds each step's hidden state and token to the next
-   position (step j through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length are
-   undone: its ring slots restored (`rollback`), its ShortConv states not kept.
+   position (step j through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length
+   stay (never read: the drafter's rings too hold K slots past the window), its ShortConv states are not kept.
 
 Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
-kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, undone past the length as the MTP
-chain is. A prefill chunk drafts the same way after its sample (`_draft`). A run of rounds (up to the engine's
+kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, left behind as the MTP chain is. A prefill chunk drafts the same way after its sample (`_draft`). A run of rounds (up to the engine's
 decode steps) feeds each round the last token and drafts of the one before on the device; the last drafts go
 back to the host with the samples and return as the next run's input (`serve.runner.drafters`).
 """
@@ -37,7 +36,7 @@ import numpy as np
 from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.nn.cache import Cache, init_cache
 from serve.engine.config import SpeculativeConfig
-from serve.runner.rollback import keep_conv_prefix, restore_ring_slots, ring_slots
+from serve.runner.rollback import keep_conv_prefix
 from serve.runner.rejection import verify
 from serve.runner.sampler import pack_samples
 from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepPrograms, unpack
@@ -65,11 +64,9 @@ def cache_layout(target: TextConfig, drafter: TextConfig | None) -> TextConfig:
                                    target.num_layers + i for i in drafter.local_layer_ids))
 
 
-def init_serving_cache(target: TextConfig, drafter: TextConfig | None, *args, ring_slots: int | None = None,
-                       **kwargs) -> Cache:
-    """`init_cache` of the target (its rings of `ring_slots`: `EngineConfig.ring_slots`) with the drafter's layers
-    appended (same rows, lengths and page table)."""
-    cache = init_cache(target, *args, ring_slots=ring_slots, **kwargs)
+def init_serving_cache(target: TextConfig, drafter: TextConfig | None, *args, **kwargs) -> Cache:
+    """`init_cache` of the target with the drafter's layers appended (same rows, lengths and page table)."""
+    cache = init_cache(target, *args, **kwargs)
     return cache if drafter is None else cache.replace(layers=cache.layers + init_cache(drafter, *args,
                                                                                          **kwargs).layers)
 
@@ -102,16 +99,13 @@ def no_previous_round(rows: int, num_drafts: int) -> tuple:
 
 
 class SpeculativePrograms(StepPrograms):
-    def __init__(self, merge, *args, config: InklingConfig, speculative: SpeculativeConfig,
-                 drafter: TextConfig | None, **kwargs):
+    def __init__(self, merge, *args, config: InklingConfig, speculative: SpeculativeConfig, **kwargs):
         """merge: parameter leaves -> the target model, or with method "draft" -> [target, draft model]."""
         self.method = speculative.method
         super().__init__((lambda leaves: merge(leaves)[0]) if self.method == "draft" else merge, *args, **kwargs)
         self.merge_draft = lambda leaves: merge(leaves)[1]  # noqa: E731  (method "draft" only)
         self.num_drafts = speculative.num_draft_tokens
         self.trunk_layers = config.text.num_layers
-        layout = cache_layout(config.text, drafter)
-        self.local = tuple(layout.is_local(i) for i in range(layout.num_layers))
         self.history = config.text.conv_kernel_size - 1
 
     def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
@@ -193,14 +187,12 @@ class SpeculativePrograms(StepPrograms):
         of ids [R, T]; and K drafts after `token [R]` (each row's next token), chained on the rows where `active`
         holds (the others write nothing)."""
         _, drafter = draft.extend_hidden(ids, drafter, kept)
-        chain_positions = drafter.lengths[:, None] + jnp.arange(self.num_drafts)[None, :]
-        saved = ring_slots(drafter, self.local[self.trunk_layers:], chain_positions)
         chain, drafts, first = drafter, [], jnp.zeros_like(kept)
         for _ in range(self.num_drafts):
             logits, chain = draft.extend(token[:, None], chain, active.astype(jnp.int32), logits_at=first)
             token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             drafts.append(token)
-        return self._undo_chain(drafter, chain, chain_positions, saved), jnp.stack(drafts, axis=1)
+        return self._after_chain(drafter, chain), jnp.stack(drafts, axis=1)
 
     def _mtp_drafts(self, model, drafter, hidden, next_ids, kept, active):
         """The MTP depths' cache `drafter` (at the trunk's old lengths) advanced over the `kept` positions of a
@@ -212,22 +204,20 @@ class SpeculativePrograms(StepPrograms):
         h = depth_hidden[0][jnp.arange(rows), jnp.maximum(kept - 1, 0)]
         token = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
         drafts, chain = [token], drafter
-        chain_positions = drafter.lengths[:, None] + jnp.arange(self.num_drafts - 1)[None, :]
-        saved = ring_slots(drafter, self.local[self.trunk_layers:], chain_positions)
         depths = len(drafter.layers)
         for j in range(1, self.num_drafts):
             h, chain = model.mtp.step(min(j, depths - 1), h, token, embed, chain, active)
             token = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
             drafts.append(token)
-        return self._undo_chain(drafter, chain, chain_positions, saved), jnp.stack(drafts, axis=1)
+        return self._after_chain(drafter, chain), jnp.stack(drafts, axis=1)
 
     @staticmethod
-    def _undo_chain(kept, chain, positions, saved):
-        """The drafter's cache `kept` after a draft chain wrote `chain` past its length at `positions [R, S]`: the
-        chain's K/V entries stay (never read once the length passes them) except in rings, which get their `saved`
-        slots back; its ShortConv states and lengths are not kept."""
+    def _after_chain(kept, chain):
+        """The drafter's cache `kept` after a draft chain wrote `chain` past its length: the chain's K/V entries
+        stay (never read once the length passes them; in the rings they fill the slots past the window); its
+        ShortConv states and lengths are not kept."""
         layers = tuple(layer.replace(k=chained.k, v=chained.v) for layer, chained in zip(kept.layers, chain.layers))
-        return restore_ring_slots(kept.replace(layers=layers), positions, saved)
+        return kept.replace(layers=layers)
 
     def _split(self, cache):
         """(the trunk's cache, the MTP depths' cache): views of one cache, sharing lengths and pages."""

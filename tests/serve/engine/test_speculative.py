@@ -164,9 +164,8 @@ def _row_state(engine, slot: int, length: int) -> dict[str, np.ndarray]:
         owner = "drafter " if i >= trunk else ""
         for name in ("k", "v"):
             pool = np.asarray(getattr(layer, name))
-            if layout.is_local(i):  # the target's rings hold more slots than its window (the drafter's do not)
-                window = CONFIG.text.sliding_window if i < trunk else pool.shape[1]
-                kept = positions[-window:]
+            if layout.is_local(i):  # the rings hold K slots past the window (the model's, its twin's, the head's)
+                kept = positions[-CONFIG.text.sliding_window:]
                 state[f"{owner}ring {i} {name}"] = pool[slot, kept % pool.shape[1]]
             else:
                 page_size = pool.shape[1]
