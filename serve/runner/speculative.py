@@ -93,6 +93,14 @@ def check_speculative(config: InklingConfig, speculative: SpeculativeConfig | No
                          f"({config.text.unpadded_vocab_size})")
 
 
+def after_reads(active, hidden):
+    """`active` [R] as a function of `hidden` [R, T, H] too (false only where a row's is NaN), so that a draft
+    chain whose writes follow `active` runs after what `hidden` was computed from. A chain step writes the
+    drafter's KV pools in place, which the extend before it read; its inputs (a token, the previous step's
+    output) do not depend on those reads, and without that order XLA copies each pool whole before writing it."""
+    return active & ~jnp.isnan(hidden[:, 0, 0])
+
+
 def no_previous_round(rows: int, num_drafts: int) -> tuple:
     """The carry a run's first round reads (`SpeculativePrograms.round`): no token, no drafts, nothing emitted."""
     return np.zeros((rows,), np.int32), np.zeros((rows, num_drafts), np.int32), np.zeros((rows,), np.int32)
@@ -186,7 +194,8 @@ class SpeculativePrograms(StepPrograms):
         """The draft model's cache `drafter` (at the trunk's old lengths) advanced over the first `kept [R]` tokens
         of ids [R, T]; and K drafts after `token [R]` (each row's next token), chained on the rows where `active`
         holds (the others write nothing)."""
-        _, drafter = draft.extend_hidden(ids, drafter, kept)
+        hidden, drafter = draft.extend_hidden(ids, drafter, kept)
+        active = after_reads(active, hidden)
         chain, drafts, first = drafter, [], jnp.zeros_like(kept)
         for _ in range(self.num_drafts):
             logits, chain = draft.extend(token[:, None], chain, active.astype(jnp.int32), logits_at=first)
@@ -204,6 +213,7 @@ class SpeculativePrograms(StepPrograms):
         h = depth_hidden[0][jnp.arange(rows), jnp.maximum(kept - 1, 0)]
         token = jnp.argmax(model.logits(h), axis=-1).astype(jnp.int32)
         drafts, chain = [token], drafter
+        active = after_reads(active, depth_hidden[-1])
         depths = len(drafter.layers)
         for j in range(1, self.num_drafts):
             h, chain = model.mtp.step(min(j, depths - 1), h, token, embed, chain, active)
