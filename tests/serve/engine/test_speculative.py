@@ -5,6 +5,8 @@ state in the cache (full-layer KV, sliding rings, ShortConv states, the MTP dept
 that of a plain prefill of the accepted tokens. Prompts and outputs cross the window (16) and the full layers'
 relative extent (24)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -190,6 +192,21 @@ def assert_cache_equals_a_plain_prefill(engine, prompt, expected):
     assert {key.split()[0] for key in spec} == {"ring", "full", "shortconv", "drafter"}
     for key in spec:
         np.testing.assert_allclose(spec[key], reference[key], rtol=1e-4, atol=1e-5, err_msg=key)
+
+
+def test_a_round_updates_every_kv_pool_in_place(forced):
+    """The compiled rounds hold no copy of a KV pool (ring or pages, the model's or the MTP depths'): the verify
+    and the draft chain write them in place, each after every read of what it overwrites."""
+    runner = forced.runner
+    pools = set()
+    for layer in runner.cache.layers:
+        rows, slots, *rest = layer.k.shape
+        pools |= {(rows, slots, *rest), (rows * slots, *rest)}  # as laid out, and flattened for the scatter
+    rounds = [program for (_, tokens, _), program in runner._steps.items() if tokens == 1]
+    assert rounds
+    for program in rounds:
+        copies = re.findall(r"= \w+\[([\d,]+)\]\{[\d,]*\} copy\(", program.as_text())
+        assert not {tuple(map(int, shape.split(","))) for shape in copies} & pools
 
 
 def test_cache_after_forced_rejections_equals_a_plain_prefill(forced, greedy):
