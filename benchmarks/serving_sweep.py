@@ -140,14 +140,14 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
     return {k: v for k, v in found.items() if k not in ("input_lens", "output_lens", "ttfts", "itls", "errors")}
 
 
-def measure_programs(args, results: dict, engine, startup_s: float) -> None:
+def measure_programs(args, results: dict, engine) -> None:
     """The server's engine, its thread ended, its programs timed alone."""
     from benchmarks.programs import decode_program_seconds, mixed_program_seconds, prefill_program_seconds
     from benchmarks.timing import attempt, stamp
 
     results["stamp"] = stamp()
     config = engine.runner.config
-    results["engine"] = {"build_and_warm_up_s": startup_s, "max_num_seqs": config.max_num_seqs,
+    results["engine"] = {"build_and_warm_up_s": results["server_startup_s"], "max_num_seqs": config.max_num_seqs,
                          "max_num_batched_tokens": config.max_num_batched_tokens, "buckets": config.buckets,
                          "num_pages": engine.runner.num_pages, "decode_steps": config.decode_steps,
                          "max_chunk": config.max_chunk}
@@ -191,7 +191,7 @@ def schedule_ceiling(results: dict, level: int) -> float | None:
     largest prefill bucket, or in chunks riding that level's mixed step beside its decodes). None where a part
     was not timed."""
     step_ms = results.get("decode_ms_per_token", {}).get(level)
-    costs = [results[key] / 1e3 for key in ("largest_prefill_us_per_token",) if key in results]
+    costs = [results["largest_prefill_us_per_token"] / 1e3] if "largest_prefill_us_per_token" in results else []
     if step_ms is not None and level in results.get("mixed_ms", {}):
         costs.append((results["mixed_ms"][level] - step_ms) / results["engine"]["max_chunk"])
     if step_ms is None or not costs:
@@ -263,7 +263,7 @@ def main(argv=None) -> None:
     finally:
         engine.shutdown(drain_seconds=0)
     log("server stopped")
-    measure_programs(args, results, engine, results["server_startup_s"])
+    measure_programs(args, results, engine)
     save(args, results)
     print(table(results), flush=True)
     log(f"results in {os.path.join(args.out, 'sweep.json')}")

@@ -134,8 +134,8 @@ def test_training_gradient_lowers_for_cuda():
 def test_training_gradient_lowers_with_jax_mgpu_matmuls(monkeypatch, forward, mosaic):
     """The MoE's backward (and forward) on jax's Mosaic-GPU ragged dot (`Backend.moe_backward`): its kernels are
     the ones traced, 2 dgrads and 3 weight gradients (and the forward's gate, up and down, traced for the value and
-    again for the gradient: the MoE's entry is jitted), and they lower for CUDA beside ours. jax's transposed kernel reads the SM count from jax.devices()[0], which a CPU host's device
-    lacks: it is given an H200's here."""
+    again for the gradient: the MoE's entry is jitted), and they lower for CUDA beside ours. jax's transposed
+    kernel reads the SM count from jax.devices()[0], which a CPU host's device lacks: it is given an H200's here."""
     traced, kernels = [], jax_mgpu.kernels
 
     def recording(interpret):

@@ -105,4 +105,3 @@ def ring_as_pages(rows, ring_len: int, first_key, span: int, align: int = 1):
     base = first_key // period * period
     table = jnp.broadcast_to(rows.astype(jnp.int32)[:, None], (rows.shape[0], -(-(period + span) // ring_len)))
     return table, base
-

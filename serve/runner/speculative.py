@@ -20,9 +20,10 @@ A round, for every running row at cached length L whose last sampled token t0 is
    stay (never read: the drafter's rings too hold K slots past the window), its ShortConv states are not kept.
 
 Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
-kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, left behind as the MTP chain is. A prefill chunk drafts the same way after its sample (`_draft`). A run of rounds (up to the engine's
-decode steps) feeds each round the last token and drafts of the one before on the device; the last drafts go
-back to the host with the samples and return as the next run's input (`serve.runner.drafters`).
+kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, left behind as the MTP chain is.
+A prefill chunk drafts the same way after its sample (`_draft`). A run of rounds (up to the engine's decode steps)
+feeds each round the last token and drafts of the one before on the device; the last drafts go back to the host
+with the samples and return as the next run's input (`serve.runner.drafters`).
 """
 
 from __future__ import annotations
