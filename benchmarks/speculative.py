@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--mesh", help="throughput: serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); "
                    "default: one device")
     p.add_argument("--profile", action="store_true", help="throughput: also print where each program's device "
-                   f"time goes at {ROWS[-1]} rows (`benchmarks.profile`)")
+                   f"time goes at {ROWS[0]} and {ROWS[-1]} rows (`benchmarks.profile`)")
     p.add_argument("--out", help="directory for speculative.json")
     args = p.parse_args(argv)
     if not set(args.methods.split(",")) <= {"oracle", "mtp"}:
@@ -172,9 +172,9 @@ def throughput(args) -> dict:
                       f"{acceptance.mean_length:.2f}, compile {engine.warm_up_seconds:.0f} s", flush=True)
         engine.shutdown(drain_seconds=0)
         results["rows"][label] = {n: 1e3 * decode_program_seconds(engine, n, steps=1) for n in ROWS}
-        if args.profile:
-            print(f"{label} program at {ROWS[-1]} rows, device time by operation:\n" +
-                  op_table(device_op_times(decode_program_call(engine, ROWS[-1], steps=1))), flush=True)
+        for rows in (ROWS[0], ROWS[-1]) if args.profile else ():
+            print(f"{label} program at {rows} rows, device time by operation:\n" +
+                  op_table(device_op_times(decode_program_call(engine, rows, steps=1))), flush=True)
         print(f"{label} program ms at {', '.join(map(str, ROWS))} rows: "
               + ", ".join(f"{ms:.2f}" for ms in results["rows"][label].values()), flush=True)
         del engine
