@@ -91,12 +91,15 @@ def parse_args(argv=None):
 
 def engine_config(args, speculative=None, **changes) -> EngineConfig:
     """Buckets for 1, 8 and 32 rows (the last the all-rows bucket) and one prompt chunk; pages for every slot at
-    full length (not from free memory: the engines run one after another in one process)."""
+    full length (not from free memory: the engines run one after another in one process). No mixed programs:
+    a speculative engine has none, and the loads here send every prompt at once, so a plain engine's decodes
+    never meet a prompt chunk either, and compiling its mixed programs would only cost time."""
     length = args.prompt_tokens + args.output_tokens + 16
     return EngineConfig(**{**dict(
         max_num_seqs=32, max_model_len=length, num_pages=33 * -(-(length + 16) // 16),
         max_num_batched_tokens=8 * args.prompt_tokens, chunk_buckets=(1, args.prompt_tokens),
-        row_buckets=(1, 8, 33), prefix_caching=False, decode_steps=args.decode_steps, speculative=speculative),
+        row_buckets=(1, 8, 33), prefix_caching=False, mixed_steps=False, decode_steps=args.decode_steps,
+        speculative=speculative),
         **changes})
 
 
