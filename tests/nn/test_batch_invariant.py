@@ -66,6 +66,12 @@ def test_fixed_order_pieces_agree_with_xla_and_do_not_depend_on_the_rows():
         assert np.allclose(got[1].T if transposed else got[1], want[1], rtol=1e-4, atol=1e-2)
     for rows in (1, 7, 40):  # row 0 of X[:M] @ W, whatever M
         np.testing.assert_array_equal(product(x[:rows])[0], product(x[:1])[0])
+    # bf16 on both sides of DECODE_ROWS, where the tiles change
+    xb = jax.random.normal(jax.random.key(2), (2 * invariant.DECODE_ROWS + 3, 300)).astype(jnp.bfloat16)
+    bf16_product = jax.jit(lambda x: invariant.matmul(x, w.astype(jnp.bfloat16), interpret=True))
+    whole = bf16_product(xb)
+    for rows in (1, invariant.DECODE_ROWS, invariant.DECODE_ROWS + 1):
+        np.testing.assert_array_equal(bf16_product(xb[:rows]), whole[:rows])
     sums = jax.jit(invariant.tree_sum)
     np.testing.assert_array_equal(sums(x)[:3], sums(x[:3]))
 
