@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import moe_tiles, rl, timing
+from benchmarks import invariant_matmul, moe_tiles, rl, timing
 from benchmarks.profile import device_op_times, op_table
 from benchmarks.speculative import plant_successor
 from inkling_jax import preset
@@ -22,7 +22,7 @@ from tests.greedy import greedy_tokens
 # runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("name", ["model", "serving", "serving_sweep", "speculative", "training", "kernels", "moe",
-                                  "conversion", "timing", "multi_lora", "rl", "moe_tiles"])
+                                  "conversion", "timing", "multi_lora", "rl", "moe_tiles", "invariant_matmul"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:
@@ -105,6 +105,17 @@ def test_the_rl_benchmark_runs_every_mode_and_reports_each(tmp_path, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     header, rows = lines[-2 - len(modes)], lines[-len(modes):]
     assert header.startswith("| mode |") and [row.split(" | ")[0] for row in rows] == [f"| {m}" for m in modes]
+
+
+def test_the_invariant_matmul_benchmark_times_both_tiles_and_checks_the_bits_across_them(tmp_path, capsys):
+    invariant_matmul.main(["--preset", "tiny", "--rows", "5,70", "--trials", "1", "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "invariant_matmul.json").read_text())
+    assert not found["errors"] and len(found["results"]) == len(invariant_matmul.weight_shapes(preset("tiny").text))
+    for result in found["results"].values():
+        assert result["same_bits"] is True
+        assert [(r["tiles"], r["unit"]) for r in result["rows"].values()] == [("decode", "GB/s"), ("default", "TFLOP/s")]
+        assert all(s > 0 for r in result["rows"].values() for s in r["seconds"].values())
+    assert "| LM head | 64 -> 384 (as it lies) | 5 | decode |" in capsys.readouterr().out
 
 
 def test_the_tile_sweep_times_the_current_tiles_even_without_budget_and_reports_them(tmp_path, capsys):

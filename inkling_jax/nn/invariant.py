@@ -25,8 +25,8 @@ from pallas_kernels.moe.tuning import GmmConfig, KernelConfigs
 WIDTH_MULTIPLE = 16
 # Up to one 64-row tile (decode steps), bf16 products take tiles of one warpgroup over 128 columns: the default
 # 128 x 128 tile leaves most SMs idle on a skinny product. The K blocks stay those of the default (64), so the
-# bits do not change. On one H200 at 33 rows (2026-12-05) the LM head (6144 -> 201024) took 0.77 ms instead of
-# 1.60 and the dense down projection (24576 -> 6144) 0.15 ms instead of 0.23, bit for bit the default's.
+# bits do not change. Chosen at 33 rows on one H200 (2026-12-05); `python -m benchmarks.invariant_matmul` times
+# both tiles against XLA's dot and checks the bits (docs/performance.md, "RL").
 DECODE_ROWS = 64
 DECODE_TILES = KernelConfigs(gmm=GmmConfig(compute_wgs=1, block_n=128, stages=6, grid_tile_width=1))
 
@@ -81,14 +81,19 @@ def matmul(x, w, *, interpret: bool, transposed: bool = False):
             rows = jnp.pad(rows, ((0, 0), (0, pad_k)))
             w = jnp.pad(w, ((0, pad_n), (0, pad_k)) if transposed else ((0, pad_k), (0, pad_n)))
         sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        decode = rows.shape[0] <= DECODE_ROWS and w.dtype == jnp.bfloat16
         out = ops.grouped_matmul(rows, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
-                                 configs=DECODE_TILES if decode else KernelConfigs())
+                                 configs=tiles(rows.shape[0], w.dtype))
         return out[:, :n].reshape(*x.shape[:-1], n)
 
     def dot(x, w):
         return x.astype(w.dtype) @ (w.T if transposed else w)
     return with_gradient_of(fixed_tiles, dot)(x, w)
+
+
+def tiles(rows: int, dtype) -> KernelConfigs:
+    """The kernel's tiles for a product of `rows` rows (static): `DECODE_TILES` for bf16 up to `DECODE_ROWS`, else
+    the kernel's defaults."""
+    return DECODE_TILES if rows <= DECODE_ROWS and jnp.dtype(dtype) == jnp.bfloat16 else KernelConfigs()
 
 
 def with_gradient_of(forward, backward):
