@@ -108,8 +108,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.invariant_matmul", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="bench", help="whose weight shapes (tiny: a check on CPU)")
-    parser.add_argument("--rows", default="33,1024", help="row counts: a decode step's (32 sequences and the "
-                        "engine's scratch row) and a training step's")
+    parser.add_argument("--rows", default="33,8192", help="row counts: a decode step's (32 sequences and the "
+                        "engine's scratch row) and a training step's (`benchmarks.rl`'s: 32 sequences of 256 tokens)")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for invariant_matmul.json")
     args = parser.parse_args(argv)
