@@ -4,8 +4,8 @@ against XLA's dot, at a decode step's rows and a training step's, and whether a 
     python -m benchmarks.invariant_matmul                        # a GPU: the `bench` preset's dense weights
     python -m benchmarks.invariant_matmul --preset tiny --trials 1  # CPU: the plumbing only (portable kernel)
 
-Per distinct weight shape of the preset (the attention projections, the dense MLP, the shared experts, the LM head
-read as it lies, [vocab, hidden]), bf16, random operands:
+Per distinct weight shape of the preset (the attention projections, the dense MLP, each shared expert, the LM head
+read as it lies, [vocab, hidden]; the routed experts run other kernels), bf16, random operands:
 - at each row count of `--rows`: the invariant matmul at the tiles it takes there (`invariant.tiles`:
   `DECODE_TILES` up to `DECODE_ROWS` rows), the kernel at its default tiles, and XLA's dot, each the median of
   trials of back-to-back calls; as GB/s of the weight read up to `DECODE_ROWS` rows (a decode step reads its
@@ -44,8 +44,8 @@ def weight_shapes(text: TextConfig) -> dict[tuple[int, int, bool], list[str]]:
         "attention out": (text.num_heads * text.head_dim, hidden),
         "dense MLP gate, up": (hidden, text.dense_intermediate_size),
         "dense MLP down": (text.dense_intermediate_size, hidden),
-        "shared experts gate, up": (hidden, text.num_shared_experts * text.moe_intermediate_size),
-        "shared experts down": (text.num_shared_experts * text.moe_intermediate_size, hidden),
+        "a shared expert's gate, up": (hidden, text.moe_intermediate_size if text.num_shared_experts else 0),
+        "a shared expert's down": (text.moe_intermediate_size if text.num_shared_experts else 0, hidden),
         "LM head": (hidden, text.vocab_size),
     }
     shapes: dict[tuple[int, int, bool], list[str]] = {}
