@@ -73,7 +73,7 @@ def matmul(x, w, *, interpret: bool, transposed: bool = False):
     kernel as one group. K and N are zero-padded to WIDTH_MULTIPLE where needed (the padding adds exact zeros).
     Its gradient is XLA's dot's: only the values must not depend on the rows (the logprobs that rollouts and the
     trainer compare), not the gradient's."""
-    def fixed_tiles(x, w):
+    def kernel(x, w):
         n, k = w.shape if transposed else w.shape[::-1]
         rows = x.reshape(-1, k).astype(w.dtype)
         pad_k, pad_n = -k % WIDTH_MULTIPLE, -n % WIDTH_MULTIPLE
@@ -87,7 +87,7 @@ def matmul(x, w, *, interpret: bool, transposed: bool = False):
 
     def dot(x, w):
         return x.astype(w.dtype) @ (w.T if transposed else w)
-    return with_gradient_of(fixed_tiles, dot)(x, w)
+    return with_gradient_of(kernel, dot)(x, w)
 
 
 def tiles(rows: int, dtype) -> KernelConfigs:
