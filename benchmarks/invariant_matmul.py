@@ -12,24 +12,30 @@ read as it lies, [vocab, hidden]; the routed experts run other kernels), bf16, r
   weights once), as TFLOP/s above; and the invariant matmul's speed over XLA's;
 - `same bits`: each row count's product equals the first rows of the largest's, bit for bit (the tiles differ
   across `DECODE_ROWS`, the K order must not).
-Prints one table and writes invariant_matmul.json.
+`--sweep SECONDS` also searches tiles per row count (`benchmarks.moe_tiles`' search: tile shapes, then stages and
+grid order), scored by the summed time of every shape's product, the K blocks kept at the current tiles' so that
+any candidate gives the same bits (checked for the best). Prints one table (and the sweep's) and writes
+invariant_matmul.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.moe_tiles import Problem, Sweep, describe
 from benchmarks.timing import CALLS, attempt, median_seconds, save_json, stamp, stamp_line
 from inkling_jax import preset
 from inkling_jax.config import TextConfig
 from inkling_jax.nn import invariant
 from pallas_kernels.moe import ops
-from pallas_kernels.moe.tuning import KernelConfigs
+from pallas_kernels.moe.tuning import GmmConfig, KernelConfigs
 
 
 def weight_shapes(text: TextConfig) -> dict[tuple[int, int, bool], list[str]]:
@@ -55,22 +61,33 @@ def weight_shapes(text: TextConfig) -> dict[tuple[int, int, bool], list[str]]:
     return shapes
 
 
+def operands(shape, rows: int):
+    """Random bf16 (x [rows, K], w) for a product of `weight_shapes`."""
+    k, n, transposed = shape
+    keys = jax.random.split(jax.random.key(0), 2)
+    w = (0.02 * jax.random.normal(keys[0], (n, k) if transposed else (k, n))).astype(jnp.bfloat16)
+    return jax.random.normal(keys[1], (rows, k)).astype(jnp.bfloat16), w
+
+
+def kernel_product(cfg: GmmConfig, x, w, *, transposed: bool, interpret):
+    """x @ w by the grouped-matmul kernel as one group, at tiles `cfg`, as `invariant.matmul` runs it."""
+    sizes = jnp.full((1,), x.shape[0], jnp.int32)
+    return ops.grouped_matmul(x, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
+                              configs=KernelConfigs(gmm=cfg))
+
+
 def products(transposed: bool, interpret):
     """(the invariant matmul, the kernel at its default tiles, XLA's dot), each jitted x [M, K] @ w."""
-    def default_tiles(x, w):
-        sizes = jnp.full((1,), x.shape[0], jnp.int32)
-        return ops.grouped_matmul(x, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
-                                  configs=KernelConfigs())
+    default = KernelConfigs().get("gmm", jnp.bfloat16)
     return {"invariant": jax.jit(lambda x, w: invariant.matmul(x, w, interpret=interpret, transposed=transposed)),
-            "default tiles": jax.jit(default_tiles),
+            "default tiles": jax.jit(functools.partial(kernel_product, default, transposed=transposed,
+                                                       interpret=interpret)),
             "xla": jax.jit(lambda x, w: x @ (w.T if transposed else w))}
 
 
 def measure(shape, rows: list[int], trials: int, interpret) -> dict:
     k, n, transposed = shape
-    keys = jax.random.split(jax.random.key(0), 2)
-    w = (0.02 * jax.random.normal(keys[0], (n, k) if transposed else (k, n))).astype(jnp.bfloat16)
-    x = jax.random.normal(keys[1], (max(rows), k)).astype(jnp.bfloat16)
+    x, w = operands(shape, max(rows))
     fns = products(transposed, interpret)
     whole = np.asarray(fns["invariant"](x, w))
     result = {"same_bits": all(np.array_equal(np.asarray(fns["invariant"](x[:m], w)), whole[:m]) for m in rows),
@@ -84,6 +101,46 @@ def measure(shape, rows: list[int], trials: int, interpret) -> dict:
                              "tiles": "decode" if invariant.tiles(m, w.dtype) == invariant.DECODE_TILES else "default",
                              "invariant_over_xla": seconds["xla"] / seconds["invariant"]}
     return result
+
+
+def candidates(current: GmmConfig) -> list[GmmConfig]:
+    """The sweep's first round: the current tiles, then each tile shape at their K blocks, stages and grid order."""
+    shaped = [dataclasses.replace(current, compute_wgs=wgs, block_n=block_n) for wgs in (1, 2)
+              for block_n in (64, 128, 256)]
+    return list(dict.fromkeys([current, *shaped]))
+
+
+def sweep(shapes: dict, rows: list[int], seconds: float, interpret) -> dict:
+    """Per row count, the tiles whose summed time over every shape's product is least, against the current tiles
+    (`invariant.tiles`), and whether the best gives the current tiles' bits."""
+    arrays = {shape: operands(shape, max(rows)) for shape in shapes}
+    found = {}
+    for m in rows:
+        current = invariant.tiles(m, jnp.bfloat16).get("gmm", jnp.bfloat16)
+        cases = [Problem(f"{'; '.join(names)} at {m} rows",
+                         functools.partial(kernel_product, transposed=shape[2], interpret=interpret),
+                         (arrays[shape][0][:m], arrays[shape][1]), 2 * m * shape[0] * shape[1])
+                 for shape, names in shapes.items()]
+        search = Sweep(f"{m} rows", cases, seconds / len(rows))
+        search.run(candidates(current))
+        ranked = search.ranked()
+        best = ranked[0] if ranked else None
+        same = best is not None and all(
+            np.array_equal(np.asarray(jax.jit(functools.partial(c.run, best))(*c.arrays)),
+                           np.asarray(jax.jit(functools.partial(c.run, current))(*c.arrays))) for c in cases)
+        found[m] = {"current": describe(current), "current_ms": _ms(search.timed.get(current)),
+                    "best": best and describe(best), "best_ms": best and _ms(search.timed[best]),
+                    "best_same_bits": same, "candidates": {describe(c): _ms(t) for c, t in search.timed.items()},
+                    "errors": search.errors}
+    return found
+
+
+def _ms(seconds):
+    return None if seconds is None else seconds * 1e3
+
+
+def _shown(ms) -> str:
+    return "-" if ms is None else f"{ms:.3f}"
 
 
 def table(found: dict, shapes: dict, rows: list[int]) -> str:
@@ -111,6 +168,8 @@ def main(argv=None):
     parser.add_argument("--rows", default="33,8192", help="row counts: a decode step's (32 sequences and the "
                         "engine's scratch row) and a training step's (`benchmarks.rl`'s: 32 sequences of 256 tokens)")
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--sweep", type=float, default=None, metavar="SECONDS",
+                        help="also search tiles per row count for this long (0: the current tiles only)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for invariant_matmul.json")
     args = parser.parse_args(argv)
     rows = sorted(int(r) for r in args.rows.split(","))
@@ -126,8 +185,15 @@ def main(argv=None):
     where = stamp()
     print(f"\n{stamp_line(where)}; preset {args.preset}, bf16; {CALLS} calls per trial, median of {args.trials}")
     print(table(found, shapes, rows))
+    searched = None if args.sweep is None else sweep(shapes, rows, args.sweep, interpret)
+    if searched:
+        print("\n| rows | current ms | best ms | best / current | same bits | best tiles |\n|---:|---:|---:|---:|---|---|")
+        for m, r in searched.items():
+            ratio = r["best_ms"] / r["current_ms"] if r["best_ms"] and r["current_ms"] else None
+            print(f"| {m} | {_shown(r['current_ms'])} | {_shown(r['best_ms'])} | "
+                  f"{'-' if ratio is None else f'{ratio:.3f}'} | {r['best_same_bits']} | {r['best'] or '-'} |")
     save_json(args.out, "invariant_matmul.json", {"args": vars(args), "stamp": where, "results": found,
-                                                   "errors": errors})
+                                                   "sweep": searched, "errors": errors})
 
 
 if __name__ == "__main__":

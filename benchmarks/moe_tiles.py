@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.moe import DRY, INKLING, rnd, rows_inputs, weights
-from benchmarks.timing import attempt, median_seconds, save_json, stamp, stamp_line
+from benchmarks.timing import CALLS, attempt, median_seconds, save_json, stamp, stamp_line
 from pallas_kernels.moe import epilogues, jax_mgpu, matmuls
 from pallas_kernels.moe.tuning import DEFAULTS, WgradConfig
 
@@ -124,7 +124,7 @@ class Sweep:
         for case in self.cases:
             fn = jax.jit(functools.partial(case.run, cfg))
             t = attempt(f"{self.role} [{describe(cfg)}] {case.label}",
-                        lambda: median_seconds(fn, *case.arrays, trials=5, warmup=1), self.errors)
+                        lambda: median_seconds(fn, *case.arrays, trials=5, warmup=1, calls=CALLS), self.errors)
             if t is None:
                 total = None
                 break

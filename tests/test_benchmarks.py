@@ -108,8 +108,13 @@ def test_the_rl_benchmark_runs_every_mode_and_reports_each(tmp_path, capsys):
 
 
 def test_the_invariant_matmul_benchmark_times_both_tiles_and_checks_the_bits_across_them(tmp_path, capsys):
-    invariant_matmul.main(["--preset", "tiny", "--rows", "5,70", "--trials", "1", "--out", str(tmp_path)])
+    invariant_matmul.main(["--preset", "tiny", "--rows", "5,70", "--trials", "1", "--sweep", "0", "--out",
+                           str(tmp_path)])
     found = json.loads((tmp_path / "invariant_matmul.json").read_text())
+    # a sweep without budget times the current tiles alone, which are then its best
+    assert [(r["best"], r["best_same_bits"]) for r in found["sweep"].values()] == \
+        [(r["current"], True) for r in found["sweep"].values()]
+    assert "compute_wgs=1" in found["sweep"]["5"]["current"] and "compute_wgs=2" in found["sweep"]["70"]["current"]
     assert not found["errors"] and len(found["results"]) == len(invariant_matmul.weight_shapes(preset("tiny").text))
     for result in found["results"].values():
         assert result["same_bits"] is True
