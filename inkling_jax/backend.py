@@ -29,9 +29,10 @@ far slower than XLA's ops).
 batch_invariant (`--batch-invariant`): every token's logits are computed with the same reduction order whatever
 the batch, its rows, the concurrency and the chunking, so a decode step, a prefill chunk and a training forward
 give the same bits (`inkling_jax/nn/invariant.py`). Matmuls (projections, router, head, dense MLPs, shared
-experts) run the grouped-matmul kernel as one group with fixed tiles; the routed experts its SwiGLU kernels (never
-the decode layout); attention of every kind (training, prefill chunks, decode steps) the prefill-chunk kernel with
-fixed tiles, its key blocks aligned to absolute positions (the gradient is that of `attention`'s choice); norms,
+experts) run the grouped-matmul kernel as one group with a fixed K order (tiles by row count, K blocks fixed);
+the routed experts its SwiGLU kernels (never the decode layout); attention of every kind (training, prefill
+chunks, decode steps) the prefill-chunk kernel with fixed tiles, its key blocks aligned to absolute positions (the
+gradient is that of `attention`'s choice); norms,
 softmaxes and the top-k combine sum in a fixed order; a decode step runs the model's unfused prologue. It
 overrides `moe` and, for the forward, `attention` and `decode_attention`. Self-attention then takes one sequence
 per row (segment ids may mark only the padding after it), and the model runs on one device with its own, unfused
@@ -181,7 +182,7 @@ def add_batch_invariant_flag(parser: argparse.ArgumentParser, what: str) -> None
             start_cpu_without_fma()
 
     parser.add_argument("--batch-invariant", action=BatchInvariant, nargs=0, dest="backend", default=argparse.SUPPRESS,
-                        help=f"batch-invariant kernels: fixed tiles and reduction orders, so that {what} (slower; "
+                        help=f"batch-invariant kernels: fixed reduction orders, so that {what} (slower; "
                         "one device, no fused projections, bf16/fp32 weights; on CPU, XLA without fused "
                         "multiply-adds; see inkling_jax/backend.py)")
 
