@@ -32,8 +32,8 @@ give the same bits (`inkling_jax/nn/invariant.py`). Matmuls (projections, router
 experts) run the grouped-matmul kernel as one group with a fixed K order (tiles by row count, K blocks fixed);
 the routed experts its SwiGLU kernels (never the decode layout); attention of every kind (training, prefill
 chunks, decode steps) the prefill-chunk kernel with fixed tiles, its key blocks aligned to absolute positions (the
-gradient is that of `attention`'s choice); norms,
-softmaxes and the top-k combine sum in a fixed order; a decode step runs the model's unfused prologue. It
+gradient is that of `attention`'s choice); norms, softmaxes and the top-k combine sum in a fixed order; a decode
+step runs the model's unfused prologue. It
 overrides `moe` and, for the forward, `attention` and `decode_attention`. Self-attention then takes one sequence
 per row (segment ids may mark only the padding after it), and the model runs on one device with its own, unfused
 projections. On CPU the commands start XLA without fused multiply-adds (`NO_FMA_CPU_FLAG`).
