@@ -125,7 +125,7 @@ def sweep(shapes: dict, rows: list[int], seconds: float, interpret) -> dict:
         search.run(candidates(current))
         ranked = search.ranked()
         best = ranked[0] if ranked else None
-        same = best is not None and all(
+        same = best == current or best is not None and all(
             np.array_equal(np.asarray(jax.jit(functools.partial(c.run, best))(*c.arrays)),
                            np.asarray(jax.jit(functools.partial(c.run, current))(*c.arrays))) for c in cases)
         found[m] = {"current": describe(current), "current_ms": _ms(search.timed.get(current)),
