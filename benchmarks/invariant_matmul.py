@@ -34,7 +34,6 @@ from benchmarks.timing import CALLS, attempt, median_seconds, save_json, stamp, 
 from inkling_jax import preset
 from inkling_jax.config import TextConfig
 from inkling_jax.nn import invariant
-from pallas_kernels.moe import ops
 from pallas_kernels.moe.tuning import GmmConfig, KernelConfigs
 
 
@@ -70,10 +69,8 @@ def operands(shape, rows: int):
 
 
 def kernel_product(cfg: GmmConfig, x, w, *, transposed: bool, interpret):
-    """x @ w by the grouped-matmul kernel as one group, at tiles `cfg`, as `invariant.matmul` runs it."""
-    sizes = jnp.full((1,), x.shape[0], jnp.int32)
-    return ops.grouped_matmul(x, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
-                              configs=KernelConfigs(gmm=cfg))
+    """x @ w as `invariant.matmul` runs it, at the matmul tiles `cfg` (the sweep's candidates are these)."""
+    return invariant.one_group(x, w, KernelConfigs(gmm=cfg), transposed=transposed, interpret=interpret)
 
 
 def products(transposed: bool, interpret):
@@ -187,7 +184,8 @@ def main(argv=None):
     print(table(found, shapes, rows))
     searched = None if args.sweep is None else sweep(shapes, rows, args.sweep, interpret)
     if searched:
-        print("\n| rows | current ms | best ms | best / current | same bits | best tiles |\n|---:|---:|---:|---:|---|---|")
+        print("\n| rows | current ms | best ms | best / current | same bits | best tiles |")
+        print("|---:|---:|---:|---:|---|---|")
         for m, r in searched.items():
             ratio = r["best_ms"] / r["current_ms"] if r["best_ms"] and r["current_ms"] else None
             print(f"| {m} | {_shown(r['current_ms'])} | {_shown(r['best_ms'])} | "

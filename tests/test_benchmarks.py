@@ -118,7 +118,8 @@ def test_the_invariant_matmul_benchmark_times_both_tiles_and_checks_the_bits_acr
     assert not found["errors"] and len(found["results"]) == len(invariant_matmul.weight_shapes(preset("tiny").text))
     for result in found["results"].values():
         assert result["same_bits"] is True
-        assert [(r["tiles"], r["unit"]) for r in result["rows"].values()] == [("decode", "GB/s"), ("default", "TFLOP/s")]
+        assert [(r["tiles"], r["unit"]) for r in result["rows"].values()] == \
+            [("decode", "GB/s"), ("default", "TFLOP/s")]
         assert all(s > 0 for r in result["rows"].values() for s in r["seconds"].values())
     assert "| LM head | 64 -> 384 (as it lies) | 5 | decode |" in capsys.readouterr().out
 

@@ -80,14 +80,19 @@ def matmul(x, w, *, interpret: bool, transposed: bool = False):
         if pad_k or pad_n:
             rows = jnp.pad(rows, ((0, 0), (0, pad_k)))
             w = jnp.pad(w, ((0, pad_n), (0, pad_k)) if transposed else ((0, pad_k), (0, pad_n)))
-        sizes = jnp.full((1,), rows.shape[0], jnp.int32)
-        out = ops.grouped_matmul(rows, w[None], sizes, transpose_rhs=transposed, interpret=interpret,
-                                 configs=tiles(rows.shape[0], w.dtype))
+        out = one_group(rows, w, tiles(rows.shape[0], w.dtype), transposed=transposed, interpret=interpret)
         return out[:, :n].reshape(*x.shape[:-1], n)
 
     def dot(x, w):
         return x.astype(w.dtype) @ (w.T if transposed else w)
     return with_gradient_of(kernel, dot)(x, w)
+
+
+def one_group(rows, w, configs: KernelConfigs, *, transposed: bool, interpret):
+    """rows [M, K] @ w [K, N] (or w [N, K] `transposed`) by the grouped-matmul kernel as one group at tiles
+    `configs`; K and N multiples of WIDTH_MULTIPLE."""
+    sizes = jnp.full((1,), rows.shape[0], jnp.int32)
+    return ops.grouped_matmul(rows, w[None], sizes, transpose_rhs=transposed, interpret=interpret, configs=configs)
 
 
 def tiles(rows: int, dtype) -> KernelConfigs:
