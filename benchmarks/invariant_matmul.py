@@ -14,7 +14,8 @@ read as it lies, [vocab, hidden]; the routed experts run other kernels), bf16, r
   across `DECODE_ROWS`, the K order must not).
 `--sweep SECONDS` also searches tiles per row count (`benchmarks.moe_tiles`' search: tile shapes, then stages and
 grid order), scored by the summed time of every shape's product, the K blocks kept at the current tiles' so that
-any candidate gives the same bits (checked for the best). Prints one table (and the sweep's) and writes
+any candidate gives the same bits (checked for the best). `--weights head,down` keeps the shapes of the weights
+named so (here the LM head and both down projections). Prints one table (and the sweep's) and writes
 invariant_matmul.json.
 """
 
@@ -164,6 +165,8 @@ def main(argv=None):
     parser.add_argument("--preset", default="bench", help="whose weight shapes (tiny: a check on CPU)")
     parser.add_argument("--rows", default="33,8192", help="row counts: a decode step's (32 sequences and the "
                         "engine's scratch row) and a training step's (`benchmarks.rl`'s: 32 sequences of 256 tokens)")
+    parser.add_argument("--weights", default="", help="comma-separated words: only the shapes of the weights "
+                        "whose names contain one (default: every shape)")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--sweep", type=float, default=None, metavar="SECONDS",
                         help="also search tiles per row count for this long (0: the current tiles only)")
@@ -171,7 +174,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = sorted(int(r) for r in args.rows.split(","))
     interpret = jax.default_backend() != "gpu"  # the portable kernel elsewhere
-    shapes = weight_shapes(preset(args.preset).text)
+    every = weight_shapes(preset(args.preset).text)
+    words = [word.strip() for word in args.weights.split(",") if word.strip()] or [""]
+    shapes = {shape: names for shape, names in every.items() if any(w in n for w in words for n in names)}
+    if not shapes:
+        parser.error(f"--weights {args.weights!r} names none of {[n for names in every.values() for n in names]}")
     found, errors = {}, {}
     for shape in shapes:
         got = attempt(f"{shape}", lambda shape=shape: measure(shape, rows, args.trials, interpret), errors)
