@@ -30,13 +30,13 @@ batch_invariant (`--batch-invariant`): every token's logits are computed with th
 the batch, its rows, the concurrency and the chunking, so a decode step, a prefill chunk and a training forward
 give the same bits (`inkling_jax/nn/invariant.py`). Matmuls (projections, router, head, dense MLPs, shared
 experts) run the grouped-matmul kernel as one group with a fixed K order (tiles by row count, K blocks fixed);
-the routed experts its SwiGLU kernels (never the decode layout); attention of every kind (training, prefill
-chunks, decode steps) the prefill-chunk kernel with fixed tiles, its key blocks aligned to absolute positions (the
-gradient is that of `attention`'s choice); norms, softmaxes and the top-k combine sum in a fixed order; a decode
-step runs the model's unfused prologue. It
-overrides `moe` and, for the forward, `attention` and `decode_attention`. Self-attention then takes one sequence
-per row (segment ids may mark only the padding after it), and the model runs on one device with its own, unfused
-projections. On CPU the commands start XLA without fused multiply-adds (`NO_FMA_CPU_FLAG`).
+the routed experts its SwiGLU kernels (tiles by row count, never the decode slab layout); attention of every
+kind (training, prefill chunks, decode steps) the prefill-chunk kernel with fixed tiles, its key blocks aligned
+to absolute positions (the gradient is that of `attention`'s choice); norms, softmaxes and the top-k combine
+sum in a fixed order; a decode step runs the model's unfused prologue. It overrides `moe` and, for the forward,
+`attention` and `decode_attention`. Self-attention then takes one sequence per row (segment ids may mark only the
+padding after it), and the model runs on one device with its own, unfused projections. On CPU the commands
+start XLA without fused multiply-adds (`NO_FMA_CPU_FLAG`).
 
 interpret: how a "pallas" kernel runs. True: in Pallas' interpreter, on any platform (slow: CPU tests). False:
 compiled for the GPU (on a machine without one such a program can only be lowered, as tests/test_gpu_lowering.py

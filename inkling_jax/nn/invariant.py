@@ -8,8 +8,8 @@ dozen rows, and a row of `X[:M] @ W` with M (on the H200 too: docs/rl.md). Here
 - matmuls run the grouped-matmul kernel (`pallas_kernels.moe`) as one group: each output element accumulated
   over K in one fixed order (the same K blocks whatever the tile's rows and columns), no split of K, rows padded
   to the tile;
-- the routed experts run its SwiGLU kernels (never the decode layout, whose tiles follow the row count): a row
-  block shared by several experts adds exact zeros for the rows of the others.
+- the routed experts run its SwiGLU kernels on the rows sorted by expert (never the decode slab layout, whose
+  slabs follow the row count): a row block shared by several experts adds exact zeros for the rows of the others.
 """
 
 import functools
@@ -26,7 +26,9 @@ WIDTH_MULTIPLE = 16
 # Up to one 64-row tile (decode steps), bf16 products take tiles of one warpgroup over 128 columns: the default
 # 128 x 128 tile leaves most SMs idle on a skinny product. The K blocks stay those of the default (64), so the
 # bits do not change. Chosen at 33 rows on one H200 (2026-12-05); `python -m benchmarks.invariant_matmul` times
-# both tiles against XLA's dot and checks the bits (docs/performance.md, "RL").
+# both tiles against XLA's dot and checks the bits (docs/performance.md, "RL"). Steps of up to as many tokens run
+# the routed experts at the kernels' decode tiles (at 33 tokens, top-6 of 32 `bench` experts on one H100: 1.6 ms
+# against 3.0 at the defaults, the same bits).
 DECODE_ROWS = 64
 DECODE_TILES = KernelConfigs(gmm=GmmConfig(compute_wgs=1, block_n=128, stages=6, grid_tile_width=1))
 
@@ -110,15 +112,18 @@ def with_gradient_of(forward, backward):
 
 
 @functools.cache
-def expert_ffn(interpret: bool):
+def expert_ffn(interpret: bool, decode: bool):
     """The routed experts on rows sorted by expert, as `moe_dispatch.grouped_ffn` returns them: the SwiGLU and
-    down-projection kernels at the default tiles, whatever the number of rows. Jitted, as the kernels' public
-    entries are (`pallas_kernels`), and one function per `interpret`, so that the layers share it."""
+    down-projection kernels at the kernels' decode tiles (`decode`: a step of up to `DECODE_ROWS` tokens) or
+    their defaults. Both walk K in the same blocks, so a row's output does not depend on which. Jitted, as the
+    kernels' public entries are (`pallas_kernels`), and one function per argument pair, so that layers share it."""
+    configs = KernelConfigs(decode=decode)
+
     @jax.jit
     def ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
         w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
-        return ops.moe_ffn_core(rows, w_gate, w_up, w_down, group_sizes, row_weights, interpret, KernelConfigs(),
-                                MatmulKernels())  # ours, at fixed tiles
+        return ops.moe_ffn_core(rows, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs,
+                                MatmulKernels())  # ours, at fixed K blocks
     return ffn
 
 

@@ -46,8 +46,8 @@ def _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, b
     if precision_of(routed) != "bf16":
         raise ValueError("the batch-invariant MoE runs bf16 or fp32 experts, not quantised ones")
     num_tokens, top_k = expert_ids.shape
-    y = grouped_rows(x, expert_ids.reshape(-1), weights.reshape(-1), routed, invariant.expert_ffn(backend.interpret),
-                     top_k)
+    ffn = invariant.expert_ffn(backend.interpret, num_tokens <= invariant.DECODE_ROWS)
+    y = grouped_rows(x, expert_ids.reshape(-1), weights.reshape(-1), routed, ffn, top_k)
     out = invariant.combine_top_k(y, num_tokens, top_k)
     if shared is None:
         return out
