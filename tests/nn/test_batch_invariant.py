@@ -147,7 +147,7 @@ def test_attention_over_the_cache_as_it_lies_matches_the_training_attention_bit_
 
 
 def test_the_engine_gives_a_request_the_same_tokens_and_logprobs_alone_and_among_others(model):
-    """Greedy and seeded requests, alone and among 12 others of other lengths (8 slots: queued, batched and
+    """Greedy and seeded requests, alone and among 32 others of 2 to 16 tokens (8 slots: queued, batched and
     chunked differently; a 40-token prompt takes three chunks)."""
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, page_size=16, chunk_buckets=(1, 16),
                                         row_buckets=(9,), max_num_batched_tokens=160, fuse_projections=False,
@@ -157,11 +157,11 @@ def test_the_engine_gives_a_request_the_same_tokens_and_logprobs_alone_and_among
     try:
         rng = np.random.default_rng(1)
         prompt = rng.integers(0, VOCAB, 40).tolist()
-        others = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(2, 30, 12)]
+        others = [rng.integers(0, VOCAB, int(n)).tolist() for n in rng.integers(2, 17, 32)]
         for params in (SamplingParams(max_tokens=6, temperature=0.0, logprobs=0),
                        SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=3, logprobs=0)):
             alone = generate(engine, [prompt], params)[0]
-            crowd = generate(engine, others[:6] + [prompt] + others[6:], params)[6]
+            crowd = generate(engine, others[:13] + [prompt] + others[13:], params)[13]
             assert crowd.token_ids == alone.token_ids
             assert crowd.logprobs == alone.logprobs  # bit for bit
     finally:
