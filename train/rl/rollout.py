@@ -7,7 +7,8 @@ shardings, so the engine's compiled steps are reused) and hands them to `Engine.
 host copy. With LoRA only the adapters changed: the program merges them into the base weights it reads.
 
 Each prompt's G completions are one engine request with its own seed (from the run's seed, the step and the
-prompt's place), so a rerun samples the same tokens; all P requests run concurrently under continuous batching.
+prompt's place), so a rerun samples the same tokens; the P requests reach the engine as one burst
+(`serve.offline.generate_each`) and run concurrently under continuous batching.
 Every sampled token's logprob is recorded, the EOS that ends a completion included; with routing replay the
 engine also records each MoE layer's experts at every position (`EngineConfig.record_experts`). A prompt's images
 go to the engine as the current vision tower's rows (`train.rl.media`).
@@ -23,7 +24,6 @@ runs in a process (tests, a notebook) passes its own, to reuse a compiled engine
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from typing import Callable
 
@@ -36,7 +36,7 @@ from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.outputs import Sample
 from serve.engine.sampling_params import SamplingParams
-from serve.offline import Generated, TokenRecorder, generate
+from serve.offline import Generated, TokenRecorder, generate_each
 from serve.runner.placement import Placement
 from train.distributed import gather_objects, host_copy
 from train.rl.colocation import global_sharding, local_arrays, local_mesh
@@ -157,16 +157,14 @@ class Rollouts:
         """For each prompt (with its `media`, where given), `group` completions with their logprobs. Across
         processes each process's engine generates its share of the prompts (as many as the others; the same
         seeds, so the same tokens as one process would sample), and every process gets them all."""
-        def one(prompt, seed, images):
-            params = SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed, logprobs=0)
-            return generate(self.engine, [list(prompt)], params, n=group, recorder=RolloutRecorder, media=images)
-
         count, media = jax.process_count(), media or [None] * len(prompts)
         if len(prompts) % count:
             raise ValueError(f"{len(prompts)} prompts do not split evenly over {count} processes")
         share = slice(jax.process_index() * len(prompts) // count, (jax.process_index() + 1) * len(prompts) // count)
-        with concurrent.futures.ThreadPoolExecutor(share.stop - share.start) as pool:
-            groups = list(pool.map(one, prompts[share], seeds[share], media[share]))
+        requests = [([list(prompt)], SamplingParams(max_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                                    logprobs=0), images)
+                    for prompt, seed, images in zip(prompts[share], seeds[share], media[share])]
+        groups = generate_each(self.engine, requests, n=group, recorder=RolloutRecorder)
         if self.free_cache:
             self.engine.free_cache()
         return groups if count == 1 else [g for part in gather_objects(groups) for g in part]

@@ -5,6 +5,7 @@ tokens that land inside a multi-step call (the tokens after them are discarded).
 import concurrent.futures
 import gc
 import re
+import time
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from inkling_jax import preset
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
-from serve.offline import generate
+from serve.offline import generate, generate_each
 from serve.random_weights import random_model
 from tests.backends import REFERENCE
 
@@ -113,6 +114,32 @@ def test_a_request_arriving_during_a_decode_run_is_admitted_after_it(engine):
     assert len(first.token_ids) == 24 and second.finish_reason
     continued, admitted = calls[newcomer["call"] + 1]
     assert not continued and len(admitted) == 1 and admitted != calls[0][1]
+
+
+def test_requests_submitted_back_to_back_sample_what_each_would_alone_and_time_out_together(engine):
+    """`generate_each`: requests with their own seeds and n, in the order given, each choice's tokens those of the
+    request generated alone; when time runs out, every request is aborted and its pages come back."""
+    engine.decode_steps = 4
+    requests = [([prompt], SamplingParams(ignore_eos=True, max_tokens=5, temperature=0.9, seed=seed), None)
+                for seed, prompt in zip((1, 2), PROMPTS)]
+    together = generate_each(engine, requests, n=2)
+    alone = [generate(engine, prompts, params, n=2) for prompts, params, _ in requests]
+    assert [[c.token_ids for c in r] for r in together] == [[c.token_ids for c in r] for r in alone]
+    assert all(len(c.token_ids) == 5 for r in together for c in r)
+    long = [([prompt], SamplingParams(ignore_eos=True, max_tokens=40), None) for prompt in PROMPTS[:2]]
+    aborted = []
+    abort = engine.abort
+    engine.abort = lambda request_id: aborted.append(request_id) or abort(request_id)
+    try:
+        with pytest.raises(TimeoutError):
+            generate_each(engine, long, timeout=0.05)
+    finally:
+        engine.abort = abort
+    assert len(set(aborted)) == 2
+    deadline = time.monotonic() + 30
+    while engine.num_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.num_requests == 0 and engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_prefill_writes_the_rings_in_place(engine):
