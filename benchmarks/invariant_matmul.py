@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.moe_tiles import Problem, Sweep, describe
+from benchmarks.moe_tiles import Problem, Sweep, cell
 from benchmarks.timing import CALLS, attempt, median_seconds, save_json, stamp, stamp_line
 from inkling_jax import preset
 from inkling_jax.config import TextConfig
@@ -121,24 +121,12 @@ def sweep(shapes: dict, rows: list[int], seconds: float, interpret) -> dict:
                  for shape, names in shapes.items()]
         search = Sweep(f"{m} rows", cases, seconds / len(rows))
         search.run(candidates(current))
-        ranked = search.ranked()
-        best = ranked[0] if ranked else None
-        same = best == current or best is not None and all(
+        found[m] = search.summary(current, "current")
+        best = next(iter(search.ranked()), None)
+        found[m]["best_same_bits"] = best == current or best is not None and all(
             np.array_equal(np.asarray(jax.jit(functools.partial(c.run, best))(*c.arrays)),
                            np.asarray(jax.jit(functools.partial(c.run, current))(*c.arrays))) for c in cases)
-        found[m] = {"current": describe(current), "current_ms": _ms(search.timed.get(current)),
-                    "best": best and describe(best), "best_ms": best and _ms(search.timed[best]),
-                    "best_same_bits": same, "candidates": {describe(c): _ms(t) for c, t in search.timed.items()},
-                    "errors": search.errors}
     return found
-
-
-def _ms(seconds):
-    return None if seconds is None else seconds * 1e3
-
-
-def _shown(ms) -> str:
-    return "-" if ms is None else f"{ms:.3f}"
 
 
 def table(found: dict, shapes: dict, rows: list[int]) -> str:
@@ -194,9 +182,9 @@ def main(argv=None):
         print("\n| rows | current ms | best ms | best / current | same bits | best tiles |")
         print("|---:|---:|---:|---:|---|---|")
         for m, r in searched.items():
-            ratio = r["best_ms"] / r["current_ms"] if r["best_ms"] and r["current_ms"] else None
-            print(f"| {m} | {_shown(r['current_ms'])} | {_shown(r['best_ms'])} | "
-                  f"{'-' if ratio is None else f'{ratio:.3f}'} | {r['best_same_bits']} | {r['best'] or '-'} |")
+            ratio = r["best_ms"] and r["current_ms"] and r["best_ms"] / r["current_ms"]
+            print(f"| {m} | {cell(r['current_ms'])} | {cell(r['best_ms'])} | {cell(ratio)} | "
+                  f"{r['best_same_bits']} | {r['best'] or '-'} |")
     save_json(args.out, "invariant_matmul.json", {"args": vars(args), "stamp": where, "results": found,
                                                    "sweep": searched, "errors": errors})
 

@@ -152,6 +152,23 @@ class Sweep:
     def ranked(self) -> list:
         return sorted((c for c, t in self.timed.items() if t is not None), key=self.timed.get)
 
+    def summary(self, baseline, name: str) -> dict:
+        """The sweep as its JSON reports it: the baseline tiles under `name` (and `name`_ms), the best ones, every
+        candidate's summed milliseconds, the errors."""
+        best = next(iter(self.ranked()), None)
+        return {name: describe(baseline), f"{name}_ms": milliseconds(self.timed.get(baseline)),
+                "best": best and describe(best), "best_ms": best and milliseconds(self.timed[best]),
+                "candidates": {describe(c): milliseconds(t) for c, t in self.timed.items()}, "errors": self.errors}
+
+
+def milliseconds(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def cell(value: float | None) -> str:
+    """A table cell of a time or ratio that may be missing."""
+    return "-" if not value else f"{value:.3f}"
+
 
 def peer_seconds(cases: list[Problem], errors: dict) -> float | None:
     """jax's kernel over the role's products, where it computes them all."""
@@ -186,16 +203,9 @@ def main(argv=None):
         sweep.run(shapes(default, args.dry_run))
         peer = None if args.dry_run else peer_seconds(cases[role], sweep.errors)
         best = next(iter(sweep.ranked()), None)
-        ms = lambda t: None if t is None else t * 1e3  # noqa: E731
-        found = {
-            "products": [c.label for c in cases[role]],
-            "default": describe(default), "default_ms": ms(sweep.timed.get(default)),
-            "best": best and describe(best), "best_ms": best and ms(sweep.timed[best]),
-            "best_TFLOPs": best and sum(c.flops for c in cases[role]) / sweep.timed[best] / 1e12,
-            "jax_mgpu_ms": ms(peer),
-            "candidates": {describe(c): ms(t) for c, t in sweep.timed.items()},
-            "errors": sweep.errors,
-        }
+        found = {"products": [c.label for c in cases[role]], **sweep.summary(default, "default"),
+                 "best_TFLOPs": best and sum(c.flops for c in cases[role]) / sweep.timed[best] / 1e12,
+                 "jax_mgpu_ms": milliseconds(peer)}
         results["roles"][role] = found
         if args.out:
             save_json(args.out, "moe_tiles.json", results)
@@ -204,9 +214,8 @@ def main(argv=None):
     for role, r in results["roles"].items():
         ratio = r["default_ms"] and r["best_ms"] and r["best_ms"] / r["default_ms"]
         vs_jax = r["jax_mgpu_ms"] and r["best_ms"] and r["best_ms"] / r["jax_mgpu_ms"]
-        fmt = lambda v, spec: "-" if not v else format(v, spec)  # noqa: E731
-        print(f"| {role} | {fmt(r['default_ms'], '.3f')} | {fmt(r['best_ms'], '.3f')} | {fmt(ratio, '.3f')} | "
-              f"{fmt(r['jax_mgpu_ms'], '.3f')} | {fmt(vs_jax, '.3f')} | {r['best'] or '-'} |")
+        print(f"| {role} | {cell(r['default_ms'])} | {cell(r['best_ms'])} | {cell(ratio)} | "
+              f"{cell(r['jax_mgpu_ms'])} | {cell(vs_jax)} | {r['best'] or '-'} |")
 
 
 if __name__ == "__main__":
