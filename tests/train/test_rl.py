@@ -23,7 +23,7 @@ from tests.backends import REFERENCE
 from train import lora
 from train.checkpoint import Checkpoints
 from train.rl import command, tasks
-from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss
+from train.rl.losses import LossConfig, group_advantages, mismatch_metrics, policy_loss, token_logprobs
 from train.rl.prompts import completion_text, load_reward, read_prompts, score
 from train.rl.rollout import EnginePool, Rollouts, engine_config
 from train.rl.step import PolicyTrainer
@@ -235,6 +235,28 @@ def test_mismatch_metrics_and_losses():
     logp, old = np.log([[0.5, 0.5]]), np.log([[0.25, 0.5]])  # ratio 2 on the first token, 1 on the second
     loss, extra = policy_loss(LossConfig("grpo", 0.2), logp, old, np.array([1.0]), np.ones((1, 2), np.float32))
     assert np.isclose(float(loss), -(1.2 + 1.0) / 2) and float(extra["clip_fraction"]) == 0.5
+
+
+def test_token_logprobs_take_values_one_way_and_the_gradient_another():
+    """`gradient_of` (a batch-invariant model's values with XLA's gradient): the terms are exactly those of the
+    first logits function, their derivative that of the second (here twice the first, to tell them apart), with
+    respect to the hidden states and to a weight both close over."""
+    hidden, weight = jax.random.normal(jax.random.key(0), (2, 12, 8)), jax.random.normal(jax.random.key(1), (8, 16))
+    targets = jax.random.randint(jax.random.key(2), (2, 12), 0, 16)
+
+    def total(weight, hidden, double, gradient_of_double):
+        logits = (lambda h: 2 * (h @ weight)) if double else (lambda h: h @ weight)
+        gradient_of = ((lambda h: 2 * (h @ weight)), jax.nn.log_softmax) if gradient_of_double else None
+        terms = token_logprobs(logits, hidden, targets, 0.7, 4, gradient_of=gradient_of)
+        return sum(x.sum() for x in terms), terms
+
+    grad = jax.value_and_grad(total, argnums=(0, 1), has_aux=True)
+    (_, single), _ = grad(weight, hidden, False, False)
+    (_, mixed), mixed_grads = grad(weight, hidden, False, True)
+    _, double_grads = grad(weight, hidden, True, False)
+    assert all(np.array_equal(a, b) for a, b in zip(single, mixed, strict=True))
+    for got, want in zip(mixed_grads, double_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_help_and_bad_input(prompts, tmp_path, capsys):

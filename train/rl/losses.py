@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inkling_jax.nn.invariant import with_gradient_of
+
 LOSSES = ("grpo", "dr_grpo", "gspo")
 DEFAULT_CLIP = {"grpo": 0.2, "dr_grpo": 0.2, "gspo": 3e-4}
 
@@ -44,18 +46,20 @@ def group_advantages(rewards: np.ndarray, kind: str) -> np.ndarray:
     return centred / (rewards.std(axis=1, keepdims=True) + 1e-6)
 
 
-def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int, log_softmax=jax.nn.log_softmax):
+def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int, log_softmax=jax.nn.log_softmax,
+                   gradient_of=None):
     """(logp of the targets at `temperature`, logp at temperature 1, entropy at `temperature`), each [B, T] fp32.
     The head runs on `chunk` positions of every row at a time, rematerialised in the backward pass, so whole
     [B, T, vocab] logits never exist at once. log_softmax: over the last axis (a batch-invariant model's is
-    `inkling_jax.nn.invariant.log_softmax`, the engine's)."""
+    `inkling_jax.nn.invariant.log_softmax`, the engine's). gradient_of: another (logits_fn, log_softmax) pair
+    computing the same terms, whose derivative is taken instead (a batch-invariant model's values with XLA's
+    gradient): each chunk's backward recomputes the terms that way rather than running the batch-invariant
+    kernels again, which only the values need."""
     batch, length, _ = hidden.shape
     chunk = length if length % chunk else chunk
     n = length // chunk
 
-    @jax.checkpoint
-    def one(args):
-        h, t = args
+    def terms(logits_fn, log_softmax, h, t):
         logits = logits_fn(h).astype(jnp.float32)
         raw = jnp.take_along_axis(log_softmax(logits), t[..., None], axis=-1)[..., 0]
         scaled = log_softmax(logits / temperature)
@@ -64,7 +68,16 @@ def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int, l
 
     split = lambda x: jnp.moveaxis(x.reshape(batch, n, chunk, *x.shape[2:]), 1, 0)  # noqa: E731
     join = lambda x: jnp.moveaxis(x, 0, 1).reshape(batch, length)  # noqa: E731
-    return tuple(join(x) for x in jax.lax.map(one, (split(hidden), split(targets))))
+    chunks = (split(hidden), split(targets))
+    if gradient_of is None:
+        one = jax.checkpoint(lambda args: terms(logits_fn, log_softmax, *args))
+    else:
+        # A custom derivative sees only its explicit arguments: the weights both ways close over become some.
+        both = lambda h, t: (terms(logits_fn, log_softmax, h, t), terms(*gradient_of, h, t))  # noqa: E731
+        converted, weights = jax.closure_convert(both, chunks[0][0], chunks[1][0])
+        fn = with_gradient_of(lambda *a: converted(*a)[0], lambda *a: converted(*a)[1])
+        one = lambda args: fn(*args, *weights)  # noqa: E731
+    return tuple(join(x) for x in jax.lax.map(one, chunks))
 
 
 def k3(log_ratio):

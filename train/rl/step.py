@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from inkling_jax.backend import with_backend
 from inkling_jax.nn import invariant
 from inkling_jax.parallel.placement import use_mesh
 from train.loss import next_token_targets
@@ -61,8 +62,13 @@ class PolicyTrainer:
         hidden, _ = model.hidden_states(batch["input_ids"], segment_ids=batch["segment_ids"],
                                         positions=batch["positions"], expert_ids=experts, embeds=embeds)
         targets, mask = next_token_targets(batch["input_ids"], batch["segment_ids"], batch["loss_mask"])
-        log_softmax = invariant.log_softmax if self.trainer.cfg.backend.batch_invariant else jax.nn.log_softmax
-        return (*token_logprobs(model.logits, hidden, targets, temperature, self.chunk, log_softmax), mask)
+        backend = self.trainer.cfg.backend
+        if not backend.batch_invariant:
+            return (*token_logprobs(model.logits, hidden, targets, temperature, self.chunk), mask)
+        # The values the engine's (batch-invariant); the gradient XLA's, from a view of the same weights.
+        xla = with_backend(model, dataclasses.replace(backend, batch_invariant=False))
+        return (*token_logprobs(model.logits, hidden, targets, temperature, self.chunk, invariant.log_softmax,
+                                gradient_of=(xla.logits, jax.nn.log_softmax)), mask)
 
     def _step(self, state: TrainState, frozen: Flat, reference: Flat | None, batch: dict):
         trainer, cfg = self.trainer, self.loss
