@@ -119,13 +119,12 @@ def expert_ffn(interpret: bool, decode: bool):
     kernels' public entries are (`pallas_kernels`), and one function per argument pair, so that layers share it."""
     configs = KernelConfigs(decode=decode)
 
+    @jax.jit
     def ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):
         w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
         return ops.moe_ffn_core(rows, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs,
                                 MatmulKernels())  # ours, at fixed K blocks
-    # Differentiated, `moe_ffn_core` runs another forward kernel (one that also keeps the preactivations for its
-    # backward), compiled apart: the trainer's values must be the engine's kernel's, so only the gradient is its.
-    return jax.jit(with_gradient_of(ffn, ffn))
+    return ffn
 
 
 def combine_top_k(y, num_tokens: int, top_k: int):
