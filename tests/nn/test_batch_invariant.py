@@ -20,6 +20,8 @@ from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
+from serve.random_weights import device_random_model
+from train.run import first_layers
 
 pytestmark = pytest.mark.heavy  # see conftest.py
 
@@ -81,22 +83,50 @@ def test_a_row_gets_the_same_logits_from_forwards_of_any_batch(forward):
     np.testing.assert_array_equal(np.asarray(forward(ids[:2]))[0], np.asarray(forward(ids))[0])
 
 
-def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_steps_among_other_rows(model, forward):
-    """The training forward of 5 rows, and row 0 prefilled in chunks and then decoded one token at a time beside
-    other rows (the sliding layers' ring and the paged cache)."""
+def assert_chunks_and_decode_steps_give_the_forwards_logits(model, forward, extend, length: int, chunks: tuple,
+                                                           rows: int):
+    """Row 0 of a training forward of 5 rows of `length` tokens, against row 0 prefilled in `chunks` and then
+    decoded one token at a time beside `rows - 1` other rows (the sliding layers' ring and the paged cache).
+    forward(ids) and extend(ids, cache, n_new) are the model's, jitted."""
+    vocab = model.config.text.unpadded_vocab_size
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, VOCAB, (5, 20)).astype(np.int32)
+    ids = rng.integers(0, vocab, (5, length)).astype(np.int32)
     want = np.asarray(forward(ids))[0]
+    cache, got, start = model.init_cache(rows, length + 12), [], 0
+    for size in chunks + (1,) * (length - sum(chunks)):
+        step = rng.integers(0, vocab, (rows, size)).astype(np.int32)
+        step[0] = ids[0, start:start + size]
+        logits, cache = extend(step, cache, jnp.full((rows,), size, jnp.int32))
+        got.append(np.asarray(logits)[0])
+        start += size
+    got = np.concatenate(got)
+    differing = [t for t in range(length) if not np.array_equal(got[t], want[t])]
+    assert not differing, f"positions {differing} differ, by up to {np.abs(got - want).max()}"
+
+
+def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_steps_among_other_rows(model, forward):
+    """Chunks of 3 and 13 tokens, then 4 decode steps, past the attention temperature's start at 16."""
     extend = jax.jit(lambda ids, cache, n_new: model.extend(ids, cache, n_new))
-    for chunks, rows in (((3, 13), 3),):  # then 4 decode steps, past the attention temperature's start at 16
-        cache, got, start = model.init_cache(rows, 32), [], 0
-        for size in chunks + (1,) * (20 - sum(chunks)):
-            step = rng.integers(0, VOCAB, (rows, size)).astype(np.int32)
-            step[0] = ids[0, start:start + size]
-            logits, cache = extend(step, cache, jnp.full((rows,), size, jnp.int32))
-            got.append(np.asarray(logits)[0])
-            start += size
-        np.testing.assert_array_equal(np.concatenate(got), want, err_msg=f"chunks {chunks}, {rows} rows")
+    assert_chunks_and_decode_steps_give_the_forwards_logits(model, forward, extend, 20, (3, 13), 3)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled kernels in bfloat16: a GPU")
+@pytest.mark.parametrize("layers", [2, 3])
+def test_on_a_gpu_at_the_bench_widths_the_forward_chunks_and_decode_steps_agree(layers):
+    """The `bench` preset's first layers in bfloat16 (3: two dense, one MoE), weights perturbed: prefill chunks
+    and decode steps among other rows give row 0 the forward's logits, and so does the forward differentiated
+    (the trainer's). Run on the GPU: `python -m pytest -q tests/nn/test_batch_invariant.py -k gpu`."""
+    config = first_layers(preset("bench"), layers)
+    model = perturbed(device_random_model(config, jnp.bfloat16, 0, Backend(batch_invariant=True)))
+    graph, state = nnx.split(model)  # the weights as arguments of the programs, not as their constants
+    run = jax.jit(lambda state, ids: nnx.merge(graph, state)(ids))
+    differentiated = jax.jit(lambda state, ids: jax.vjp(lambda s: nnx.merge(graph, s)(ids), state)[0])
+    step = jax.jit(lambda state, ids, cache, n_new: nnx.merge(graph, state).extend(ids, cache, n_new))
+    ids = np.random.default_rng(1).integers(0, config.text.unpadded_vocab_size, (4, 48)).astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(differentiated(state, ids)), np.asarray(run(state, ids)))
+    np.testing.assert_array_equal(np.asarray(run(state, ids[:1]))[0], np.asarray(run(state, ids))[0])
+    assert_chunks_and_decode_steps_give_the_forwards_logits(
+        model, lambda ids: run(state, ids), lambda *args: step(state, *args), 48, (16, 24), 33)
 
 
 @pytest.mark.parametrize("ring, tokens", [(8, 1), (11, 1), (11, 4)])
