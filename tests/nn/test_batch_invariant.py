@@ -114,16 +114,25 @@ def test_a_row_gets_the_same_logits_from_a_forward_and_from_chunks_and_decode_st
 @pytest.mark.parametrize("layers", [2, 3])
 def test_on_a_gpu_at_the_bench_widths_the_forward_chunks_and_decode_steps_agree(layers):
     """The `bench` preset's first layers in bfloat16 (3: two dense, one MoE), weights perturbed: prefill chunks
-    and decode steps among other rows give row 0 the forward's logits, and so does the forward differentiated
-    (the trainer's). Run on the GPU: `python -m pytest -q tests/nn/test_batch_invariant.py -k gpu`."""
+    and decode steps among other rows give row 0 the forward's logits, and so does a program that also computes
+    the gradient, as the trainer's does (the backward's residuals live in it). Run on the GPU:
+    `python -m pytest -q tests/nn/test_batch_invariant.py -k gpu`."""
     config = first_layers(preset("bench"), layers)
     model = perturbed(device_random_model(config, jnp.bfloat16, 0, Backend(batch_invariant=True)))
     graph, state = nnx.split(model)  # the weights as arguments of the programs, not as their constants
     run = jax.jit(lambda state, ids: nnx.merge(graph, state)(ids))
-    differentiated = jax.jit(lambda state, ids: jax.vjp(lambda s: nnx.merge(graph, s)(ids), state)[0])
+
+    @jax.jit
+    def differentiated(state, ids):  # (logits, gradient): returning the gradient keeps the backward in the program
+        def loss(s):
+            logits = nnx.merge(graph, s)(ids)
+            return jax.nn.logsumexp(logits.astype(jnp.float32), -1).sum(), logits
+        grads, logits = jax.grad(loss, has_aux=True)(state)
+        return logits, grads
+
     step = jax.jit(lambda state, ids, cache, n_new: nnx.merge(graph, state).extend(ids, cache, n_new))
     ids = np.random.default_rng(1).integers(0, config.text.unpadded_vocab_size, (4, 48)).astype(np.int32)
-    np.testing.assert_array_equal(np.asarray(differentiated(state, ids)), np.asarray(run(state, ids)))
+    np.testing.assert_array_equal(np.asarray(differentiated(state, ids)[0]), np.asarray(run(state, ids)))
     np.testing.assert_array_equal(np.asarray(run(state, ids[:1]))[0], np.asarray(run(state, ids))[0])
     assert_chunks_and_decode_steps_give_the_forwards_logits(
         model, lambda ids: run(state, ids), lambda *args: step(state, *args), 48, (16, 24), 33)
