@@ -72,7 +72,8 @@ def token_logprobs(logits_fn, hidden, targets, temperature: float, chunk: int, l
     if gradient_of is None:
         one = jax.checkpoint(lambda args: terms(logits_fn, log_softmax, *args))
     else:
-        # A custom derivative sees only its explicit arguments: the weights both ways close over become some.
+        # A custom derivative sees only its explicit arguments, so the weights both ways close over are hoisted
+        # into one list by converting them as one function; each side's unused half is dead code XLA drops.
         both = lambda h, t: (terms(logits_fn, log_softmax, h, t), terms(*gradient_of, h, t))  # noqa: E731
         converted, weights = jax.closure_convert(both, chunks[0][0], chunks[1][0])
         fn = with_gradient_of(lambda *a: converted(*a)[0], lambda *a: converted(*a)[1])
