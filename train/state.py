@@ -74,8 +74,16 @@ class ModelParts:
         self.bias_names = sorted((n for n in self.paths if n.endswith(BIAS_NAME)), key=lambda n: self.paths[n])
 
     def merge(self, flat: Flat) -> InklingModel:
-        values = [(p, v.replace(flat[name_of(p)].astype(self.dtypes[name_of(p)]))) for p, v in self.template]
+        cast = self.cast({name: flat[name] for name in self.paths})
+        values = [(p, v.replace(cast[name_of(p)])) for p, v in self.template]
         return nnx.merge(self.graphdef, nnx.from_flat_state(values))
+
+    def cast(self, flat: Flat) -> Flat:
+        """The entries of `flat` in the dtypes the model keeps them in, behind an optimization barrier: the
+        rounding to the compute dtype is then real. Without it XLA:GPU may drop a cast pair fp32 -> bf16 -> fp32
+        (excess precision), so that the MoE router, which reads its bf16 weight in fp32, would compute with the
+        trainer's fp32 masters, and route otherwise than the rollout engine, which holds the rounded weights."""
+        return jax.lax.optimization_barrier({name: x.astype(self.dtypes[name]) for name, x in flat.items()})
 
     def axes(self, name: str) -> tuple[str | None, ...]:
         return logical_axes(self.paths[name], len(self.shapes[name]))

@@ -173,7 +173,7 @@ class Trainer:
         accumulated in fp32."""
         flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
         counted = jnp.sum(next_token_targets(*(flat(batch[k]) for k in ("input_ids", "segment_ids", "loss_mask")))[1])
-        params = state.params if self.lora else {n: p.astype(self.parts.dtypes[n]) for n, p in state.params.items()}
+        params = state.params if self.lora else self.parts.cast(state.params)
         grad_fn = jax.value_and_grad(self._loss_sum, has_aux=True)
         if batch["input_ids"].shape[0] == 1:  # no accumulation: no fp32 accumulator either
             (_, (loads, sums)), grads = grad_fn(params, state.bias, frozen, jax.tree.map(lambda x: x[0], batch))
@@ -196,7 +196,7 @@ class Trainer:
     def _eval_sums(self, state: TrainState, frozen: Flat, batch: dict) -> dict:
         """Sums over a batch [accum, B, T] of the next-token loss, the MTP loss (with an MTP head) and the
         counted tokens, without gradients (held-out evaluation)."""
-        params = state.params if self.lora else {n: p.astype(self.parts.dtypes[n]) for n, p in state.params.items()}
+        params = state.params if self.lora else self.parts.cast(state.params)
 
         def micro(acc, mb):
             sums = self._loss_sum(params, state.bias, frozen, mb, with_mtp=True)[1][1]

@@ -49,8 +49,7 @@ class PolicyTrainer:
         if self.trainer.lora:
             return {**frozen, **state.bias}
         parts = self.trainer.parts
-        return jax.jit(lambda p: {n: x.astype(parts.dtypes[n]) for n, x in p.items()})(
-            self.trainer.model_params(state, frozen))
+        return jax.jit(parts.cast)(self.trainer.model_params(state, frozen))
 
     def _logprobs(self, params: Flat, batch: dict, temperature: float):
         model = use_mesh(self.trainer.parts.merge(params), self.trainer.mesh)
