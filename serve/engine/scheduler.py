@@ -36,7 +36,7 @@ class Chunk:
     restore: int | None = None  # snapshot to load into the sequence's slot first (a prefix-cache hit)
     admitted: bool = False  # the sequence (re)entered a slot in this step
     steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
-    ahead: int = 0  # tokens a decode run still in flight adds first: this chunk continues after them
+    ahead: int = 0  # steps (tokens, or speculative rounds) of a decode run in flight that this chunk continues
     scores: bool = False  # it computes its positions' prompt logprobs (`Sequence.scores_prompt` when scheduled)
 
     @property
@@ -97,22 +97,21 @@ class Scheduler:
         return chunks
 
     def decode_plan(self, chunks: list[Chunk], ahead: list[int], decode_steps: int, mail: bool) -> list[int] | None:
-        """Tokens each decode chunk may sample on device from `ahead` tokens past its applied state: up to
+        """Tokens each decode chunk may sample on device after the `ahead` steps of a run in flight: up to
         `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens and the context length, with
-        the pages for them reserved; with speculative decoding, rounds (each up to K + 1 tokens). None where a
-        multi-token run is not wanted (a continuation of rounds, a prefill chunk, an ended sequence, a row with
-        nothing left, a waiting sequence, or new `mail`, that could be admitted meanwhile) or the free pages do not
-        cover it."""
+        the pages for them reserved; with speculative decoding, rounds (each 1 to K + 1 tokens: the pages cover
+        the most, the plan counts the fewest). None where a multi-token run is not wanted (a prefill chunk, an
+        ended sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be admitted
+        meanwhile) or the free pages do not cover it."""
         cfg, blocks = self.config, self.blocks
         steps = min(decode_steps, cfg.decode_steps)
         admissible = (self.waiting or mail) and self.free_slots
-        continued = cfg.speculative and any(ahead)  # rounds emit unknown counts: the host reads them first
-        if admissible or continued or any(c.prefill or c.seq.finished for c in chunks):
+        if admissible or any(c.prefill or c.seq.finished for c in chunks):
             return None
         plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
                 for c, a in zip(chunks, ahead)]
         per_step = 1 if cfg.speculative is None else cfg.speculative.num_draft_tokens + 1  # a round's most tokens
-        ends = [min(c.seq.num_cached + a + n * per_step, cfg.max_model_len) + cfg.lookahead
+        ends = [min(c.seq.num_cached + (a + n) * per_step, cfg.max_model_len) + cfg.lookahead
                 for c, a, n in zip(chunks, ahead, plan)]
         needed = sum(max(0, blocks.blocks_for(end) - len(c.seq.block_ids)) for c, end in zip(chunks, ends))
         if min(plan) < 1 or needed > blocks.num_free:

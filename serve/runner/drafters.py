@@ -37,8 +37,8 @@ class OracleDrafter:
 
 def plan_columns(cfg: EngineConfig, oracle: OracleDrafter | None) -> int:
     """Columns of an oracle's plan after a round's K + 1 ids: output indices num_output .. of the row, as many as
-    a run of `decode_steps` rounds can emit and draft after (0 without an oracle)."""
-    return 0 if oracle is None else (cfg.decode_steps + 1) * (cfg.speculative.num_draft_tokens + 1)
+    a run of `decode_steps` rounds after one still in flight can emit and draft after (0 without an oracle)."""
+    return 0 if oracle is None else (2 * cfg.decode_steps + 1) * (cfg.speculative.num_draft_tokens + 1)
 
 
 def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[int]:
@@ -49,9 +49,10 @@ def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[i
 def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index: list[int],
                 oracle: OracleDrafter | None) -> StepInputs:
     """Round inputs: `inputs` (`step_inputs` of the decode chunks, chunk width K + 1 + `plan_columns`, each row's
-    last token first) with each row's drafts after it, as many as it may still emit after the round's first
-    token, an oracle's plan after those, and as its `steps` the tokens it may emit in the run
-    (`SpeculativePrograms.round`)."""
+    last token first, from the applied state) with each row's drafts after it, as many as it may still emit
+    after the round's first token, an oracle's plan after those, and as its `steps` the tokens it may emit past
+    the applied state by the end of the run: in its `chunk.steps` rounds and the `chunk.ahead` rounds of a run
+    in flight that it continues (`SpeculativePrograms.round`)."""
     k = cfg.speculative.num_draft_tokens
     ids, n_new, steps = inputs.ids.copy(), inputs.n_new.copy(), inputs.steps.copy()
     for chunk, row in zip(group, index):
@@ -63,7 +64,7 @@ def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index
             plan = oracle.propose(seq, ids.shape[1] - k - 1)
             ids[row, k + 1:k + 1 + len(plan)] = np.asarray(plan, np.int32)
         n_new[row] = 1 + len(drafts)
-        steps[row] = min(left, chunk.steps * (k + 1))  # tokens it may emit in its `chunk.steps` rounds
+        steps[row] = min(left, (chunk.ahead + chunk.steps) * (k + 1))
     return inputs.replace(ids=ids, n_new=n_new, steps=steps)
 
 

@@ -11,6 +11,7 @@ runs both groups in one mixed program instead (`serve.runner.mixed_steps`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
@@ -92,7 +93,7 @@ class ModelRunner(StepCompilation, MixedSteps):
         self.programs = StepPrograms(*shared, routing_page_size=config.page_size if config.record_experts else None) \
             if spec is None else SpeculativePrograms(*shared, config=model.config, speculative=spec)
         # The step indices and the "no previous tokens" rows of the decode runs, on device once.
-        self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps)]
+        self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps + 1)]
         self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32) if spec is None else
                                                     no_previous_round(rows, spec.num_draft_tokens))
                            for rows in config.rows}
@@ -182,7 +183,7 @@ class ModelRunner(StepCompilation, MixedSteps):
         """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
         waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
         there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`:
-        the last tokens of the decode run that continuation chunks (`Chunk.ahead`) follow, on device."""
+        `last_tokens` of the decode run in flight that continuation chunks (`Chunk.ahead`) follow."""
         if self.cache is None:  # freed while idle (`free_cache`)
             self.reset()
         put = self.placement.put
@@ -204,7 +205,8 @@ class ModelRunner(StepCompilation, MixedSteps):
 
     @staticmethod
     def last_tokens(dispatched: list):
-        """The device tokens a decode step's last program sampled, for a continuation to feed back."""
+        """What a continuation of a dispatched decode run starts from: the device tokens its last step sampled;
+        a run of speculative rounds' carry, and the sequences' output counts where that carry starts."""
         return dispatched[0][2]
 
     def collect(self, dispatched: list) -> dict[int, list[Sample]]:
@@ -278,7 +280,8 @@ class ModelRunner(StepCompilation, MixedSteps):
         verified) (else None)."""
         rows, chunk = self._shape(group)
         self._assign_adapters(group)
-        inputs = self.placement.put(pack(self._inputs(group, rows, chunk)))
+        start = self._chain_start(group, previous) if self.speculative and chunk == 1 else None
+        inputs = self.placement.put(pack(self._inputs(group, rows, chunk, start)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
             self.cache, self.penalties, out, scored, *drafts = self._scoring(self.params, self.cache, self.penalties,
@@ -290,9 +293,10 @@ class ModelRunner(StepCompilation, MixedSteps):
             self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
             on_queued()
             return [out], None, None, (None, drafts[0], None) if drafts else None
-        if self.speculative:  # a run of rounds
-            outs, carry = self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued)
-            return [o[0] for o in outs], None, None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
+        if self.speculative:  # a run of rounds; one continuing a run in flight starts at round 1 from its carry
+            outs, carry = self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued,
+                                          None if previous is None else previous[0], first=int(previous is not None))
+            return [o[0] for o in outs], (carry, start), None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
         return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
 
     def _assign_adapters(self, chunks: list[Chunk]) -> None:
@@ -307,28 +311,43 @@ class ModelRunner(StepCompilation, MixedSteps):
         return self.config.full_sampler(tokens, any(c.seq.params.needs_full_sampler for c in chunks))
 
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
-                   previous=None):
-        """`num_steps` dispatches of a compiled decode program over the same (device) inputs, each feeding the
-        next its samples (the first feeds `previous` to rows whose input id is -1); calls `on_queued` after the
-        first. Returns the samples of every step and the last step's tokens."""
+                   previous=None, first: int = 0):
+        """`num_steps` dispatches of a compiled decode program over the same (device) inputs, steps `first`,
+        `first` + 1, .., each feeding the next its samples (the first feeds `previous` to rows whose input id is
+        -1; a speculative round its carry); calls `on_queued` after the first. Returns the samples of every step
+        and the last step's tokens (a round's carry)."""
         outs = []
         previous = self._no_tokens[rows] if previous is None else previous
         for k in range(num_steps):
             self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
-                                                                self._step_index[k], previous)
+                                                                self._step_index[first + k], previous)
             outs.append(out)
             if k == 0:
                 on_queued()
         return outs, previous
 
-    def _inputs(self, group: list[Chunk], rows: int, chunk: int) -> StepInputs:
-        """A step's host inputs; a speculative round's (decode chunks) with each row's drafts after its token."""
+    def _inputs(self, group: list[Chunk], rows: int, chunk: int, start: dict[int, int] | None = None) -> StepInputs:
+        """A step's host inputs; a speculative round's (decode chunks) with each row's drafts after its token, from
+        the applied state even where it continues a run in flight (whose carry starts where the sequences'
+        outputs numbered `start[seq_id]`)."""
         media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
         index = self._row_index(group) if group else []
         if not self.speculative or chunk > 1:
             return step_inputs(self.config, group, index, rows, chunk, media)
         width = self.config.speculative.num_draft_tokens + 1 + plan_columns(self.config, self.oracle)
-        return fill_drafts(self.config, step_inputs(self.config, group, index, rows, width), group, index, self.oracle)
+        inputs = step_inputs(self.config, [dataclasses.replace(c, ahead=0) for c in group], index, rows, width)
+        if start is not None:
+            applied = inputs.applied.copy()
+            for c, row in zip(group, index):
+                applied[row] = c.seq.num_output - start[c.seq.seq_id]
+            inputs = inputs.replace(applied=applied)
+        return fill_drafts(self.config, inputs, group, index, self.oracle)
+
+    @staticmethod
+    def _chain_start(group: list[Chunk], previous) -> dict[int, int]:
+        """seq_id -> the output count where the carry of a chain of speculative runs starts: the sequences' own now
+        (a run that continues none), else where the run it continues started."""
+        return {c.seq.seq_id: c.seq.num_output for c in group} if previous is None else previous[1]
 
     def lora_adapter(self, name: str | None) -> Adapter | None:
         """The LoRA adapter served as `name` (None: the base); `UnknownAdapter` for any other."""

@@ -23,7 +23,8 @@ Method "draft": a smaller Inkling with its own layers in the cache (same lengths
 kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, left behind as the MTP chain is.
 A prefill chunk drafts the same way after its sample (`_draft`). A run of rounds (up to the engine's decode steps)
 feeds each round the last token and drafts of the one before on the device; the last drafts go back to the host
-with the samples and return as the next run's input (`serve.runner.drafters`).
+with the samples and return as the next run's input (`serve.runner.drafters`), unless the engine continues the
+run before reading it: the next run then starts from its carry on the device.
 """
 
 from __future__ import annotations
@@ -123,13 +124,15 @@ class SpeculativePrograms(StepPrograms):
         and an oracle's plan after them (`drafters.plan_columns`: the later rounds verify its drafts, not the
         drafter's, which still come back as the run's last drafts). Round 0 verifies the host's ids and n_new; a
         later one each row's last token and drafts from `previous`, the run's carry (last token [R], drafts
-        [R, K], tokens emitted in the run so far [R]; zeros at round 0).
-        Row r emits at most `steps[r]` tokens in the run. Returns (cache, penalties, (samples [K + 1, R, 2 + 2N]
+        [R, K], tokens emitted [R]; zeros at round 0 of a run that continues none). A run that continues one still
+        in flight starts at round 1 with that run's carry: its inputs start from the host's applied state, whose
+        tokens past the carry's start are `applied` [R]. Row r emits at most `steps[r]` tokens past that state. Returns (cache, penalties, (samples [K + 1, R, 2 + 2N]
         (`sampler.pack_samples` per position), tokens each row emitted [R], drafts it verified [R]), carry)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         plan = inp.ids[:, self.num_drafts + 1:]  # an oracle's plan (`drafters.plan_columns`; else no columns)
-        last, drafted, emitted = previous
+        last, drafted, carried = previous
+        emitted = carried - inp.applied  # tokens past the applied state that `inp` starts from
         verified = drafted
         if plan.shape[1]:  # the oracle's drafts: its plan after the tokens the run has emitted
             at = emitted[:, None] + jnp.arange(self.num_drafts)[None, :]
@@ -168,7 +171,7 @@ class SpeculativePrograms(StepPrograms):
         cache = self._rows_out(cache, inp, self._join(trunk, drafter), gather)
         samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
                                .reshape(rows, width, -1), 1, 0)
-        carry = (jnp.where(active, after, last), jnp.where(active[:, None], drafts, drafted), emitted + kept)
+        carry = (jnp.where(active, after, last), jnp.where(active[:, None], drafts, drafted), carried + kept)
         return cache, penalties.replace(counts=counts), (samples, kept, jnp.maximum(inp.n_new - 1, 0)), carry
 
     def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):

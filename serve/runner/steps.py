@@ -52,17 +52,18 @@ class StepInputs:
     steps: jax.Array  # [R] tokens the row samples (prefill: 1 if the chunk ends its known tokens, else 0)
     next_token: jax.Array  # [R] the known token after the chunk, -1 if none (a drafter's MTP head reads it)
     adapters: jax.Array  # [R] LoRA adapter slot of each row (0: the base; `serve.lora`)
+    applied: jax.Array  # [R] tokens a continued run of rounds' carry counts that the host has applied since (else 0)
     params: SamplingBatch
     media: jax.Array | None = None  # [R, T, hidden] media embeddings (multimodal models' prefill only)
     is_media: jax.Array | None = None  # [R, T] bool: positions that take `media` instead of their token
 
 
-_INT_COLUMNS = ("rows", "n_new", "lengths", "steps", "next_token", "adapters")
+_INT_COLUMNS = ("rows", "n_new", "lengths", "steps", "next_token", "adapters", "applied")
 
 
 @struct.dataclass
 class PackedInputs:
-    """StepInputs in a few arrays: ints [R, 9 + T + pages_per_row] (the int columns, the sampler's int fields, the
+    """StepInputs in a few arrays: ints [R, 10 + T + pages_per_row] (the int columns, the sampler's int fields, the
     ids, the page rows), floats [R, 6] (the sampler's float fields), and the media arrays of a multimodal
     prefill."""
     ints: jax.Array
@@ -92,7 +93,7 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
     return StepInputs(rows=column["rows"], ids=ints[:, n:ints.shape[1] - pages_per_row], n_new=column["n_new"],
                       lengths=column["lengths"], page_rows=ints[:, ints.shape[1] - pages_per_row:],
                       steps=column["steps"], next_token=column["next_token"], adapters=column["adapters"],
-                      params=params, media=packed.media, is_media=packed.is_media)
+                      applied=column["applied"], params=params, media=packed.media, is_media=packed.is_media)
 
 
 @struct.dataclass
@@ -275,4 +276,4 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
             media[row, positions[inside] - start] = features[inside]
             is_media[row, positions[inside] - start] = True
     return StepInputs(cache_row, ids, n_new, lengths, page_rows, steps, next_token, adapters,
-                      batch_of(params, index_out), media, is_media)
+                      np.zeros((rows,), np.int32), batch_of(params, index_out), media, is_media)

@@ -85,11 +85,18 @@ def test_mtp_drafts_give_the_greedy_tokens(model, greedy):
 def test_oracle_drafts_give_the_greedy_tokens(model, greedy, k):
     oracle = OracleDrafter(greedy, WRONG_AT, CONFIG.text.unpadded_vocab_size)
     engine = start(model, "oracle", k, oracle)
+    continued = []  # per run of rounds: whether it continued one still in flight (from its carry, on device)
+    run_decode = engine.runner.run_decode
+    engine.runner.run_decode = lambda *a, first=0, **kw: continued.append(first == 1) or run_decode(
+        *a, first=first, **kw)
     try:
         results = generate(engine, PROMPTS, greedy_params())
     finally:
         engine.shutdown(drain_seconds=0)
     assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
+    if k == 1:  # at most 2 tokens a round: the third and fourth runs continue runs still in flight, the fourth's
+        # a continuation itself (its carry starts before the tokens the host applied meanwhile)
+        assert continued == [False, False, True, True]
     accepted = {a for r in results for _, a in r.speculative_rounds}
     # Rounds rejecting at once, and rounds accepting every draft: after output 17 (wrong) no draft is wrong, and
     # the last round verifies at most 7 (8 outputs remain, one of them the round's own token).
@@ -220,8 +227,8 @@ def test_a_draft_model_gives_the_greedy_tokens_and_keeps_its_cache_in_step(model
     engine = start(model, "draft", 3, draft_model=random_model(CONFIG, seed=0, backend=REFERENCE))
     runs = []  # rounds per device call: up to the engine's decode steps (8), each fed the last one's drafts
     run_decode = engine.runner.run_decode
-    engine.runner.run_decode = lambda program, rows, inputs, steps, *a: runs.append(steps) or run_decode(
-        program, rows, inputs, steps, *a)
+    engine.runner.run_decode = lambda program, rows, inputs, steps, *a, **kw: runs.append(steps) or run_decode(
+        program, rows, inputs, steps, *a, **kw)
     try:
         for _ in range(2):
             results = generate(engine, PROMPTS, greedy_params())
