@@ -126,8 +126,9 @@ class SpeculativePrograms(StepPrograms):
         later one each row's last token and drafts from `previous`, the run's carry (last token [R], drafts
         [R, K], tokens emitted [R]; zeros at round 0 of a run that continues none). A run that continues one still
         in flight starts at round 1 with that run's carry: its inputs start from the host's applied state, whose
-        tokens past the carry's start are `applied` [R]. Row r emits at most `steps[r]` tokens past that state. Returns (cache, penalties, (samples [K + 1, R, 2 + 2N]
-        (`sampler.pack_samples` per position), tokens each row emitted [R], drafts it verified [R]), carry)."""
+        tokens past the carry's start are `applied` [R]. Row r emits at most `steps[r]` tokens past that state.
+        Returns (cache, penalties, (samples [K + 1, R, 2 + 2N] (`sampler.pack_samples` per position), tokens each
+        row emitted [R], drafts it verified [R]), carry)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
         plan = inp.ids[:, self.num_drafts + 1:]  # an oracle's plan (`drafters.plan_columns`; else no columns)

@@ -48,8 +48,7 @@ class PolicyTrainer:
             return None
         if self.trainer.lora:
             return {**frozen, **state.bias}
-        parts = self.trainer.parts
-        return jax.jit(parts.cast)(self.trainer.model_params(state, frozen))
+        return jax.jit(self.trainer.parts.cast)(self.trainer.model_params(state, frozen))
 
     def _logprobs(self, params: Flat, batch: dict, temperature: float):
         model = use_mesh(self.trainer.parts.merge(params), self.trainer.mesh)
