@@ -124,10 +124,11 @@ def test_on_a_gpu_at_the_bench_widths_the_forward_chunks_and_decode_steps_agree(
     frozen = model_params(perturbed(device_random_model(config, jnp.bfloat16, 0, backend)))
     # The layers' bf16 weights as fp32 masters off the bf16 grid; the embedding and head stay frozen in bf16 (as
     # `benchmarks.rl` keeps them: fp32 copies and gradients of their 2.5B weights would not fit beside the rest).
-    trained = {name: frozen.pop(name) for name, x in list(frozen.items())
-               if name.startswith("layers.") and x.dtype == jnp.bfloat16}
-    masters = {name: x.astype(jnp.float32) * (1 + 1e-3 * jax.random.normal(jax.random.key(i), x.shape))
-               for i, (name, x) in enumerate(trained.items())}
+    trained = [name for name, x in frozen.items() if name.startswith("layers.") and x.dtype == jnp.bfloat16]
+    masters = {}
+    for i, name in enumerate(trained):  # (the bf16 originals freed one by one)
+        x = frozen.pop(name)
+        masters[name] = x.astype(jnp.float32) * (1 + 1e-3 * jax.random.normal(jax.random.key(i), x.shape))
     merge = jax.jit(lambda frozen, masters: parts.merge({**frozen, **masters}))
     model = merge(frozen, masters)  # the weights the engine would hold: the masters rounded
     graph, state = nnx.split(model)  # the weights as arguments of the programs, not as their constants
