@@ -9,12 +9,14 @@ run draft from it on the device, as the MTP head's do.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Chunk
 from serve.engine.sequence import Sequence
-from serve.runner.steps import StepInputs
+from serve.runner.steps import StepInputs, step_inputs
 
 
 class OracleDrafter:
@@ -46,15 +48,18 @@ def proposals(seq: Sequence, oracle: OracleDrafter | None, count: int) -> list[i
     return (oracle.propose(seq, count) if oracle is not None else seq.drafts)[:count]
 
 
-def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index: list[int],
-                oracle: OracleDrafter | None) -> StepInputs:
-    """Round inputs: `inputs` (`step_inputs` of the decode chunks, chunk width K + 1 + `plan_columns`, each row's
-    last token first, from the applied state) with each row's drafts after it, as many as it may still emit
-    after the round's first token, an oracle's plan after those, and as its `steps` the tokens it may emit past
-    the applied state by the end of the run: in its `chunk.steps` rounds and the `chunk.ahead` rounds of a run
-    in flight that it continues (`SpeculativePrograms.round`)."""
+def round_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: int, oracle: OracleDrafter | None,
+                 start: dict[int, int] | None = None) -> StepInputs:
+    """A run of rounds' inputs for the decode chunks `group` in rows `index` (`SpeculativePrograms.round`): chunk
+    width K + 1 + `plan_columns`, from the applied state even where a chunk continues a run in flight: each row's
+    last token, then its drafts, as many as it may still emit after the round's first token, an oracle's plan after
+    those; as its `steps` the tokens it may emit past the applied state by the end of the run (in its
+    `chunk.steps` rounds and the `chunk.ahead` rounds of the run it continues); as `applied` the tokens applied
+    since its output count was `start[seq_id]`, where the carry of the run it continues starts (None: 0)."""
     k = cfg.speculative.num_draft_tokens
-    ids, n_new, steps = inputs.ids.copy(), inputs.n_new.copy(), inputs.steps.copy()
+    width = k + 1 + plan_columns(cfg, oracle)
+    inputs = step_inputs(cfg, [dataclasses.replace(c, ahead=0) for c in group], index, rows, width)
+    ids, n_new, steps, applied = (x.copy() for x in (inputs.ids, inputs.n_new, inputs.steps, inputs.applied))
     for chunk, row in zip(group, index):
         seq = chunk.seq
         left = min(seq.params.max_tokens - seq.num_output, cfg.max_model_len - len(seq))
@@ -65,7 +70,9 @@ def fill_drafts(cfg: EngineConfig, inputs: StepInputs, group: list[Chunk], index
             ids[row, k + 1:k + 1 + len(plan)] = np.asarray(plan, np.int32)
         n_new[row] = 1 + len(drafts)
         steps[row] = min(left, (chunk.ahead + chunk.steps) * (k + 1))
-    return inputs.replace(ids=ids, n_new=n_new, steps=steps)
+        if start is not None:
+            applied[row] = seq.num_output - start[seq.seq_id]
+    return inputs.replace(ids=ids, n_new=n_new, steps=steps, applied=applied)
 
 
 def read_rounds(seq: Sequence, row: int, kept, verified, width: int, on_round) -> list[int]:

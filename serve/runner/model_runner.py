@@ -11,7 +11,6 @@ runs both groups in one mixed program instead (`serve.runner.mixed_steps`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Callable
 
@@ -30,7 +29,7 @@ from serve.lora.adapters import Adapter
 from serve.lora.slots import AdapterSlots, UnknownAdapter
 from serve.lora.view import lora_view
 from serve.runner import cache_rows
-from serve.runner.drafters import OracleDrafter, fill_drafts, plan_columns, read_rounds
+from serve.runner.drafters import OracleDrafter, read_rounds, round_inputs
 from serve.runner.mixed_steps import MixedSteps
 from serve.runner.placement import Placement
 from serve.runner.prompt_logprobs import prompt_targets, read_prompt_logprobs
@@ -280,7 +279,9 @@ class ModelRunner(StepCompilation, MixedSteps):
         verified) (else None)."""
         rows, chunk = self._shape(group)
         self._assign_adapters(group)
-        start = self._chain_start(group, previous) if self.speculative and chunk == 1 else None
+        start = None  # seq_id -> its output count where the carry of a run of rounds starts
+        if self.speculative and chunk == 1:  # (a continued run's carry: where the run it continues started)
+            start = {c.seq.seq_id: c.seq.num_output for c in group} if previous is None else previous[1]
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk, start)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
@@ -327,27 +328,13 @@ class ModelRunner(StepCompilation, MixedSteps):
         return outs, previous
 
     def _inputs(self, group: list[Chunk], rows: int, chunk: int, start: dict[int, int] | None = None) -> StepInputs:
-        """A step's host inputs; a speculative round's (decode chunks) with each row's drafts after its token, from
-        the applied state even where it continues a run in flight (whose carry starts where the sequences'
-        outputs numbered `start[seq_id]`)."""
+        """A step's host inputs; a run of speculative rounds' (decode chunks) by `drafters.round_inputs`, `start`
+        saying where its carry starts."""
         media = (self.text.hidden_size, self.model.dtype) if self.multimodal and chunk > 1 else None
         index = self._row_index(group) if group else []
         if not self.speculative or chunk > 1:
             return step_inputs(self.config, group, index, rows, chunk, media)
-        width = self.config.speculative.num_draft_tokens + 1 + plan_columns(self.config, self.oracle)
-        inputs = step_inputs(self.config, [dataclasses.replace(c, ahead=0) for c in group], index, rows, width)
-        if start is not None:
-            applied = inputs.applied.copy()
-            for c, row in zip(group, index):
-                applied[row] = c.seq.num_output - start[c.seq.seq_id]
-            inputs = inputs.replace(applied=applied)
-        return fill_drafts(self.config, inputs, group, index, self.oracle)
-
-    @staticmethod
-    def _chain_start(group: list[Chunk], previous) -> dict[int, int]:
-        """seq_id -> the output count where the carry of a chain of speculative runs starts: the sequences' own now
-        (a run that continues none), else where the run it continues started."""
-        return {c.seq.seq_id: c.seq.num_output for c in group} if previous is None else previous[1]
+        return round_inputs(self.config, group, index, rows, self.oracle, start)
 
     def lora_adapter(self, name: str | None) -> Adapter | None:
         """The LoRA adapter served as `name` (None: the base); `UnknownAdapter` for any other."""
