@@ -199,10 +199,12 @@ def test_attention_over_the_cache_as_it_lies_matches_the_training_attention_bit_
 
 def test_the_engine_gives_a_request_the_same_tokens_and_logprobs_alone_and_among_others(model):
     """Greedy and seeded requests, alone and among 32 others of 2 to 16 tokens (8 slots: queued, batched and
-    chunked differently; a 40-token prompt takes three chunks)."""
+    chunked differently; a 40-token prompt takes three chunks). No prompt-scoring program: neither asks for
+    prompt logprobs."""
     engine = Engine(model, EngineConfig(max_num_seqs=8, max_model_len=64, page_size=16, chunk_buckets=(1, 16),
                                         row_buckets=(9,), max_num_batched_tokens=160, fuse_projections=False,
-                                        prefix_caching=False, full_sampler_only=True),  # both ask for logprobs
+                                        prefix_caching=False, full_sampler_only=True,  # both ask for logprobs
+                                        score_prompts=False),
                     eos_token_id=CONFIG.eos_token_id)
     engine.start()
     try:
