@@ -143,7 +143,8 @@ def test_on_a_gpu_at_the_bench_widths_the_forward_chunks_and_decode_steps_agree(
         return logits, grads
 
     step = jax.jit(lambda state, ids, cache, n_new: nnx.merge(graph, state).extend(ids, cache, n_new))
-    ids = np.random.default_rng(1).integers(0, config.text.unpadded_vocab_size, (4, 48)).astype(np.int32)
+    # 5 rows, as the forward the chunks are checked against: one program fewer to compile
+    ids = np.random.default_rng(1).integers(0, config.text.unpadded_vocab_size, (5, 48)).astype(np.int32)
     np.testing.assert_array_equal(np.asarray(trainer_like(frozen, masters, ids)[0]), np.asarray(run(state, ids)))
     np.testing.assert_array_equal(np.asarray(run(state, ids[:1]))[0], np.asarray(run(state, ids))[0])
     assert_chunks_and_decode_steps_give_the_forwards_logits(
