@@ -13,8 +13,9 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
 - layer rows: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
   on the model's separate routed / shared weights, the shared experts as an XLA einsum; with our matmuls and with
   jax's in the backward (`Backend.moe_backward`).
-Every row names what ran (its `backend`) and its speed against the peer measured in the same run (the peer's
-time over the row's: above 1 is faster than the peer).
+Every row names what ran (its `backend`; "= the default" where that is what `moe_backward="auto"` picks for the
+row's products on this device, `jax_mgpu.chosen`) and its speed against the peer measured in the same run (the
+peer's time over the row's: above 1 is faster than the peer).
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
@@ -50,7 +51,7 @@ from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 
 START = time.perf_counter()
-PALLAS = Backend(moe="pallas")  # the model's MoE on the grouped-matmul kernels
+PALLAS = Backend(moe="pallas", moe_backward="pallas")  # the model's MoE on our grouped-matmul kernels
 JAX_BACKWARD = MatmulKernels(backward=jax_mgpu.JAX_MGPU)
 PALLAS_JAX_BACKWARD = Backend(moe="pallas", moe_backward=jax_mgpu.JAX_MGPU)
 PEER = "kernel: jax Mosaic-GPU ragged_dot"  # the row the others are compared with
@@ -128,15 +129,26 @@ def train_step(f, num_diff):
     return jax.jit(step)
 
 
-def kernels_name(kernels: MatmulKernels) -> str:
-    return f"moe_ffn: forward {kernels.forward}, backward {kernels.backward}"
+def default_backward(s, rows) -> str:
+    """What the default `moe_backward="auto"` runs for an FFN's products over `rows` sorted rows on this device."""
+    x = jax.ShapeDtypeStruct((rows, s.hidden), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((s.local, s.hidden, s.width), jnp.bfloat16)
+    return jax_mgpu.chosen(jax_mgpu.AUTO, Backend().resolve().interpret, x, w)
 
 
-def backend_name(backend: Backend, num_tokens: int) -> str:
+def kernels_name(kernels: MatmulKernels, s=None, rows=0) -> str:
+    default = s is not None and kernels.forward == jax_mgpu.PALLAS and kernels.backward == default_backward(s, rows)
+    return f"moe_ffn: forward {kernels.forward}, backward {kernels.backward}" + (" = the default" * default)
+
+
+def backend_name(backend: Backend, s, num_tokens: int) -> str:
     use = backend.resolve()
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
-    return f"moe={use.moe}, moe_forward={use.moe_forward}, moe_backward={use.moe_backward}"
+    default = use.moe == "pallas" and use.moe_forward == "pallas" and \
+        use.moe_backward == default_backward(s, num_tokens * s.top_k)
+    return f"moe={use.moe}, moe_forward={use.moe_forward}, moe_backward={use.moe_backward}" + \
+        (" = the default" * default)
 
 
 def measure(run, name, f, args, num_diff, flops, *, backend, note="", trials=5):
@@ -166,7 +178,7 @@ def prefill(run, w):
     for name, kernels in (("kernel: ours (moe_ffn)", MatmulKernels()),
                           ("kernel: ours forward + jax backward", JAX_BACKWARD)):
         ours[name] = functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels))
-        measure(run, name, ours[name], kargs, 5, flops, backend=kernels_name(kernels))
+        measure(run, name, ours[name], kargs, 5, flops, backend=kernels_name(kernels, s, d["x"].shape[0]))
     peer_mm = run.guarded("mgpu peer import", mgpu_peer)
     if peer_mm is not None:
         peer = functools.partial(ffn_rows, functools.partial(unfused_ffn, peer_mm))
@@ -201,12 +213,13 @@ def layer(run, w, d):
                           ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD)):
         def f(x, routed, shared, wts, shared_wts, ids, backend=backend):
             return experts(x, routed, shared, ids, wts, shared_wts, backend=backend).astype(x.dtype)
-        measure(run, name, f, args, 5, flops, backend=backend_name(backend, s.tokens),
+        measure(run, name, f, args, 5, flops, backend=backend_name(backend, s, s.tokens),
                 note="incl. routing sort/gather/combine")
 
 
 def ragged_peer(run, w):
-    """`jax.lax.ragged_dot` at the reduced token count it fits at, with ours at the same size."""
+    """`jax.lax.ragged_dot` at the reduced token count it fits at, with ours (and ours with jax's backward) at the
+    same size: the fewest rows `moe_backward="auto"` gives to jax's kernels (`jax_mgpu.AUTO_MIN_ROWS`)."""
     s = run.s
     d = rows_inputs(s, s.ragged_tokens, seed=2)
     flops = 6 * d["x"].shape[0] * s.hidden * s.width
@@ -214,8 +227,11 @@ def ragged_peer(run, w):
     f = functools.partial(ffn_rows, functools.partial(unfused_ffn, jax.lax.ragged_dot))
     measure(run, "kernel: jax.lax.ragged_dot", f, args, 5, flops, trials=2, backend="jax.lax.ragged_dot (XLA)",
             note=f"at {s.ragged_tokens} tokens ({d['x'].shape[0]} rows): it pads every group to all rows")
-    measure(run, "kernel: ours at the same size", functools.partial(ffn_rows, moe_ffn), args, 5, flops,
-            backend=kernels_name(MatmulKernels()), note=f"at {s.ragged_tokens} tokens")
+    rows = d["x"].shape[0]
+    for name, kernels in (("kernel: ours at the same size", MatmulKernels()),
+                          ("kernel: ours forward + jax backward at the same size", JAX_BACKWARD)):
+        measure(run, name, functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels)), args, 5,
+                flops, backend=kernels_name(kernels, s, rows), note=f"at {s.ragged_tokens} tokens ({rows} rows)")
 
 
 def decode(run, w):

@@ -45,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--mesh", help="train over a device mesh (e.g. tensor=2, expert=2); default: one GPU")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling (it runs on one GPU)")
     p.add_argument("--attempts", default="pallas:dots,dense:dots,dense:full", help="moe:remat pairs, in order")
+    p.add_argument("--moe-backward", default="auto", choices=("auto", "pallas", "jax_mgpu"),
+                   help="the grouped matmuls of the MoE's backward under moe=pallas (inkling_jax/backend.py)")
     p.add_argument("--ceiling-n", type=int, default=8192, help="size of the square bf16 matmul ceiling")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--jax-timeout", type=int, default=185)
@@ -94,7 +96,7 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
     from train.state import seeded_params
     from train.step import StepConfig, Trainer
 
-    backend = Backend(moe=moe)
+    backend = Backend(moe=moe, moe_backward=args.moe_backward if moe == "pallas" else "auto")
     mesh = make_mesh(args.mesh) if args.mesh else make_mesh("data=1", devices=jax.devices()[:1])
     trainer = Trainer(config, mesh,
                       StepConfig(compute_dtype="bfloat16", remat=remat, loss_chunk=512, backend=backend),
@@ -114,9 +116,29 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
     if not all(map(math.isfinite, losses)):
         raise FloatingPointError(f"non-finite loss with moe={moe}: {losses}")
     stats = jax.devices()[0].memory_stats() or {}
-    return {"moe": backend.resolve().moe, "remat": remat, "step_s": statistics.median(times),
+    return {"moe": backend.resolve().moe, "moe_backward": moe_backward_run(config, args, backend), "remat": remat,
+            "step_s": statistics.median(times),
             "first_step_s": first_s, "losses": losses, "peak_bytes": stats.get("peak_bytes_in_use"),
             "grad_norm": float(metrics["grad_norm"]), "devices": mesh.size}
+
+
+def moe_backward_run(config, args, backend) -> str:
+    """The MoE backward's matmuls this step ran: the backend's choice, and for "auto" what it picked for the
+    routed experts' products (`jax_mgpu.chosen`; a mesh splits them further, which this does not follow)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.moe import jax_mgpu
+
+    use = backend.resolve()
+    if use.moe != "pallas":
+        return f"none (moe={use.moe})"
+    if use.moe_backward != jax_mgpu.AUTO:
+        return use.moe_backward
+    t = config.text
+    rows = jax.ShapeDtypeStruct((args.batch * args.seq * t.num_experts_per_tok, t.hidden_size), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((t.num_experts, t.hidden_size, t.moe_intermediate_size), jnp.bfloat16)
+    return f"auto: {jax_mgpu.chosen(jax_mgpu.AUTO, use.interpret, rows, w)}"
 
 
 def part_jax(args) -> None:
@@ -235,7 +257,8 @@ def table(args, ours: dict, peer: dict) -> str:
         rows.append(f"| bf16 matmul {args.ceiling_n}^3 (XLA) x {ours.get('devices', 1)} | ceiling | | | "
                     f"{ceiling / 1e12:.0f} | 1.00 | | |")
     peer_tps = tokens / peer["step_s"] if "step_s" in peer else None
-    for side, r, setup in (("inkling-jax", ours, f"moe={ours.get('moe')} remat={ours.get('remat')}"),
+    for side, r, setup in (("inkling-jax", ours, f"moe={ours.get('moe')} moe_backward={ours.get('moe_backward')} "
+                                                 f"remat={ours.get('remat')}"),
                            ("transformers", peer, f"attn={peer.get('attn')} experts={peer.get('experts')} "
                                                   f"ckpt={peer.get('checkpointing')}")):
         if "step_s" not in r:

@@ -19,8 +19,9 @@ Fields, each "auto" by default:
 - moe_forward, moe_backward: under moe "pallas", which grouped matmuls run the routed experts' forward (gate/up
   and down) and backward (dgrads and weight gradients): "pallas" (ours) or "jax_mgpu" (jax's own Mosaic-GPU
   ragged dot, `pallas_kernels/moe/jax_mgpu.py`: compiled only, 16-bit weights), inside our custom VJP, so
-  routing, SwiGLU and combine stay ours; "auto" is "pallas" (docs/kernels.md says why). Decode-sized steps
-  (`moe_ffn_decode`) and quantised experts always run ours;
+  routing, SwiGLU and combine stay ours. "auto": the forward ours; the backward decided per product on a GPU
+  (`jax_mgpu.chosen`: jax's on a Hopper GPU at 16-bit training-sized products, where it was measured faster,
+  docs/kernels.md), ours elsewhere. Decode-sized steps (`moe_ffn_decode`) and quantised experts always run ours;
 - lora: the adapters' products of a LoRA serving view (`serve.lora`), "reference" or "pallas"
   (`pallas_kernels/lora`).
 "auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are
@@ -113,10 +114,10 @@ class Backend:
 
     def resolve(self) -> Backend:
         """The same choices with "auto" and interpret None replaced by what they mean on this platform (and the
-        MoE on "pallas" where batch_invariant)."""
+        MoE on "pallas" where batch_invariant); on a GPU moe_backward "auto" stays, decided per product."""
         gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if gpu else ("ragged" if name == "moe" else "reference") for name in CHOICES}
-        auto.update({name: "pallas" for name in MOE_MATMULS})
+        auto.update(moe_forward="pallas", moe_backward="auto" if gpu else "pallas")  # "auto": per product
         chosen = {name: auto[name] if getattr(self, name) == "auto" else getattr(self, name) for name in CHOICES}
         if self.batch_invariant:
             chosen.update(moe="pallas", shortconv="pallas")
@@ -166,8 +167,9 @@ def add_backend_flag(parser: argparse.ArgumentParser) -> None:
                         help="kernel implementations: auto | reference | pallas, then FIELD=VALUE items, e.g. "
                         "'moe=ragged,attention=pallas' (fields attention, decode_attention, shortconv, lora: "
                         "reference | pallas; moe: dense | ragged | pallas; moe_forward, moe_backward: the "
-                        "grouped matmuls of moe=pallas, pallas (ours, the default) | jax_mgpu (jax's Mosaic-GPU "
-                        "ragged dot; which is faster: see docs/performance.md); 'auto': Pallas on GPU; see "
+                        "grouped matmuls of moe=pallas, pallas (ours) | jax_mgpu (jax's Mosaic-GPU ragged dot) | "
+                        "auto (ours, jax's in the backward where measured faster: see docs/kernels.md); "
+                        "'auto': Pallas on GPU; see "
                         "inkling_jax/backend.py)")
 
 

@@ -58,11 +58,12 @@ def test_bad_fields_are_errors():
         Backend(interpret="mosaic")
 
 
-@pytest.mark.parametrize("platform,kernels,moe,interpret", [("gpu", "pallas", "pallas", False),
-                                                            ("cpu", "reference", "ragged", True)])
-def test_auto_resolves_by_platform(monkeypatch, platform, kernels, moe, interpret):
+@pytest.mark.parametrize("platform,kernels,moe,interpret,backward", [("gpu", "pallas", "pallas", False, "auto"),
+                                                                     ("cpu", "reference", "ragged", True, "pallas")])
+def test_auto_resolves_by_platform(monkeypatch, platform, kernels, moe, interpret, backward):
     monkeypatch.setattr(backend_module.jax, "default_backend", lambda: platform)
-    ours = {"moe_forward": "pallas", "moe_backward": "pallas"}  # the MoE's matmuls: ours on every platform
+    # The MoE's matmuls: our forward; the backward on a GPU decided per product (jax_mgpu.chosen), ours elsewhere.
+    ours = {"moe_forward": "pallas", "moe_backward": backward}
     assert Backend().resolve() == Backend(kernels, kernels, kernels, moe, kernels, **ours, interpret=interpret)
     # Named choices stay; an explicit interpret too (False on CPU: the compiled form, to lower for CUDA).
     assert Backend(attention="reference", moe="dense").resolve() == Backend("reference", kernels, kernels, "dense",

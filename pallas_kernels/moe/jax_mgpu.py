@@ -19,14 +19,17 @@ except ImportError as exc:  # an older or newer jax without them
 else:
     _IMPORT_ERROR = ""
 
-PALLAS, JAX_MGPU = "pallas", "jax_mgpu"
-IMPLEMENTATIONS = (PALLAS, JAX_MGPU)
+PALLAS, JAX_MGPU, AUTO = "pallas", "jax_mgpu", "auto"
+IMPLEMENTATIONS = (PALLAS, JAX_MGPU, AUTO)
+# AUTO runs jax's kernels on products of at least this many rows (sorted token copies): `benchmarks/moe.py`
+# measured them faster than ours in the backward there, and has not at fewer rows.
+AUTO_MIN_ROWS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulKernels:
     """Which grouped matmuls run a layer's forward (gate/up and down) and its backward (dgrads and weight
-    gradients): PALLAS (ours) or JAX_MGPU (jax's). Hashable: a static argument."""
+    gradients): PALLAS (ours), JAX_MGPU (jax's) or AUTO (per product, `chosen`). Hashable: a static argument."""
 
     forward: str = PALLAS
     backward: str = PALLAS
@@ -61,6 +64,24 @@ def kernels(interpret):
                            f"ragged_dot_mgpu / transposed_ragged_dot_mgpu: {_IMPORT_ERROR}); choose the pallas "
                            "MoE matmuls instead")
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+def on_hopper() -> bool:
+    """Whether the default device is a Hopper GPU (compute capability 9.x), the one jax's kernels are built for."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def chosen(use: str, interpret, *operands) -> str:
+    """The matmuls that run one product whose choice is `use`: AUTO is JAX_MGPU where jax's kernels were measured
+    faster and can run it (compiled on a Hopper GPU, 16-bit operands, every dimension but the rows a multiple of
+    64, at least AUTO_MIN_ROWS rows: the first operand's), PALLAS elsewhere; the others are themselves."""
+    if use != AUTO:
+        return use
+    fits = (interpret is False and ragged_dot_mgpu is not None and operands[0].shape[0] >= AUTO_MIN_ROWS
+            and all(jnp.dtype(a.dtype).itemsize == 2 and all(d % 64 == 0 for d in a.shape[1:]) for a in operands)
+            and on_hopper())
+    return JAX_MGPU if fits else PALLAS
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:
