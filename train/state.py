@@ -107,8 +107,19 @@ _SEEDED: dict = {}
 
 def seeded_params(config: InklingConfig, seed: int, shardings: Flat | None = None,
                   compiler_options: dict | None = None) -> Flat:
-    """The fp32 parameters of `InklingModel(config, rngs=nnx.Rngs(seed))`, made by one jitted program directly
-    on `shardings` (default: the default device); the program is compiled once per process and setup."""
+    """The fp32 parameters of `InklingModel(config, rngs=nnx.Rngs(seed))` on `shardings` (default: the default
+    device). On an accelerator one jitted program makes them directly there (compiled once per process and
+    setup); on CPU the model's initialisers run op by op, whose small programs (one per shape) are cached across
+    configurations and meshes, where compiling the one program took seconds for each (the same values, to float
+    rounding), and each array is then placed."""
+    if jax.default_backend() == "cpu":
+        flat = model_params(InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(seed)))
+        if shardings is None:
+            return flat
+        # from host values, which every process of a job holds alike, onto shardings that may span them all
+        host = {name: np.asarray(value) for name, value in flat.items()}
+        return {name: jax.make_array_from_callback(v.shape, shardings[name], lambda index, v=v: v[index])
+                for name, v in host.items()}
     key = (config, seed, None if shardings is None else tuple(sorted(shardings.items())),
            tuple(sorted((compiler_options or {}).items())))
     if key not in _SEEDED:
