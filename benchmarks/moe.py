@@ -13,9 +13,10 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
 - layer rows: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
   on the model's separate routed / shared weights, the shared experts as an XLA einsum; with our matmuls and with
   jax's in the backward (`Backend.moe_backward`).
-Every row names what ran (its `backend`; "= the default" where that is what `moe_backward="auto"` picks for the
-row's products on this device, `jax_mgpu.chosen`) and its speed against the peer measured in the same run (the
-peer's time over the row's: above 1 is faster than the peer).
+The default rows run `moe_backward="auto"` (the default backend's): per product, jax's kernels for the dgrads
+where `jax_mgpu.chosen` picks them, ours for the weight gradients. Every row names what ran (its `backend`) and
+its speed against the peer measured in the same run (the peer's time over the row's: above 1 is faster than the
+peer).
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
 bandwidth. Ceilings: jitted `y = 2x` over 2 GiB (bytes read + written) and an XLA bf16 8192^3 matmul.
 
@@ -53,7 +54,9 @@ from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 START = time.perf_counter()
 PALLAS = Backend(moe="pallas", moe_backward="pallas")  # the model's MoE on our grouped-matmul kernels
 JAX_BACKWARD = MatmulKernels(backward=jax_mgpu.JAX_MGPU)
+AUTO_BACKWARD = MatmulKernels(backward=jax_mgpu.AUTO)
 PALLAS_JAX_BACKWARD = Backend(moe="pallas", moe_backward=jax_mgpu.JAX_MGPU)
+DEFAULT = Backend(moe="pallas")  # moe_backward "auto"
 PEER = "kernel: jax Mosaic-GPU ragged_dot"  # the row the others are compared with
 
 
@@ -129,26 +132,23 @@ def train_step(f, num_diff):
     return jax.jit(step)
 
 
-def default_backward(s, rows) -> str:
-    """What the default `moe_backward="auto"` runs for an FFN's products over `rows` sorted rows on this device."""
+def backward_name(use: str, s, rows: int) -> str:
+    """`use`, and for "auto" what it ran for the backward's products over `rows` sorted rows on this device."""
     x = jax.ShapeDtypeStruct((rows, s.hidden), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((s.local, s.hidden, s.width), jnp.bfloat16)
-    return jax_mgpu.chosen(jax_mgpu.AUTO, Backend().resolve().interpret, x, w)
+    return jax_mgpu.backward_in_words(use, Backend().resolve().interpret, x, w)
 
 
-def kernels_name(kernels: MatmulKernels, s=None, rows=0) -> str:
-    default = s is not None and kernels.forward == jax_mgpu.PALLAS and kernels.backward == default_backward(s, rows)
-    return f"moe_ffn: forward {kernels.forward}, backward {kernels.backward}" + (" = the default" * default)
+def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
+    return f"moe_ffn: forward {kernels.forward}, backward {backward_name(kernels.backward, s, rows)}"
 
 
 def backend_name(backend: Backend, s, num_tokens: int) -> str:
     use = backend.resolve()
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
-    default = use.moe == "pallas" and use.moe_forward == "pallas" and \
-        use.moe_backward == default_backward(s, num_tokens * s.top_k)
-    return f"moe={use.moe}, moe_forward={use.moe_forward}, moe_backward={use.moe_backward}" + \
-        (" = the default" * default)
+    return (f"moe={use.moe}, moe_forward={use.moe_forward}, "
+            f"moe_backward={backward_name(use.moe_backward, s, num_tokens * s.top_k)}")
 
 
 def measure(run, name, f, args, num_diff, flops, *, backend, note="", trials=5):
@@ -176,7 +176,8 @@ def prefill(run, w):
     kargs = (d["x"], *w, d["rw"], d["gs"], d["dy"])
     ours = {}
     for name, kernels in (("kernel: ours (moe_ffn)", MatmulKernels()),
-                          ("kernel: ours forward + jax backward", JAX_BACKWARD)):
+                          ("kernel: ours forward + jax backward", JAX_BACKWARD),
+                          ("kernel: the default (backward auto)", AUTO_BACKWARD)):
         ours[name] = functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels))
         measure(run, name, ours[name], kargs, 5, flops, backend=kernels_name(kernels, s, d["x"].shape[0]))
     peer_mm = run.guarded("mgpu peer import", mgpu_peer)
@@ -210,7 +211,8 @@ def layer(run, w, d):
     flops = 6 * s.tokens * (s.top_k + s.shared) * s.hidden * s.width
     args = (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:s.tokens])
     for name, backend in (("layer: ours, shared as XLA einsum", PALLAS),
-                          ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD)):
+                          ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD),
+                          ("layer: the default (backward auto), shared as XLA einsum", DEFAULT)):
         def f(x, routed, shared, wts, shared_wts, ids, backend=backend):
             return experts(x, routed, shared, ids, wts, shared_wts, backend=backend).astype(x.dtype)
         measure(run, name, f, args, 5, flops, backend=backend_name(backend, s, s.tokens),
@@ -229,7 +231,8 @@ def ragged_peer(run, w):
             note=f"at {s.ragged_tokens} tokens ({d['x'].shape[0]} rows): it pads every group to all rows")
     rows = d["x"].shape[0]
     for name, kernels in (("kernel: ours at the same size", MatmulKernels()),
-                          ("kernel: ours forward + jax backward at the same size", JAX_BACKWARD)):
+                          ("kernel: ours forward + jax backward at the same size", JAX_BACKWARD),
+                          ("kernel: the default (backward auto) at the same size", AUTO_BACKWARD)):
         measure(run, name, functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels)), args, 5,
                 flops, backend=kernels_name(kernels, s, rows), note=f"at {s.ragged_tokens} tokens ({rows} rows)")
 

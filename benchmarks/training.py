@@ -123,22 +123,19 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
 
 
 def moe_backward_run(config, args, backend) -> str:
-    """The MoE backward's matmuls this step ran: the backend's choice, and for "auto" what it picked for the
-    routed experts' products (`jax_mgpu.chosen`; a mesh splits them further, which this does not follow)."""
+    """The MoE backward's matmuls this step ran (`jax_mgpu.backward_in_words` for the routed experts' products; a
+    mesh splits them further, which this does not follow)."""
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels.moe import jax_mgpu
 
-    use = backend.resolve()
+    use, t = backend.resolve(), config.text
     if use.moe != "pallas":
         return f"none (moe={use.moe})"
-    if use.moe_backward != jax_mgpu.AUTO:
-        return use.moe_backward
-    t = config.text
     rows = jax.ShapeDtypeStruct((args.batch * args.seq * t.num_experts_per_tok, t.hidden_size), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((t.num_experts, t.hidden_size, t.moe_intermediate_size), jnp.bfloat16)
-    return f"auto: {jax_mgpu.chosen(jax_mgpu.AUTO, use.interpret, rows, w)}"
+    return jax_mgpu.backward_in_words(use.moe_backward, use.interpret, rows, w)
 
 
 def part_jax(args) -> None:

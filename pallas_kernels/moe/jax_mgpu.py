@@ -20,24 +20,27 @@ else:
     _IMPORT_ERROR = ""
 
 PALLAS, JAX_MGPU, AUTO = "pallas", "jax_mgpu", "auto"
-IMPLEMENTATIONS = (PALLAS, JAX_MGPU, AUTO)
-# AUTO runs jax's kernels on products of at least this many rows (sorted token copies): `benchmarks/moe.py`
-# measured them faster than ours in the backward there, and has not at fewer rows.
+IMPLEMENTATIONS = (PALLAS, JAX_MGPU)
+# AUTO (the backward only) runs jax's kernels on its row-major products (dh, dx) of at least this many rows
+# (sorted token copies), where `benchmarks/moe.py` measured them faster than ours (`benchmarks/moe_tiles.py`: the
+# roles gmm and gmm_pairs), and has not measured fewer; the weight gradients stay ours, measured faster than jax's
+# transposed ragged dot (the role wgrad).
 AUTO_MIN_ROWS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulKernels:
     """Which grouped matmuls run a layer's forward (gate/up and down) and its backward (dgrads and weight
-    gradients): PALLAS (ours), JAX_MGPU (jax's) or AUTO (per product, `chosen`). Hashable: a static argument."""
+    gradients): PALLAS (ours) or JAX_MGPU (jax's); the backward also AUTO (`chosen`). Hashable: a static
+    argument."""
 
     forward: str = PALLAS
     backward: str = PALLAS
 
     def __post_init__(self):
-        for name in ("forward", "backward"):
-            if getattr(self, name) not in IMPLEMENTATIONS:
-                raise ValueError(f"MoE {name} matmuls must be one of {IMPLEMENTATIONS}, not {getattr(self, name)!r}")
+        for name, allowed in (("forward", IMPLEMENTATIONS), ("backward", (*IMPLEMENTATIONS, AUTO))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MoE {name} matmuls must be one of {allowed}, not {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +69,32 @@ def kernels(interpret):
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
 
 
-def on_hopper() -> bool:
-    """Whether the default device is a Hopper GPU (compute capability 9.x), the one jax's kernels are built for."""
+def runnable(interpret) -> bool:
+    """Whether jax's kernels can run here: compiled (interpret False), with this jax having them, on a Hopper GPU
+    (compute capability 9.x) as the default device."""
     device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9.")
+    return (interpret is False and ragged_dot_mgpu is not None and device.platform == "gpu"
+            and str(getattr(device, "compute_capability", "")).startswith("9."))
 
 
 def chosen(use: str, interpret, *operands) -> str:
-    """The matmuls that run one product whose choice is `use`: AUTO is JAX_MGPU where jax's kernels were measured
-    faster and can run it (compiled on a Hopper GPU, 16-bit operands, every dimension but the rows a multiple of
-    64, at least AUTO_MIN_ROWS rows: the first operand's), PALLAS elsewhere; the others are themselves."""
+    """The matmuls that run one row-major product (`ragged_dot`'s: not a weight gradient) whose choice is `use`:
+    AUTO is JAX_MGPU where jax's kernels can run (`runnable`) and take it, and were measured faster (16-bit
+    operands, every dimension but the rows a multiple of 64, at least AUTO_MIN_ROWS rows: the first operand's),
+    PALLAS elsewhere; the others are themselves."""
     if use != AUTO:
         return use
-    fits = (interpret is False and ragged_dot_mgpu is not None and operands[0].shape[0] >= AUTO_MIN_ROWS
-            and all(jnp.dtype(a.dtype).itemsize == 2 and all(d % 64 == 0 for d in a.shape[1:]) for a in operands)
-            and on_hopper())
-    return JAX_MGPU if fits else PALLAS
+    fits = operands[0].shape[0] >= AUTO_MIN_ROWS and all(
+        jnp.dtype(a.dtype).itemsize == 2 and all(d % 64 == 0 for d in a.shape[1:]) for a in operands)
+    return JAX_MGPU if fits and runnable(interpret) else PALLAS
+
+
+def backward_in_words(use: str, interpret, *operands) -> str:
+    """What a backward whose choice is `use` runs for products of these operands (the rows and an expert weight
+    stack, or shape structs of them), in words: for the benchmarks' rows."""
+    if use != AUTO:
+        return use
+    return f"auto (dgrads {chosen(AUTO, interpret, *operands)}, weight gradients {PALLAS})"
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:

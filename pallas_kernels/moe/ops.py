@@ -60,7 +60,7 @@ def _mm(lhs, weights, group_sizes, configs, interpret, use, *, role="gmm", trans
 
 
 def _wgrad(x, dy, group_sizes, configs, interpret, use, dtype):
-    if jax_mgpu.chosen(use, interpret, x, dy) == JAX_MGPU:
+    if use == JAX_MGPU:  # AUTO keeps ours (`jax_mgpu.AUTO_MIN_ROWS` says why)
         return jax_mgpu.tgmm(x, dy, group_sizes, interpret=interpret).astype(dtype)
     return matmuls.tgmm(x, dy, group_sizes, cfg=configs.get("wgrad", x.dtype), interpret=interpret).astype(dtype)
 
@@ -77,8 +77,8 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, interpret:
       interpret: None picks compiled Mosaic GPU on a GPU backend and the portable interpreted kernel elsewhere;
         "mosaic" runs the Mosaic-GPU kernels in Pallas's GPU interpreter (slow; checks the GPU code on CPU).
       configs: tile overrides (`tuning.KernelConfigs`).
-      kernels: ours, jax's Mosaic-GPU ragged dot or "auto" (per product) for the forward and for the backward
-        (`MatmulKernels`, default ours; jax's runs compiled only, on 16-bit operands).
+      kernels: ours or jax's Mosaic-GPU ragged dot for the forward, and for the backward also "auto" (per
+        product, `jax_mgpu.chosen`) (`MatmulKernels`, default ours; jax's runs compiled only, on 16-bit operands).
     Returns:
       [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
     """
@@ -111,7 +111,7 @@ _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 def _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, use, keep_preactivations):
     """[h] or [h, gate, up] in x.dtype: one fused kernel (ours), or two products and the SwiGLU in XLA."""
-    if jax_mgpu.chosen(use, interpret, x, w_gate, w_up) == JAX_MGPU:
+    if use == JAX_MGPU:
         accs = [_mm([x], [w], group_sizes, configs, interpret, use).astype(jnp.float32) for w in (w_gate, w_up)]
         outs = epilogues.swiglu(accs, [row_weights.astype(jnp.float32)], keep_preactivations=keep_preactivations)
         return [o.astype(x.dtype) for o in outs]
