@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.moe_peers import ffn_rows, mgpu_peer, unfused_ffn
-from benchmarks.timing import (attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, save_json, stamp,
-                               stamp_line)
+from benchmarks.moe_report import PEER, summary
+from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
@@ -57,7 +57,6 @@ JAX_BACKWARD = MatmulKernels(backward=jax_mgpu.JAX_MGPU)
 AUTO_BACKWARD = MatmulKernels(backward=jax_mgpu.AUTO)
 PALLAS_JAX_BACKWARD = Backend(moe="pallas", moe_backward=jax_mgpu.JAX_MGPU)
 DEFAULT = Backend(moe="pallas")  # moe_backward "auto"
-PEER = "kernel: jax Mosaic-GPU ragged_dot"  # the row the others are compared with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,47 +306,6 @@ def quantized_vs_bf16(run, w):
         print(f"quantized {tokens} tokens", json.dumps(row), flush=True)
 
 
-def summary(run, out):
-    s, r = run.s, run.results
-    copy, peak = r.get("copy_GBps", float("nan")), r.get("matmul_TFLOPs", float("nan"))
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    lines = ["", f"{stamp_line(r['stamp'])}; copy {copy:.0f} GB/s; XLA bf16 matmul {peak:.0f} TFLOP/s; "
-             f"prefill {s.tokens} tokens x (top-{s.top_k} + {s.shared} shared), H={s.hidden} I={s.width} bf16; "
-             f"{time.perf_counter() - START:.0f} s",
-             "| case | backend | fwd ms | fwd TFLOP/s | /matmul | vs peer | fwd+bwd ms | fwd+bwd TFLOP/s | /matmul "
-             "| vs peer | note |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    peer = r["rows"].get(PEER, {})
-    for name, row in r["rows"].items():
-        cells = []
-        for k in ("fwd", "fwdbwd"):
-            rate, ms, peer_ms = row[f"{k}_TFLOPs"], row[f"{k}_ms"], peer.get(f"{k}_ms")
-            cells += [fmt(ms, ".2f"), fmt(rate, ".1f"), fmt(rate and rate / peak, ".2f"),
-                      fmt(ms and peer_ms and peer_ms / ms, ".3f")]
-        lines.append(f"| {name} | {row['backend']} | " + " | ".join(cells) + f" | {row['note']} |")
-    for tokens, row in r["decode"].items():
-        cells = [f"{k[:-3]} {fmt(row.get(k), '.0f')} us = {fmt(row.get(k[:-3] + '_of_copy'), '.2f')} of copy"
-                 for k in row if k.endswith("_us")]
-        lines.append(f"| decode {tokens} tok: {row['touched_experts']} experts, {row['weight_GB']:.2f} GB | "
-                     + " | ".join(cells) + " |")
-    if "quantized" in r:
-        lines += [f"read {r['read_GBps']:.0f} GB/s",
-                  "| tokens | precision | us | of read | TFLOP/s | rel. L2 vs bf16 |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: |"]
-        for tokens, row in r["quantized"].items():
-            for name in ("bf16", "fp8", "nvfp4"):
-                if name in row:
-                    cell = row[name]
-                    lines.append(f"| {tokens} | {name} | {cell['us']:.0f} | {cell['of_read']:.2f} | "
-                                 f"{cell['TFLOPs']:.0f} | {fmt(row.get(f'{name}_vs_bf16_rel_l2'), '.3f')} |")
-    for k in ("rel_err_vs_mgpu_peer", "errors"):
-        if r.get(k):
-            lines.append(f"{k}: {r[k]}")
-    print("\n".join(lines), flush=True)
-    if out:
-        save_json(out, "moe_bench.json", r)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.moe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -370,7 +328,7 @@ def main(argv=None):
         layer(run, w, d)
         ragged_peer(run, w)
     finally:
-        summary(run, args.out)
+        summary(run, args.out, time.perf_counter() - START)
 
 
 if __name__ == "__main__":
