@@ -47,6 +47,8 @@ from inkling_jax import InklingModel, load_pretrained, preset
 from inkling_jax.assets import default_model_dir
 from inkling_jax.config import MTPConfig
 from inkling_jax.nn.moe import MoE
+from inkling_jax.quant import QuantConfig, serving_view
+from inkling_jax.quant.config import EXPERT_PRECISIONS
 from serve.engine.acceptance import summarize
 from serve.engine.config import EngineConfig, SpeculativeConfig
 from serve.engine.engine import Engine
@@ -78,6 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=12, help="--acceptance: prompts cut from the held-out text")
     p.add_argument("--temperature", type=float, default=0.0, help="--acceptance: 0 greedy, else sampled (seeded)")
     p.add_argument("--top-p", type=float, default=1.0, help="--acceptance: with --temperature")
+    p.add_argument("--expert-precision", default="bf16", choices=EXPERT_PRECISIONS,
+                   help="throughput: the routed experts' precision, as serve.app's flag (the verify's extra bytes "
+                   "are experts')")
     p.add_argument("--mesh", help="throughput: serve over a device mesh, as serve.app's --mesh (e.g. tensor=2); "
                    "default: one device")
     p.add_argument("--profile", action="store_true", help="throughput: also print where each program's device "
@@ -134,6 +139,8 @@ def throughput(args) -> dict:
     gpu = jax.default_backend() == "gpu"
     config = dataclasses.replace(preset(args.preset), mtp=MTPConfig(num_layers=1, local_layer_ids=(0,)))
     model = plant_successor(device_random_model(config) if gpu else random_model(config))
+    if args.expert_precision != "bf16":
+        model = serving_view(model, QuantConfig(args.expert_precision), fuse=False)
     levels = [int(c) for c in args.concurrency.split(",")]
     rng = np.random.default_rng(0)
     vocab = config.text.unpadded_vocab_size
@@ -206,7 +213,8 @@ def oracle_fixed_point(engine: Engine, plan: dict, prompts: list[list[int]], fir
 
 def report_throughput(args, results) -> None:
     print(stamp_line(results["stamp"]) + f"; preset {args.preset} + 1 random MTP depth, prompt {args.prompt_tokens}, "
-          f"output {args.output_tokens}; plain decoding at {args.decode_steps} steps per call"
+          f"output {args.output_tokens}; routed experts in {args.expert_precision}; plain decoding at "
+          f"{args.decode_steps} steps per call"
           f"{'; mesh ' + args.mesh if args.mesh else ''}")
     print("| program | " + " | ".join(f"{n} rows ms" for n in ROWS) + " | " +
           " | ".join(f"x plain at {n}" for n in ROWS) + " |")
