@@ -133,9 +133,7 @@ def train_step(f, num_diff):
 
 def backward_name(use: str, s, rows: int) -> str:
     """`use`, and for "auto" what it ran for the backward's products over `rows` sorted rows on this device."""
-    x = jax.ShapeDtypeStruct((rows, s.hidden), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((s.local, s.hidden, s.width), jnp.bfloat16)
-    return jax_mgpu.backward_in_words(use, Backend().resolve().interpret, x, w)
+    return jax_mgpu.backward_in_words(use, Backend().resolve().interpret, rows, s.hidden, s.width, s.local)
 
 
 def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
@@ -219,8 +217,9 @@ def layer(run, w, d):
 
 
 def ragged_peer(run, w):
-    """`jax.lax.ragged_dot` at the reduced token count it fits at, with ours (and ours with jax's backward) at the
-    same size: the fewest rows `moe_backward="auto"` gives to jax's kernels (`jax_mgpu.AUTO_MIN_ROWS`)."""
+    """`jax.lax.ragged_dot` at the reduced token count it fits at, with ours, ours with jax's backward and the
+    default at the same size: the fewest rows `moe_backward="auto"` gives to jax's kernels
+    (`jax_mgpu.AUTO_MIN_ROWS`)."""
     s = run.s
     d = rows_inputs(s, s.ragged_tokens, seed=2)
     flops = 6 * d["x"].shape[0] * s.hidden * s.width

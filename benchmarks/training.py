@@ -32,6 +32,8 @@ import time
 
 
 def parse_args(argv=None):
+    from inkling_jax.backend import MOE_MATMUL_CHOICES
+
     p = argparse.ArgumentParser(prog="python -m benchmarks.training", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="bench", help="another preset (e.g. tiny) to try the script on a CPU")
@@ -45,7 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--mesh", help="train over a device mesh (e.g. tensor=2, expert=2); default: one GPU")
     p.add_argument("--no-peer", action="store_true", help="skip transformers' Inkling (it runs on one GPU)")
     p.add_argument("--attempts", default="pallas:dots,dense:dots,dense:full", help="moe:remat pairs, in order")
-    p.add_argument("--moe-backward", default="auto", choices=("auto", "pallas", "jax_mgpu"),
+    p.add_argument("--moe-backward", default="auto", choices=MOE_MATMUL_CHOICES,
                    help="the grouped matmuls of the MoE's backward under moe=pallas (inkling_jax/backend.py)")
     p.add_argument("--ceiling-n", type=int, default=8192, help="size of the square bf16 matmul ceiling")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -125,17 +127,13 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
 def moe_backward_run(config, args, backend) -> str:
     """The MoE backward's matmuls this step ran (`jax_mgpu.backward_in_words` for the routed experts' products; a
     mesh splits them further, which this does not follow)."""
-    import jax
-    import jax.numpy as jnp
-
     from pallas_kernels.moe import jax_mgpu
 
     use, t = backend.resolve(), config.text
     if use.moe != "pallas":
         return f"none (moe={use.moe})"
-    rows = jax.ShapeDtypeStruct((args.batch * args.seq * t.num_experts_per_tok, t.hidden_size), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((t.num_experts, t.hidden_size, t.moe_intermediate_size), jnp.bfloat16)
-    return jax_mgpu.backward_in_words(use.moe_backward, use.interpret, rows, w)
+    return jax_mgpu.backward_in_words(use.moe_backward, use.interpret, args.batch * args.seq * t.num_experts_per_tok,
+                                      t.hidden_size, t.moe_intermediate_size, t.num_experts)
 
 
 def part_jax(args) -> None:

@@ -21,7 +21,8 @@ Fields, each "auto" by default:
   ragged dot, `pallas_kernels/moe/jax_mgpu.py`: compiled only, 16-bit weights), inside our custom VJP, so
   routing, SwiGLU and combine stay ours. "auto": the forward ours; the backward decided per product on a GPU
   (`jax_mgpu.chosen`: jax's dgrads on a Hopper GPU at 16-bit training-sized products, where they were measured
-  faster, docs/kernels.md; our weight gradients), ours elsewhere. Decode-sized steps (`moe_ffn_decode`) and quantised experts always run ours;
+  faster, docs/kernels.md; our weight gradients), ours elsewhere. Decode-sized steps (`moe_ffn_decode`) and
+  quantised experts always run ours;
 - lora: the adapters' products of a LoRA serving view (`serve.lora`), "reference" or "pallas"
   (`pallas_kernels/lora`).
 "auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are

@@ -89,12 +89,14 @@ def chosen(use: str, interpret, *operands) -> str:
     return JAX_MGPU if fits and runnable(interpret) else PALLAS
 
 
-def backward_in_words(use: str, interpret, *operands) -> str:
-    """What a backward whose choice is `use` runs for products of these operands (the rows and an expert weight
-    stack, or shape structs of them), in words: for the benchmarks' rows."""
+def backward_in_words(use: str, interpret, rows: int, hidden: int, width: int, groups: int) -> str:
+    """What a backward whose choice is `use` runs for an FFN's bf16 products over `rows` sorted rows and `groups`
+    experts of [hidden, width], in words: for the benchmarks' rows."""
     if use != AUTO:
         return use
-    return f"auto (dgrads {chosen(AUTO, interpret, *operands)}, weight gradients {PALLAS})"
+    x = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((groups, hidden, width), jnp.bfloat16)
+    return f"auto (dgrads {chosen(AUTO, interpret, x, w)}, weight gradients {PALLAS})"
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:
