@@ -11,8 +11,8 @@ timed on every product it serves in a training step, and a candidate's score is 
 - gmm: the down projection forward and its dgrad dh = dy @ w_down^T;
 - gmm_pairs: dx = dgate @ w_gate^T + dup @ w_up^T;
 - wgrad: x^T @ dgate (the gate and up weight gradients' shape) and h^T @ dy (the down's).
-The search goes in three rounds per role: the tile shape (compute warpgroups, block_n, block_k or block_rows) at
-the default stages and grid order, then the stages of the two best shapes, then the grid order of the best one.
+The search goes in three rounds per role: the tile shape (rows per warpgroup, compute warpgroups, block_n, block_k or
+block_rows) at the default stages and grid order, then the stages of the two best shapes, then the grid order of the best one.
 A candidate that fails to compile (shared memory, registers) is recorded and skipped. Each role gets an equal
 share of --seconds; a role whose share is spent stops starting candidates (its current tiles are always
 timed). Prints each candidate as it is timed, then per role the best tiles, and writes moe_tiles.json.
@@ -99,11 +99,13 @@ def shapes(default, dry: bool) -> list:
     if dry:
         return [default, dataclasses.replace(default, compute_wgs=1)]
     found = [default]
-    for wgs in (1, 2):
-        for block_n in (64, 128, 256):
-            for depth in (32, 64, 128):
-                field = "block_rows" if isinstance(default, WgradConfig) else "block_k"
-                found.append(dataclasses.replace(default, compute_wgs=wgs, block_n=block_n, **{field: depth}))
+    field = "block_rows" if isinstance(default, WgradConfig) else "block_k"
+    for wg_rows in (128, 64):  # 128: each warpgroup issues two 64-row wgmmas per operand tile
+        for wgs in (2, 1):
+            for block_n in (64, 128, 256):
+                for depth in (32, 64, 128):
+                    found.append(dataclasses.replace(default, wg_rows=wg_rows, compute_wgs=wgs, block_n=block_n,
+                                                     **{field: depth}))
     return list(dict.fromkeys(found))
 
 

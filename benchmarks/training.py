@@ -8,7 +8,8 @@ shape, with the bf16 matmul ceiling measured in the same run.
 Model: the first `--layers` layers of `preset("bench")` (Inkling's per-layer widths, 32 experts top-6 + 2
 shared; as many layers as fit one H200 with fp32 master weights and fp32 AdamW moments), random weights; the last
 `--full-attention-layers` of them attend over the full context (as every sixth Inkling layer does; the others keep
-the preset's kind, the sliding window for `bench`'s first five), so that the step runs both attention kinds.
+the preset's kind, the sliding window for `bench`'s first five), so that the step runs both attention kinds; the
+first `--dense-layers` have a dense MLP (default the preset's: `bench`'s first two), the others the MoE.
 Step: next-token loss on `batch x seq` tokens, backward, global-norm clipping, AdamW.
 - ours: `train.step.Trainer`, bf16 compute over fp32 masters, rows packed with 2 segments each; the MoE backend
   and the remat policy are tried in `--attempts` order until one compiles and fits;
@@ -41,6 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--full-attention-layers", type=int, default=1,
                    help="how many of the kept layers, the last ones, use full attention (0: the preset's own kinds, "
                    "all sliding for bench's first 5 layers)")
+    p.add_argument("--dense-layers", type=int,
+                   help="how many of the kept layers, the first ones, have a dense MLP instead of the MoE (default: "
+                   "the preset's; bench's first two, so that --layers 2 has no MoE layer)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4, help="timed steps after the first (compiling) ones")
@@ -66,7 +70,9 @@ def bench_config(args):
 
     config = first_layers(preset(args.preset), args.layers)
     first_full = args.layers - args.full_attention_layers
-    return config.replace(local_layer_ids=tuple(i for i in config.text.local_layer_ids if i < first_full))
+    dense = config.text.dense_layer_ids if args.dense_layers is None else tuple(range(args.dense_layers))
+    return config.replace(local_layer_ids=tuple(i for i in config.text.local_layer_ids if i < first_full),
+                          dense_layer_ids=tuple(i for i in dense if i < args.layers))
 
 
 def emit(result: dict) -> None:
@@ -119,6 +125,7 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
         raise FloatingPointError(f"non-finite loss with moe={moe}: {losses}")
     stats = jax.devices()[0].memory_stats() or {}
     return {"moe": backend.resolve().moe, "moe_backward": moe_backward_run(config, args, backend), "remat": remat,
+            "dense_layers": len(config.text.dense_layer_ids),
             "step_s": statistics.median(times),
             "first_step_s": first_s, "losses": losses, "peak_bytes": stats.get("peak_bytes_in_use"),
             "grad_norm": float(metrics["grad_norm"]), "devices": mesh.size}
@@ -284,7 +291,8 @@ def main():
     save_json(args.out, "train_bench.json", {"args": vars(args), "ours": ours, "peer": peer})
     for r in (ours, peer):
         print(r.get("side"), "losses", [round(x, 3) for x in r.get("losses", [])], "failures", r.get("failures"))
-    print(f"first {args.layers} layers of preset('{args.preset}') ({args.full_attention_layers} with full attention), "
+    print(f"first {args.layers} layers of preset('{args.preset}') ({args.full_attention_layers} with full attention, "
+          f"{ours.get('dense_layers', '?')} with a dense MLP, the others MoE), "
           f"batch {args.batch} x seq {args.seq}"
           f"{', mesh ' + args.mesh if args.mesh else ''}; "
           f"{stamp_line(ours['stamp']) if 'stamp' in ours else 'jax side failed'}; torch {peer.get('torch')}, "
