@@ -1,11 +1,12 @@
 """Tile sizes for the MoE grouped-matmul kernels.
 
 `DEFAULTS` (prefill and training): the bf16 tiles were chosen by `python -m benchmarks.moe_tiles` on one H100
-(jax 0.11.2, 2026-12-05) at Inkling's expert shapes (16k tokens x 8 experts each, hidden 6144, width 3072); the
+(jax 0.11.2, 2026-12-06) at Inkling's expert shapes (16k tokens x 8 experts each, hidden 6144, width 3072); the
 other dtypes' are starting points sized for Hopper (227 KiB SMEM per block, 132 SMs). `DECODE` was chosen by a
 sweep on one H200 (jax 0.11.2) at a 32-token decode step. The current kernel figures: docs/performance.md. Every
-kernel has two compute warpgroups (one for decode) that each own `wg_rows` rows of the output tile, plus one
-warpgroup issuing TMA.
+kernel has two compute warpgroups (one for decode) that each own `wg_rows` rows of the output tile (64 or 128:
+one or two 64-row wgmmas per operand tile), plus one warpgroup issuing TMA. `stages` is an upper bound that
+`fit_stages` lowers to what SMEM holds (3 for the 128-row tiles).
 """
 
 import dataclasses
@@ -54,13 +55,13 @@ _BF16, _F32, _FP8 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(j
 # (pallas_kernels/moe/fp8.py, forward only) with K-minor tiles of 128 elements, one 128-byte swizzle span.
 DEFAULTS = {
     # out = x @ w[g] (down projection) and dgrad (dy @ w[g]^T).
-    "gmm": {_BF16: GmmConfig(block_n=128), _F32: GmmConfig(block_n=128, block_k=32),
+    "gmm": {_BF16: GmmConfig(wg_rows=128, block_n=128, stages=3), _F32: GmmConfig(block_n=128, block_k=32),
             _FP8: GmmConfig(block_k=128)},
     # Fused gate/up: two accumulators of block_n columns each.
-    "swiglu": {_BF16: GmmConfig(block_n=128, stages=2), _F32: GmmConfig(block_n=64, block_k=32),
+    "swiglu": {_BF16: GmmConfig(wg_rows=128, block_n=64, stages=3), _F32: GmmConfig(block_n=64, block_k=32),
                _FP8: GmmConfig(block_n=128, block_k=128)},
     # dx = dgate @ w_gate^T + dup @ w_up^T: two operand pairs per step.
-    "gmm_pairs": {_BF16: GmmConfig(block_n=128, stages=2), _F32: GmmConfig(block_n=128, block_k=16)},
+    "gmm_pairs": {_BF16: GmmConfig(block_n=128, stages=2, grid_tile_width=4), _F32: GmmConfig(block_n=128, block_k=16)},
     "wgrad": {_BF16: WgradConfig(stages=3), _F32: WgradConfig(block_n=128, block_rows=32)},
 }
 # Decode: one 64-row tile per touched expert, n-blocks narrow enough that every SM streams weights.
