@@ -11,8 +11,9 @@ timed on every product it serves in a training step, and a candidate's score is 
 - gmm: the down projection forward and its dgrad dh = dy @ w_down^T;
 - gmm_pairs: dx = dgate @ w_gate^T + dup @ w_up^T;
 - wgrad: x^T @ dgate (the gate and up weight gradients' shape) and h^T @ dy (the down's).
-The search goes in three rounds per role: the tile shape (rows per warpgroup, compute warpgroups, block_n, block_k or
-block_rows) at the default stages and grid order, then the stages of the two best shapes, then the grid order of the best one.
+The search goes in three rounds per role: the tile shape (rows per warpgroup, compute warpgroups, block_n, block_k
+or block_rows) at the default stages and grid order, then the stages of the two best shapes, then the grid order of
+the best one.
 A candidate that fails to compile (shared memory, registers) is recorded and skipped. Each role gets an equal
 share of --seconds; a role whose share is spent stops starting candidates (its current tiles are always
 timed). Prints each candidate as it is timed, then per role the best tiles, and writes moe_tiles.json.
