@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import invariant_matmul, moe_tiles, rl, timing
+from benchmarks import invariant_matmul, moe_tiles, rl, timing, training
 from benchmarks.profile import device_op_times, op_table
 from benchmarks.speculative import plant_successor
 from inkling_jax import preset
@@ -136,6 +136,20 @@ def test_the_tile_sweep_times_the_current_tiles_even_without_budget_and_reports_
     assert role["default_ms"] == role["best_ms"] > 0
     row = capsys.readouterr().out.strip().splitlines()[-1]
     assert row.startswith("| gmm | ") and " | 1.000 | " in row
+
+
+def test_the_training_benchmark_keeps_the_dense_and_full_attention_layers_it_is_told():
+    """bench's first two layers are dense, so by default `--layers 2` has no MoE layer; `--dense-layers 0` makes
+    every kept layer an MoE one; the last `--full-attention-layers` of them leave the sliding window."""
+    def kept(*argv):
+        return training.bench_config(training.parse_args(list(argv))).text
+
+    default = kept("--layers", "3")
+    assert (default.num_layers, default.dense_layer_ids, default.local_layer_ids) == (3, (0, 1), (0, 1))
+    moe_only = kept("--layers", "1", "--dense-layers", "0")
+    assert (moe_only.num_layers, moe_only.dense_layer_ids, moe_only.local_layer_ids) == (1, (), ())
+    sliding = kept("--layers", "2", "--dense-layers", "1", "--full-attention-layers", "0")
+    assert (sliding.dense_layer_ids, sliding.local_layer_ids) == ((0,), (0, 1))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
