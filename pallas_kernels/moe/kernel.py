@@ -119,7 +119,7 @@ def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_mi
                     rows = []
                     for i in range(len(row_refs)):
                         plgpu.barrier_wait(row_barriers.at[wg * n_rows + i])
-                        rows.append(mgpu.load_row_vector(row_smem.at[wg, i]))
+                        rows.append(mgpu.row_vector(row_smem.at[wg, i], interpret))
                     outs = epilogue([a[...] for a in accs], rows)
                     counter = 0
                     for out_ref, val in zip(out_refs, outs):
