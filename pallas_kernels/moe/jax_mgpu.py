@@ -23,7 +23,7 @@ PALLAS, JAX_MGPU, AUTO = "pallas", "jax_mgpu", "auto"
 IMPLEMENTATIONS = (PALLAS, JAX_MGPU)
 # AUTO (the backward only) runs jax's kernels on its row-major products (dh, dx) of at least this many rows
 # (sorted token copies): `benchmarks/moe_tiles.py` timed them faster than ours at 131072 rows (the roles gmm and
-# gmm_pairs), and `benchmarks/moe.py` jax's whole backward no slower than ours at 16384 (fewer were not timed).
+# gmm_pairs), and `benchmarks/moe.py` this choice the fastest backward at 16384 (fewer were not timed).
 # The weight gradients stay ours, timed faster than jax's transposed ragged dot (the role wgrad).
 AUTO_MIN_ROWS = 16384
 
