@@ -22,7 +22,11 @@ from pallas_kernels.moe.groups import row_block_passes
 from pallas_kernels.moe.matmuls import MOSAIC
 
 DTYPES = [jnp.float32, jnp.bfloat16]
-BACKENDS = [None] + ([MOSAIC] if interpret_default() and os.environ.get("MOE_MOSAIC_INTERPRET") else [])
+# jax 0.10's GPU interpreter has no wgmma on a transposed operand (the dgrads' weights): the thread running it
+# fails and the others wait at a barrier for ever, so there the opt-in interpreted kernels are skipped.
+_MOSAIC_INTERPRETED = pytest.param(MOSAIC, marks=pytest.mark.skipif(
+    jax.__version_info__ < (0, 11), reason="jax 0.10's GPU interpreter has no transposed wgmma operand"))
+BACKENDS = [None] + ([_MOSAIC_INTERPRETED] if interpret_default() and os.environ.get("MOE_MOSAIC_INTERPRET") else [])
 GROUP_SIZES = (61, 0, 130, 17, 52)  # sum 260 of 300 rows: an empty group, blocks straddling groups
 
 
