@@ -47,6 +47,7 @@ from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
+from pallas_kernels.moe.tuning import large_steps
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
@@ -137,7 +138,10 @@ def backward_name(use: str, s, rows: int) -> str:
 
 
 def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
-    return f"moe_ffn: forward {kernels.forward}, backward {backward_name(kernels.backward, s, rows)}"
+    groups = s.local + s.shared
+    tiles = "large" if large_steps(rows, groups) else "default"
+    return (f"moe_ffn: forward {kernels.forward} ({tiles} tiles; forward-only calls in slabs of whole blocks, "
+            f"differentiated on the rows), backward {backward_name(kernels.backward, s, rows)}")
 
 
 def backend_name(backend: Backend, s, num_tokens: int) -> str:

@@ -1,5 +1,5 @@
 """The tile sweep of the MoE grouped-matmul kernels: each kernel role alone at Inkling's expert shapes, over tile
-candidates, against the role's current tiles (`pallas_kernels/moe/tuning.py`, `DEFAULTS`) and jax's Mosaic-GPU
+candidates, against the role's current tiles at these rows (`pallas_kernels/moe/tuning.py`) and jax's Mosaic-GPU
 ragged dot on the same operands, all in the same run.
 
     python -m benchmarks.moe_tiles [--roles swiglu,gmm,gmm_pairs,wgrad] [--seconds 500] [--out DIR]
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from benchmarks.moe import DRY, INKLING, rnd, rows_inputs, weights
 from benchmarks.timing import CALLS, attempt, median_seconds, save_json, stamp, stamp_line
 from pallas_kernels.moe import epilogues, jax_mgpu, matmuls
-from pallas_kernels.moe.tuning import DEFAULTS, WgradConfig
+from pallas_kernels.moe.tuning import KernelConfigs, WgradConfig, large_steps
 
 ROLES = ("swiglu", "gmm", "gmm_pairs", "wgrad")
 PLAIN = ((0, 0, 0),)
@@ -201,7 +201,8 @@ def main(argv=None):
     cases = problems(s, interpret)
     share = args.seconds / len(roles)
     for role in roles:
-        default = DEFAULTS[role][jnp.dtype(jnp.bfloat16)]
+        large = large_steps(s.tokens * (s.top_k + s.shared), s.local + s.shared)
+        default = KernelConfigs(large=large).get(role, jnp.bfloat16)
         sweep = Sweep(role, cases[role], share)
         sweep.run(shapes(default, args.dry_run))
         peer = None if args.dry_run else peer_seconds(cases[role], sweep.errors)

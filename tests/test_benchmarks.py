@@ -22,7 +22,8 @@ from tests.greedy import greedy_tokens
 # runpy warns when the module was imported before (timing is, by this file); it runs a fresh copy all the same.
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("name", ["model", "serving", "serving_sweep", "speculative", "training", "kernels", "moe",
-                                  "conversion", "timing", "multi_lora", "rl", "moe_tiles", "invariant_matmul"])
+                                  "conversion", "timing", "multi_lora", "rl", "moe_tiles", "moe_layouts",
+                                  "invariant_matmul"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:

@@ -64,13 +64,30 @@ def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, al
     src = starts[pg] + padded - slab_starts[pg]
     valid = (padded < slab_ends[pg]) & (src < ends[pg])
     src = jnp.where(valid, src, 0)
-    x_slabs = jnp.where(valid[:, None], x[src], jnp.zeros((), x.dtype))
-    vector_slabs = jax.tree.map(lambda v: jnp.where(valid, v[src], 0), row_vectors)
-
-    y_slabs = ffn(x_slabs, slab_sizes, vector_slabs)
-
     rows = jnp.arange(num_rows, dtype=jnp.int32)
     rg = row_groups(group_sizes, num_rows)
     in_group = rows < ends[rg]
     dst = jnp.where(in_group, slab_starts[rg] + rows - starts[rg], 0)
-    return jnp.where(in_group[:, None], y_slabs[dst], jnp.zeros((), y_slabs.dtype))
+
+    to_slabs = lambda v: _moved(v, src, valid, dst, in_group)  # noqa: E731
+    y_slabs = ffn(to_slabs(x), slab_sizes, jax.tree.map(to_slabs, row_vectors))
+    return _moved(y_slabs, dst, in_group, src, valid)
+
+
+@jax.custom_vjp
+def _moved(x, index, mask, inverse, inverse_mask):
+    """x[index] where mask, else zeros: rows moved into or out of the slabs. The two maps are each other's inverse
+    on the rows they keep, so the gradient is the other gather (XLA would otherwise scatter-add it, slowly)."""
+    return jnp.where(mask.reshape(mask.shape + (1,) * (x.ndim - 1)), x[index], jnp.zeros((), x.dtype))
+
+
+def _moved_fwd(x, index, mask, inverse, inverse_mask):
+    return _moved(x, index, mask, inverse, inverse_mask), (index, mask, inverse, inverse_mask)
+
+
+def _moved_bwd(res, g):
+    index, mask, inverse, inverse_mask = res
+    return _moved(g, inverse, inverse_mask, index, mask), None, None, None, None
+
+
+_moved.defvjp(_moved_fwd, _moved_bwd)

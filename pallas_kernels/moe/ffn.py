@@ -1,4 +1,7 @@
-"""Public SwiGLU MoE FFN over rows sorted by expert: picks the decode layout for few rows."""
+"""Public SwiGLU MoE FFN over rows sorted by expert: the decode layout for few rows, else every expert's rows
+padded to whole row blocks of the kernels' tiles (`decode.in_slabs`) for the forward, so that no block straddles
+two experts: the row-blocked kernels would visit such a block once per expert, and those blocks' longer pipelines
+leave SMs idle at the end of the grid."""
 
 import functools
 
@@ -7,7 +10,7 @@ import jax
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import decode, ops
 from pallas_kernels.moe.jax_mgpu import MatmulKernels
-from pallas_kernels.moe.tuning import KernelConfigs
+from pallas_kernels.moe.tuning import KernelConfigs, large_steps
 
 # At most this many rows, every group fits one decode slab, so the decode path is always valid.
 DECODE_MAX_ROWS = decode.SLAB_ROWS
@@ -27,7 +30,9 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
       [M, H] in x.dtype. SwiGLU and the row weight are applied in fp32 on the fp32 accumulators (on the
       x.dtype products with jax's forward matmuls), the result is cast to x.dtype before the down projection.
       Differentiable in x, the three weights and row_weights. With M <= DECODE_MAX_ROWS it runs the decode
-      layout (`moe_ffn_decode`), always on our kernels.
+      layout (`moe_ffn_decode`), always on our kernels; else the slab layout (differentiated: the rows as
+      given), with `tuning.LARGE`'s tiles for steps of many rows per group (`tuning.large_steps`) unless
+      `configs` is given.
     """
     ops._check(x, w_gate, w_up, w_down)
     interpret = interpret_default() if interpret is None else interpret
@@ -35,5 +40,19 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
     if x.shape[0] <= DECODE_MAX_ROWS:
         return decode.moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights,
                                      max_group_rows=x.shape[0], interpret=interpret, configs=configs)
-    return ops.moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret,
-                            configs or KernelConfigs(), kernels or MatmulKernels())
+    configs = configs or KernelConfigs(large=large_steps(x.shape[0], group_sizes.shape[0]))
+    return _in_slabs(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs,
+                     kernels or MatmulKernels())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _in_slabs(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
+    """`ops.moe_ffn_core` on every expert's rows padded to whole blocks of the kernels' rows. Differentiated, the
+    forward and backward run on the rows as given (`ops.moe_ffn_core`'s own VJP): the slab layout is timed for
+    the forward only."""
+    align = max(configs.get(role, x.dtype).block_rows for role in ("swiglu", "gmm"))
+    return decode.in_slabs(x, group_sizes, row_weights, None, lambda xs, sizes, rws: ops.moe_ffn_core(
+        xs, w_gate, w_up, w_down, sizes, rws, interpret, configs, kernels), align=align)
+
+
+_in_slabs.defvjp(ops._moe_ffn_fwd, ops._moe_ffn_bwd)

@@ -17,7 +17,7 @@ import pytest
 from pallas_kernels._common import interpret_default
 from pallas_kernels.moe import (DECODE_MAX_ROWS, GmmConfig, KernelConfigs, WgradConfig, grouped_matmul, moe_ffn,
                                 moe_ffn_decode, reference)
-from pallas_kernels.moe import matmuls
+from pallas_kernels.moe import matmuls, tuning
 from pallas_kernels.moe.groups import row_block_passes
 from pallas_kernels.moe.matmuls import MOSAIC
 
@@ -53,6 +53,29 @@ def tolerance(dtype):
 
 def normal(key, shape, dtype, scale=1.0):
     return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize("rows_per_group", [tuning.LARGE_ROWS_PER_GROUP - 1, tuning.LARGE_ROWS_PER_GROUP])
+def test_steps_of_many_rows_per_group_take_the_large_tiles(monkeypatch, rows_per_group):
+    """bf16 `moe_ffn` (traced, not run): its gate|up (swiglu) and down (gmm) kernels get `tuning.LARGE`'s tiles from
+    `LARGE_ROWS_PER_GROUP` rows per group on, `DEFAULTS`' below, on rows padded per group to their block rows."""
+    seen, gmm = {}, matmuls.gmm
+
+    def recording(lhs, rhs, *args, cfg, **kwargs):
+        seen["swiglu" if len(rhs) == 2 else "gmm"] = cfg, lhs[0].shape[0]
+        return gmm(lhs, rhs, *args, cfg=cfg, **kwargs)
+    monkeypatch.setattr(matmuls, "gmm", recording)
+    groups, bf16, shape = 32, jnp.bfloat16, jax.ShapeDtypeStruct
+    rows = groups * rows_per_group
+    jax.eval_shape(lambda *a: moe_ffn(*a, interpret=False), shape((rows, 256), bf16),
+                   shape((groups, 256, 128), bf16), shape((groups, 256, 128), bf16), shape((groups, 128, 256), bf16),
+                   shape((groups,), jnp.int32), shape((rows,), jnp.float32))
+    table = tuning.LARGE if rows_per_group >= tuning.LARGE_ROWS_PER_GROUP else tuning.DEFAULTS
+    for role in ("gmm", "swiglu"):
+        cfg, slab_rows = seen[role]
+        assert cfg == table[role][jnp.dtype(bf16)], role
+        # every group padded to whole blocks: room for the rows and up to a block less one per group
+        assert slab_rows % cfg.block_rows == 0 and slab_rows >= rows + groups * (cfg.block_rows - 1)
 
 
 def test_row_block_passes_schedule():
@@ -106,9 +129,11 @@ def check_moe(fn, args, dtype):
     out, grads = value_and_vjp(lambda x, wg, wu, wd, rw: fn(x, wg, wu, wd, gs, rw), (x, wg, wu, wd, rw), dy)
     want, grads_ref = value_and_vjp(lambda x, wg, wu, wd, rw: reference.moe_ffn(x, wg, wu, wd, gs, rw),
                                     (x, wg, wu, wd, rw), dy)
-    assert out.dtype == dtype
-    assert rel_err(out, want) < tolerance(dtype)
-    assert not np.any(np.asarray(out[int(gs.sum()):], np.float32))
+    primal = fn(x, wg, wu, wd, gs, rw)  # not differentiated: moe_ffn's forward-only layout
+    for value in (out, primal):
+        assert value.dtype == dtype
+        assert rel_err(value, want) < tolerance(dtype)
+        assert not np.any(np.asarray(value[int(gs.sum()):], np.float32))
     for name, got, ref in zip(["x", "w_gate", "w_up", "w_down", "row_weights"], grads, grads_ref):
         assert got.dtype == ref.dtype, name
         assert rel_err(got, ref) < tolerance(dtype), name

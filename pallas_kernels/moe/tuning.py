@@ -55,15 +55,23 @@ _BF16, _F32, _FP8 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(j
 # (pallas_kernels/moe/fp8.py, forward only) with K-minor tiles of 128 elements, one 128-byte swizzle span.
 DEFAULTS = {
     # out = x @ w[g] (down projection) and dgrad (dy @ w[g]^T).
-    "gmm": {_BF16: GmmConfig(wg_rows=128, block_n=128, stages=3), _F32: GmmConfig(block_n=128, block_k=32),
+    "gmm": {_BF16: GmmConfig(block_n=128), _F32: GmmConfig(block_n=128, block_k=32),
             _FP8: GmmConfig(block_k=128)},
     # Fused gate/up: two accumulators of block_n columns each.
-    "swiglu": {_BF16: GmmConfig(wg_rows=128, block_n=64, stages=3), _F32: GmmConfig(block_n=64, block_k=32),
+    "swiglu": {_BF16: GmmConfig(block_n=128, stages=2), _F32: GmmConfig(block_n=64, block_k=32),
                _FP8: GmmConfig(block_n=128, block_k=128)},
     # dx = dgate @ w_gate^T + dup @ w_up^T: two operand pairs per step.
     "gmm_pairs": {_BF16: GmmConfig(block_n=128, stages=2, grid_tile_width=4), _F32: GmmConfig(block_n=128, block_k=16)},
     "wgrad": {_BF16: WgradConfig(stages=3), _F32: WgradConfig(block_n=128, block_rows=32)},
 }
+# Steps of at least LARGE_ROWS_PER_GROUP rows per group on average (`large_steps`): 256-row blocks, two 128-row
+# warpgroups, which run a product faster per FLOP where groups are large enough that padding each group to whole
+# blocks (`moe_ffn`'s slab layout) costs less than that.
+LARGE = {
+    "gmm": {_BF16: GmmConfig(wg_rows=128, block_n=128, stages=3)},
+    "swiglu": {_BF16: GmmConfig(wg_rows=128, block_n=64, stages=3)},
+}
+LARGE_ROWS_PER_GROUP = 160
 # Decode: one 64-row tile per touched expert, n-blocks narrow enough that every SM streams weights.
 DECODE = {
     "gmm": {_BF16: GmmConfig(compute_wgs=1, block_n=256, stages=4, grid_tile_width=1),
@@ -84,13 +92,23 @@ class KernelConfigs:
     gmm_pairs: GmmConfig | None = None
     wgrad: WgradConfig | None = None
     decode: bool = False  # start from the decode defaults where they exist
+    large: bool = False  # start from the LARGE tiles where they exist (`large_steps`)
 
     def get(self, role: str, dtype):
         override = getattr(self, role)
         if override is not None:
             return override
-        table = DECODE if self.decode and role in DECODE else DEFAULTS
-        return table[role][jnp.dtype(dtype)]
+        dtype = jnp.dtype(dtype)
+        if self.decode and role in DECODE:
+            return DECODE[role][dtype]
+        if self.large and dtype in LARGE.get(role, {}):
+            return LARGE[role][dtype]
+        return DEFAULTS[role][dtype]
+
+
+def large_steps(num_rows: int, num_groups: int) -> bool:
+    """Whether a step of num_rows rows sorted into num_groups groups takes the LARGE tiles."""
+    return num_rows >= LARGE_ROWS_PER_GROUP * num_groups
 
 
 def fit_stages(cfg, stage_bytes: int, fixed_bytes: int):
