@@ -1,13 +1,14 @@
 """Tile sizes for the MoE grouped-matmul kernels.
 
-`DEFAULTS` (prefill and training): the bf16 tiles were chosen by `python -m benchmarks.moe_tiles` on one H100
-(jax 0.11.2, 2026-12-06) at Inkling's expert shapes (16k tokens x 8 experts each, hidden 6144, width 3072); the
-other dtypes' are starting points sized for Hopper (227 KiB SMEM per block, 132 SMs). `DECODE` was chosen by a
-sweep on one H200 (jax 0.11.2) at a 32-token decode step. The current kernel figures: docs/performance.md. Every
-kernel has two compute warpgroups (one for decode) that each own `wg_rows` rows of the output tile (64 or 128:
-one or two 64-row wgmmas per operand tile), plus one warpgroup issuing TMA. `stages` is an upper bound that
-`fit_stages` lowers to what SMEM holds (3 for the 128-row tiles).
-"""
+`DEFAULTS` and `LARGE` (prefill and training; `LARGE` for steps of at least `LARGE_ROWS_PER_GROUP` rows per
+group): the bf16 tiles come from `python -m benchmarks.moe_tiles` on one H100 (jax 0.11.2: `LARGE` at Inkling's
+training step, 16k tokens x 8 experts each, hidden 6144, width 3072, 2026-12-06; `DEFAULTS` the 2026-12-05
+sweep's), the threshold from `python -m benchmarks.moe_layouts`; the other dtypes' are starting points sized for
+Hopper (227 KiB SMEM per block, 132 SMs). `DECODE` was chosen by a sweep on one H200 (jax 0.11.2) at a 32-token
+decode step. The current kernel figures: docs/performance.md. Every kernel has two compute warpgroups (one for
+decode) that each own `wg_rows` rows of the output tile (64 or 128: one or two 64-row wgmmas per operand tile),
+plus one warpgroup issuing TMA. `stages` is an upper bound that `fit_stages` lowers to what SMEM holds (3 for the
+128-row tiles)."""
 
 import dataclasses
 
