@@ -55,4 +55,4 @@ def _in_slabs(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, conf
         xs, w_gate, w_up, w_down, sizes, rws, interpret, configs, kernels), align=align)
 
 
-_in_slabs.defvjp(ops._moe_ffn_fwd, ops._moe_ffn_bwd)
+_in_slabs.defvjp(ops.moe_ffn_core_fwd, ops.moe_ffn_core_bwd)

@@ -128,7 +128,8 @@ def moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, c
     return _mm([h], [w_down], group_sizes, configs, interpret, kernels.forward)
 
 
-def _moe_ffn_fwd(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
+def moe_ffn_core_fwd(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
+    """`moe_ffn_core` differentiated: its output and the residuals its backward reads."""
     h, gate, up = _gate_up(x, w_gate, w_up, group_sizes, row_weights, configs, interpret, kernels.forward, True)
     out = _mm([h], [w_down], group_sizes, configs, interpret, kernels.forward)
     return out, (x, w_gate, w_up, w_down, group_sizes, row_weights, h, gate, up)
@@ -145,7 +146,7 @@ def swiglu_backward(dh, gate, up, row_weights, dtype):
     return dgate.astype(dtype), (da * silu).astype(dtype), d_rw
 
 
-def _moe_ffn_bwd(interpret, configs, kernels, res, dy):
+def moe_ffn_core_bwd(interpret, configs, kernels, res, dy):
     x, w_gate, w_up, w_down, group_sizes, row_weights, h, gate, up = res
     use = kernels.backward
     dh = _mm([dy], [w_down], group_sizes, configs, interpret, use, transpose_rhs=True)
@@ -160,4 +161,4 @@ def _moe_ffn_bwd(interpret, configs, kernels, res, dy):
             d_rw.astype(row_weights.dtype))
 
 
-moe_ffn_core.defvjp(_moe_ffn_fwd, _moe_ffn_bwd)
+moe_ffn_core.defvjp(moe_ffn_core_fwd, moe_ffn_core_bwd)
