@@ -47,10 +47,10 @@ from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
 from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
-from pallas_kernels.moe.tuning import large_steps
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
+from pallas_kernels.moe.tuning import large_steps
 
 START = time.perf_counter()
 PALLAS = Backend(moe="pallas", moe_backward="pallas")  # the model's MoE on our grouped-matmul kernels

@@ -20,13 +20,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from benchmarks.moe import DRY, INKLING, rnd
+from benchmarks.moe import DRY, INKLING, rnd, routing
 from benchmarks.moe_peers import mgpu_peer, unfused_ffn
 from benchmarks.timing import attempt, median_seconds, save_json, stamp, stamp_line
 from pallas_kernels.moe import moe_ffn, ops
-from pallas_kernels.moe.decode import in_slabs
 from pallas_kernels.moe.jax_mgpu import MatmulKernels
 from pallas_kernels.moe.tuning import KernelConfigs
 
@@ -39,23 +37,21 @@ def layouts(interpret) -> dict:
         return lambda x, wg, wu, wd, gs, rw: ops.moe_ffn_core(x, wg, wu, wd, gs, rw, interpret, configs,
                                                               MatmulKernels())
 
-    def slabs(configs, align):
-        return lambda x, wg, wu, wd, gs, rw: in_slabs(x, gs, rw, None, lambda xs, sizes, rws: ops.moe_ffn_core(
-            xs, wg, wu, wd, sizes, rws, interpret, configs, MatmulKernels()), align=align)
+    def slabs(configs):  # moe_ffn pads each expert's rows to the block rows of the tiles it is given
+        return functools.partial(moe_ffn, interpret=interpret, configs=configs)
 
     return {"row-blocked, default tiles": rows_as_they_lie(TILES["default"]),
             "row-blocked, large tiles": rows_as_they_lie(TILES["large"]),
-            "slabs of 128, default tiles": slabs(TILES["default"], 128),
-            "slabs of 256, large tiles": slabs(TILES["large"], 256),
+            "slabs of 128, default tiles": slabs(TILES["default"]),
+            "slabs of 256, large tiles": slabs(TILES["large"]),
             "moe_ffn": functools.partial(moe_ffn, interpret=interpret)}
 
 
 def step_rows(s, tokens: int, shared: int, seed: int = 0):
-    """(x, group sizes, row weights) of `tokens` tokens routed top-k over the local experts, plus `shared` groups
-    of every token."""
-    rng = np.random.default_rng(seed)
-    ids = np.argsort(rng.random((tokens, s.local)), axis=1)[:, :s.top_k]
-    gs = jnp.array(list(np.bincount(ids.ravel(), minlength=s.local)) + [tokens] * shared, jnp.int32)
+    """(x, group sizes, row weights) of `tokens` tokens routed top-k over the local experts (`benchmarks.moe`'s
+    routing), plus `shared` groups of every token."""
+    _, gs = routing(s, tokens, seed)
+    gs = gs[:s.local + shared]
     m = int(gs.sum())
     ks = jax.random.split(jax.random.key(seed), 2)
     return rnd(ks[0], (m, s.hidden)), gs, jax.random.uniform(ks[1], (m,), jnp.float32, 0.05, 1.0)

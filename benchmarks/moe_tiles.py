@@ -200,9 +200,9 @@ def main(argv=None):
     print(stamp_line(results["stamp"]), flush=True)
     cases = problems(s, interpret)
     share = args.seconds / len(roles)
+    current = KernelConfigs(large=large_steps(s.tokens * (s.top_k + s.shared), s.local + s.shared))
     for role in roles:
-        large = large_steps(s.tokens * (s.top_k + s.shared), s.local + s.shared)
-        default = KernelConfigs(large=large).get(role, jnp.bfloat16)
+        default = current.get(role, jnp.bfloat16)
         sweep = Sweep(role, cases[role], share)
         sweep.run(shapes(default, args.dry_run))
         peer = None if args.dry_run else peer_seconds(cases[role], sweep.errors)
