@@ -5,6 +5,7 @@ tiny models), quantised experts' kernels or formulas, and the shared experts bes
 """
 
 import functools
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,11 @@ import jax.numpy as jnp
 from inkling_jax.backend import Backend
 from inkling_jax.nn import invariant
 from inkling_jax.nn.layers import swiglu
-from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, grouped_matmul, moe_ffn, moe_ffn_decode
+from pallas_kernels._common import round_up
+from pallas_kernels.moe import (DECODE_MAX_ROWS, MatmulKernels, block_tiles, grouped_matmul, moe_ffn_decode,
+                                moe_ffn_in_blocks)
 from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
+from pallas_kernels.moe.groups import running_sum
 
 # The MoE's parameter names of its routed experts in each form, and of its shared experts' stacks
 ROUTED_BF16 = ("w_gate", "w_up", "w_down")
@@ -36,7 +40,8 @@ def local_experts(x, routed, shared, expert_ids, weights, shared_weights, backen
         return _routed_dense(x, *routed, expert_ids, weights) + shared_dense(x, shared, shared_weights)
     num_tokens, top_k = expert_ids.shape
     group, row_weights = expert_ids.reshape(-1), weights.reshape(-1)
-    y = grouped_rows(x, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width_axis), top_k)
+    ffn = expert_ffn(backend, routed, num_tokens, group.shape[0], width_axis)
+    y = grouped_rows(x, group, row_weights, routed, ffn, top_k)
     out = y.astype(jnp.float32).reshape(num_tokens, top_k, -1).sum(1)
     return out + shared_dense(x, shared, shared_weights)
 
@@ -46,7 +51,7 @@ def _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, b
     if precision_of(routed) != "bf16":
         raise ValueError("the batch-invariant MoE runs bf16 or fp32 experts, not quantised ones")
     num_tokens, top_k = expert_ids.shape
-    ffn = invariant.expert_ffn(backend.interpret, num_tokens <= invariant.DECODE_ROWS)
+    ffn = ExpertFfn(invariant.expert_ffn(backend.interpret, num_tokens <= invariant.DECODE_ROWS))
     y = grouped_rows(x, expert_ids.reshape(-1), weights.reshape(-1), routed, ffn, top_k)
     out = invariant.combine_top_k(y, num_tokens, top_k)
     if shared is None:
@@ -60,32 +65,63 @@ def _invariant_experts(x, routed, shared, expert_ids, weights, shared_weights, b
     return out + invariant.tree_sum(jnp.stack(outs), axis=0)
 
 
-def grouped_rows(x, group, row_weights, stack, ffn, copies: int = 1):
+class ExpertFfn(NamedTuple):
+    """The experts' FFN as `grouped_rows` runs it: run(rows, *stack, group_sizes, row_weights) -> [P, H] on rows
+    sorted by group, zeros past sum(group_sizes); each group's rows padded with zero rows to a multiple of
+    `align` (1: none), which group_sizes count."""
+    run: Callable
+    align: int = 1
+
+
+def grouped_rows(x, group, row_weights, stack, ffn: ExpertFfn, copies: int = 1):
     """y[r] = row_weights[r] * E_{group[r]}(x[r // copies]) for the rows of x [T, H] each taken `copies` times in
-    a row (a token's top-k copies), in that order, by one grouped matmul per projection on the rows sorted by
-    group; a group >= G (the number of experts in `stack`) means no expert and gives zeros. Returns [R, H] in
-    x.dtype."""
-    num_groups = stack[0].shape[0]
+    a row (a token's top-k copies), in that order, by `ffn` on the rows sorted by group (`lay_out`); a group >= G
+    (the number of experts in `stack`) means no expert and gives zeros. The rows go from x straight into the
+    layout ffn runs on and its result straight back: one gather each way. Returns [R, H] in x.dtype."""
+    place, source, group_sizes = lay_out(group, stack[0].shape[0], ffn.align)
+    rows = take_rows(x, source // copies, place.reshape(-1, copies))
+    y = ffn.run(rows, *stack, group_sizes, take_rows(row_weights, source, place[:, None]))
+    return take_rows(y, place, source[:, None])
+
+
+def lay_out(group, num_groups: int, align: int = 1):
+    """(place [R], source [P], group_sizes [G]): rows `group` [R] sorted (stably) by group, each group's rows
+    padded with empty rows to a multiple of `align` (so that no kernel row block of that many rows holds two
+    groups). place[r]: row r's place; source[p]: the row at place p; group_sizes: rows of each group, empty ones
+    included. A row of group >= num_groups (no expert) lies past the groups' rows (align 1) or nowhere: place P,
+    out of range; an empty row's source is R, out of range."""
     order, place = order_by_group(group)
-    group_sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)  # drops the "no expert" rows
-    y = ffn(take_rows(x, order // copies, place.reshape(-1, copies)), *stack, group_sizes, row_weights[order])
-    return take_rows(y, place, order[:, None])
+    sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)  # drops the rows of no group
+    if align == 1:
+        return place, order, sizes
+    padded = round_up(sizes, align).astype(jnp.int32)
+    shift = (running_sum(padded) - padded) - (running_sum(sizes) - sizes)  # how far each group's rows move
+    rows = group.shape[0]
+    size = round_up(rows + num_groups * (align - 1), align)
+    in_group = group < num_groups
+    place = jnp.where(in_group, place + shift[jnp.where(in_group, group, 0)], size)
+    source = jnp.full((size,), rows, jnp.int32).at[place].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
+    return place, source, padded
 
 
 @jax.custom_vjp
 def take_rows(x, index, inverse):
-    """x[index] for rows x [T, ...] that `index` [R] takes `inverse.shape[1]` times each, at the places
-    inverse [T, c] names: the gradient gathers each row's places and sums them (in fp32), where autodiff would
-    scatter-add into x with atomics."""
-    return x[index]
+    """x[index] (zeros where index is out of range) for rows x [T, ...] that `index` [R] takes up to
+    `inverse.shape[1]` times each, at the places inverse [T, c] names (out of range: not taken): the gradient
+    gathers each row's places and sums them (in fp32), where autodiff would scatter-add into x with atomics."""
+    return _take(x, index)
+
+
+def _take(x, index):
+    return x.at[index].get(mode="fill", fill_value=0)
 
 
 def _take_rows_forward(x, index, inverse):
-    return x[index], inverse
+    return _take(x, index), inverse
 
 
 def _take_rows_backward(inverse, cotangent):
-    taken = cotangent[inverse]
+    taken = _take(cotangent, inverse)
     summed = taken[:, 0] if inverse.shape[1] == 1 else taken.astype(jnp.float32).sum(1).astype(cotangent.dtype)
     return summed, None, None
 
@@ -109,20 +145,22 @@ def order_by_group(group):
     return order, place
 
 
-def grouped_ffn(backend: Backend, num_tokens: int | None = None):
-    """The experts of one device on rows sorted by expert: (rows, w_gate, w_up, w_down, group_sizes,
-    row_weights) -> [M, H], zeros past sum(group_sizes). `num_tokens` (static, when the rows are the top-k
-    copies of that many tokens) lets steps of up to `MAX_SLAB_TOKENS` use the kernel's layout that reads each
-    touched expert once (at 32 tokens x top-6 the rows exceed its row threshold), on our kernels, every group in
-    one slab where num_tokens bounds its rows within one; larger steps run the grouped matmuls of the backend's
-    `moe_forward` and `moe_backward`."""
+def grouped_ffn(backend: Backend, stack, num_rows: int, num_tokens: int | None = None) -> ExpertFfn:
+    """The experts `stack` of one device on `num_rows` rows sorted by expert (zeros past sum(group_sizes)).
+    `num_tokens` (static, when the rows are the top-k copies of that many tokens) lets steps of up to
+    `MAX_SLAB_TOKENS` use the kernel's layout that reads each touched expert once (at 32 tokens x top-6 the rows
+    exceed its row threshold), on our kernels, every group in one slab where num_tokens bounds its rows within
+    one; larger steps run the grouped matmuls of the backend's `moe_forward` and `moe_backward` on every group's
+    rows padded to whole row blocks of their tiles."""
     if backend.moe == "pallas":
         if num_tokens is not None and num_tokens <= MAX_SLAB_TOKENS:
             bound = num_tokens if num_tokens <= DECODE_MAX_ROWS else None
-            return functools.partial(moe_ffn_decode, max_group_rows=bound, interpret=backend.interpret)
+            return ExpertFfn(functools.partial(moe_ffn_decode, max_group_rows=bound, interpret=backend.interpret))
         kernels = MatmulKernels(forward=backend.moe_forward, backward=backend.moe_backward)
-        return functools.partial(moe_ffn, interpret=backend.interpret, kernels=kernels)
-    return _ragged_ffn
+        configs, align = block_tiles(num_rows, stack[0].shape[0], stack[0].dtype)
+        return ExpertFfn(functools.partial(moe_ffn_in_blocks, configs=configs, interpret=backend.interpret,
+                                           kernels=kernels), align)
+    return ExpertFfn(_ragged_ffn)
 
 
 def grouped_projection(backend: Backend):
@@ -150,14 +188,15 @@ def precision_of(routed) -> str:
     return next((p for p, form in expert_forms().items() if isinstance(routed, form)), "bf16")
 
 
-def expert_ffn(backend: Backend, routed, num_tokens: int | None = None, width_axis: str | None = None):
-    """The `grouped_ffn` for `routed`; for quantised experts, one called with the six fields of an Fp8Experts
+def expert_ffn(backend: Backend, routed, num_tokens: int | None, num_rows: int,
+               width_axis: str | None = None) -> ExpertFfn:
+    """The `grouped_ffn` for `routed` on num_rows rows; for quantised experts, one called with the six fields of an Fp8Experts
     or Nvfp4Experts: their kernels when the backend's `moe` is "pallas", else their jnp formula
     (pallas_kernels/moe/fp8.py, nvfp4.py). width_axis: the mesh axis over which the experts' width is split, so
     that fp8's h is quantised with its whole row's scale."""
     precision = precision_of(routed)
     if precision == "bf16":
-        return grouped_ffn(backend, num_tokens)
+        return grouped_ffn(backend, routed, num_rows, num_tokens)
     if precision == "fp8":
         from pallas_kernels.moe.fp8 import Fp8Experts as form
         from pallas_kernels.moe.fp8 import moe_ffn_fp8 as kernel
@@ -177,7 +216,7 @@ def expert_ffn(backend: Backend, routed, num_tokens: int | None = None, width_ax
             return kernel(rows, experts, group_sizes, row_weights, max_group_rows=num_tokens,
                           interpret=backend.interpret, **extra)
         return formula(rows, experts, group_sizes, row_weights, **extra)
-    return ffn
+    return ExpertFfn(ffn)
 
 
 def _ragged_ffn(rows, w_gate, w_up, w_down, group_sizes, row_weights):

@@ -109,7 +109,8 @@ def experts_ep(x, routed, shared, expert_ids, weights, shared_weights, mesh: Mes
         # A local expert receives at most one copy of each of the group's num_tokens tokens (top-k picks are
         # distinct), from whichever shard holds it. So num_tokens bounds every group, and decode-sized steps get
         # the kernel's decode layout although the receive buffer (shards x per x top_k rows) is larger.
-        y = grouped_rows(received, group, row_weights, routed, expert_ffn(backend, routed, num_tokens, width))
+        y = grouped_rows(received, group, row_weights, routed,
+                         expert_ffn(backend, routed, num_tokens, capacity, width))
 
         back = ragged_all_to_all_padded(y, jnp.zeros((per * top_k, x.shape[1]), x.dtype), *plan.combine(),
                                         axis_name=AXIS)

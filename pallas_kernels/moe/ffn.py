@@ -40,17 +40,41 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
     if x.shape[0] <= DECODE_MAX_ROWS:
         return decode.moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights,
                                      max_group_rows=x.shape[0], interpret=interpret, configs=configs)
-    configs = configs or KernelConfigs(large=large_steps(x.shape[0], group_sizes.shape[0]))
+    configs, _ = block_tiles(x.shape[0], group_sizes.shape[0], x.dtype, configs)
     return _in_slabs(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs,
                      kernels or MatmulKernels())
+
+
+def block_tiles(num_rows: int, num_groups: int, dtype, configs: KernelConfigs | None = None
+                ) -> tuple[KernelConfigs, int]:
+    """(the tiles `moe_ffn` runs num_rows rows of num_groups groups with, the rows of their row blocks): the
+    slab layout pads every group's rows to a multiple of the latter. `tuning.LARGE`'s tiles for steps of many
+    rows per group (`tuning.large_steps`) unless `configs` is given."""
+    configs = configs or KernelConfigs(large=large_steps(num_rows, num_groups))
+    return configs, max(configs.get(role, dtype).block_rows for role in ("swiglu", "gmm"))
+
+
+@functools.partial(jax.jit, static_argnames=("configs", "interpret", "kernels"))
+def moe_ffn_in_blocks(x, w_gate, w_up, w_down, group_sizes, row_weights, *, configs: KernelConfigs,
+                      interpret: bool | str | None = None, kernels: MatmulKernels | None = None):
+    """`moe_ffn` on rows already in the slab layout of `configs`' row blocks (`block_tiles`): every group's rows
+    start at a multiple of the block rows, zero rows with zero row weights pad each group to whole blocks, and
+    group_sizes count those padded rows. Forward and backward run on that layout. For callers that place their
+    rows so as they route them (`inkling_jax.nn.moe_dispatch`), which saves `moe_ffn`'s gathers into and out of
+    it."""
+    ops._check(x, w_gate, w_up, w_down)
+    interpret = interpret_default() if interpret is None else interpret
+    w_gate, w_up, w_down = ops.pad_expert_width(w_gate, w_up, w_down)
+    return ops.moe_ffn_core(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs,
+                            kernels or MatmulKernels())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _in_slabs(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
     """`ops.moe_ffn_core` on every expert's rows padded to whole blocks of the kernels' rows. Differentiated, the
-    forward and backward run on the rows as given (`ops.moe_ffn_core`'s own VJP): the slab layout is timed for
-    the forward only."""
-    align = max(configs.get(role, x.dtype).block_rows for role in ("swiglu", "gmm"))
+    forward and backward run on the rows as given (`ops.moe_ffn_core`'s own VJP): with the gathers into and out
+    of the slabs, the slab layout is faster for the forward only."""
+    _, align = block_tiles(x.shape[0], group_sizes.shape[0], x.dtype, configs)
     return decode.in_slabs(x, group_sizes, row_weights, None, lambda xs, sizes, rws: ops.moe_ffn_core(
         xs, w_gate, w_up, w_down, sizes, rws, interpret, configs, kernels), align=align)
 

@@ -62,8 +62,8 @@ def _assert_same(got, want, atol=1e-6):
 
 # The tiny preset's expert shapes (hidden 64, width 32, 8 experts, top-2 + 2 shared). 14 tokens give 28 routed
 # rows: the Pallas kernel's decode layout, one slab per expert; 80 tokens (160 rows) the same layout, each
-# expert in as many slabs as its rows fill; 300 tokens its row-blocked path. A width of 32 once left the Pallas
-# w_down gradient unwritten (all NaN).
+# expert in as many slabs as its rows fill; 300 tokens the prefill kernels on every expert's rows padded to whole
+# row blocks (`moe_dispatch.lay_out`). A width of 32 once left the Pallas w_down gradient unwritten (all NaN).
 @pytest.mark.parametrize("backend,tokens", [("ragged", 14), ("ragged", 80), ("pallas", 14), ("pallas", 80),
                                             ("pallas", 300)])
 def test_backends_agree_in_value_and_gradient(backend, tokens):
@@ -200,3 +200,37 @@ def test_rows_are_ordered_by_group_as_a_stable_sort_orders_them(monkeypatch, sor
         np.testing.assert_array_equal(np.asarray(place)[np.asarray(order)], np.arange(rows))
     sizes = jnp.asarray(rng.integers(0, 50, 37), jnp.int32)
     np.testing.assert_array_equal(jax.jit(running_sum)(sizes), np.cumsum(sizes))
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_rows_laid_out_in_blocks_keep_the_stable_order_and_fill_whole_blocks(align):
+    """`lay_out`: each group's rows in their stable order, the group starting at a multiple of `align`, the
+    places past them in the group empty (source out of range); rows of no group go nowhere (align > 1)."""
+    rng = np.random.default_rng(2)
+    rows, groups = 45, 6
+    group = rng.integers(0, groups + 1, rows)  # group 6: no expert
+    group[group == 3] = 2  # an empty group
+    place, source, sizes = map(np.asarray, jax.jit(moe_dispatch.lay_out, static_argnums=(1, 2))(
+        jnp.asarray(group, jnp.int32), groups, align))
+    counts = np.bincount(group, minlength=groups + 1)[:groups]
+    np.testing.assert_array_equal(sizes, -(-counts // align) * align)
+    start = 0
+    for g in range(groups):
+        members = np.flatnonzero(group == g)  # in row order: the stable sort's order within the group
+        assert start % align == 0
+        np.testing.assert_array_equal(place[members], start + np.arange(len(members)))
+        np.testing.assert_array_equal(source[start:start + len(members)], members)
+        assert np.all(source[start + len(members):start + sizes[g]] >= rows)
+        start += sizes[g]
+    if align > 1:
+        assert np.all(place[group == groups] >= len(source)) and np.all(source[start:] >= rows)
+    x = jax.random.normal(jax.random.key(0), (rows, 3))
+    taken = moe_dispatch.take_rows(x, jnp.asarray(source), jnp.asarray(place)[:, None])
+    np.testing.assert_array_equal(taken[:start], np.where((source[:start] < rows)[:, None], np.asarray(x)[
+        np.minimum(source[:start], rows - 1)], 0))
+    # The gradient of the gather is the gather back: each row's cotangent from its one place, zeros for none.
+    cot = jax.random.normal(jax.random.key(1), taken.shape)
+    grad = jax.vjp(lambda x: moe_dispatch.take_rows(x, jnp.asarray(source), jnp.asarray(place)[:, None]), x)[1](
+        cot)[0]
+    want = jax.vjp(lambda x: jnp.where((source < rows)[:, None], x[np.minimum(source, rows - 1)], 0), x)[1](cot)[0]
+    np.testing.assert_allclose(grad, want, rtol=1e-6)
