@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.moe_peers import ffn_rows, mgpu_peer, unfused_ffn
-from benchmarks.moe_report import PEER, summary
+from benchmarks.moe_report import DEFAULT_KERNEL, DEFAULT_LAYER, PEER, summary
 from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
@@ -148,8 +148,9 @@ def backend_name(backend: Backend, s, num_tokens: int) -> str:
     use = backend.resolve()
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
+    layout = ", every expert's rows placed in slabs of whole blocks" if use.moe == "pallas" else ""
     return (f"moe={use.moe}, moe_forward={use.moe_forward}, "
-            f"moe_backward={backward_name(use.moe_backward, s, num_tokens * s.top_k)}")
+            f"moe_backward={backward_name(use.moe_backward, s, num_tokens * s.top_k)}{layout}")
 
 
 def measure(run, name, f, args, num_diff, flops, *, backend, note="", trials=5):
@@ -178,7 +179,7 @@ def prefill(run, w):
     ours = {}
     for name, kernels in (("kernel: ours (moe_ffn)", MatmulKernels()),
                           ("kernel: ours forward + jax backward", JAX_BACKWARD),
-                          ("kernel: the default (backward auto)", AUTO_BACKWARD)):
+                          (DEFAULT_KERNEL, AUTO_BACKWARD)):
         ours[name] = functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels))
         measure(run, name, ours[name], kargs, 5, flops, backend=kernels_name(kernels, s, d["x"].shape[0]))
     peer_mm = run.guarded("mgpu peer import", mgpu_peer)
@@ -213,7 +214,7 @@ def layer(run, w, d):
     args = (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:s.tokens])
     for name, backend in (("layer: ours, shared as XLA einsum", PALLAS),
                           ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD),
-                          ("layer: the default (backward auto), shared as XLA einsum", DEFAULT)):
+                          (DEFAULT_LAYER, DEFAULT)):
         def f(x, routed, shared, wts, shared_wts, ids, backend=backend):
             return experts(x, routed, shared, ids, wts, shared_wts, backend=backend).astype(x.dtype)
         measure(run, name, f, args, 5, flops, backend=backend_name(backend, s, s.tokens),
