@@ -71,6 +71,14 @@ def test_backends_agree_in_value_and_gradient(backend, tokens):
     _assert_same(got, _reference((2, tokens // 2)))
 
 
+def test_a_forward_without_gradients_in_slabs_equals_the_reference():
+    """Undifferentiated, 300 tokens run in the slab layout (differentiated, on the rows: the test above)."""
+    y, ids = nnx.jit(lambda moe, x: moe(x))(_moe(backend="pallas"), _input((2, 150)))
+    ref_y, ref_ids, _ = _reference((2, 150))
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 @pytest.mark.parametrize("spec,tokens,backend", [
     ("expert=8", (2, 5), "ragged"),
