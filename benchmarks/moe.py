@@ -148,7 +148,7 @@ def backend_name(backend: Backend, s, num_tokens: int) -> str:
     use = backend.resolve()
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
-    layout = ", every expert's rows placed in slabs of whole blocks" if use.moe == "pallas" else ""
+    layout = ", forward-only calls in slabs of whole blocks, differentiated on the rows" if use.moe == "pallas" else ""
     return (f"moe={use.moe}, moe_forward={use.moe_forward}, "
             f"moe_backward={backward_name(use.moe_backward, s, num_tokens * s.top_k)}{layout}")
 

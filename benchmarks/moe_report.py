@@ -6,8 +6,8 @@ from benchmarks.timing import save_json, stamp_line
 
 PEER = "kernel: jax Mosaic-GPU ragged_dot"  # the row the others are compared with
 # The layer (routing layout, gathers and combine around the kernels) against the grouped FFN alone, both default
-DEFAULT_LAYER, DEFAULT_KERNEL = "layer: the default (backward auto), shared as XLA einsum", \
-    "kernel: the default (backward auto)"
+DEFAULT_LAYER = "layer: the default (backward auto), shared as XLA einsum"
+DEFAULT_KERNEL = "kernel: the default (backward auto)"
 
 
 def summary(run, out, seconds: float):

@@ -5,7 +5,8 @@ tiny models), quantised experts' kernels or formulas, and the shared experts bes
 """
 
 import functools
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -213,8 +214,8 @@ def precision_of(routed) -> str:
 
 def expert_ffn(backend: Backend, routed, num_tokens: int | None, num_rows: int,
                width_axis: str | None = None) -> ExpertFfn:
-    """The `grouped_ffn` for `routed` on num_rows rows; for quantised experts, one called with the six fields of an Fp8Experts
-    or Nvfp4Experts: their kernels when the backend's `moe` is "pallas", else their jnp formula
+    """The `grouped_ffn` for `routed` on num_rows rows; for quantised experts, one called with the six fields of
+    an Fp8Experts or Nvfp4Experts: their kernels when the backend's `moe` is "pallas", else their jnp formula
     (pallas_kernels/moe/fp8.py, nvfp4.py). width_axis: the mesh axis over which the experts' width is split, so
     that fp8's h is quantised with its whole row's scale."""
     precision = precision_of(routed)
