@@ -14,11 +14,9 @@ import jax.numpy as jnp
 from inkling_jax.backend import Backend
 from inkling_jax.nn import invariant
 from inkling_jax.nn.layers import swiglu
-from pallas_kernels._common import round_up
 from pallas_kernels.moe import (DECODE_MAX_ROWS, MatmulKernels, block_tiles, grouped_matmul, moe_ffn_decode,
                                 moe_ffn_in_blocks)
-from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
-from pallas_kernels.moe.groups import running_sum
+from pallas_kernels.moe.decode import MAX_SLAB_TOKENS, slab_maps
 
 # The MoE's parameter names of its routed experts in each form, and of its shared experts' stacks
 ROUTED_BF16 = ("w_gate", "w_up", "w_down")
@@ -118,14 +116,10 @@ def lay_out(group, num_groups: int, align: int = 1):
     sizes = jnp.bincount(group, length=num_groups).astype(jnp.int32)  # drops the rows of no group
     if align == 1:
         return place, order, sizes
-    padded = round_up(sizes, align).astype(jnp.int32)
-    shift = (running_sum(padded) - padded) - (running_sum(sizes) - sizes)  # how far each group's rows move
-    rows = group.shape[0]
-    size = round_up(rows + num_groups * (align - 1), align)
-    in_group = group < num_groups
-    place = jnp.where(in_group, place + shift[jnp.where(in_group, group, 0)], size)
-    source = jnp.full((size,), rows, jnp.int32).at[place].set(jnp.arange(rows, dtype=jnp.int32), mode="drop")
-    return place, source, padded
+    # The slabs of the sorted rows, composed with the sort (rows of no group sort past the groups' rows).
+    slab_sizes, src, valid, dst, in_group = slab_maps(sizes, group.shape[0], None, align)
+    places, rows = src.shape[0], group.shape[0]
+    return jnp.where(in_group[place], dst[place], places), jnp.where(valid, order[src], rows), slab_sizes
 
 
 @jax.custom_vjp

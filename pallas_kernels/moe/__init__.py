@@ -10,4 +10,5 @@ from pallas_kernels.moe.ops import grouped_matmul
 from pallas_kernels.moe.tuning import GmmConfig, KernelConfigs, WgradConfig
 
 __all__ = ["grouped_matmul", "moe_ffn", "moe_ffn_in_blocks", "block_tiles", "moe_ffn_decode", "DECODE_MAX_ROWS",
-           "KernelConfigs", "GmmConfig", "WgradConfig", "MatmulKernels", "Fp8Experts", "moe_ffn_fp8", "quantize_experts"]
+           "KernelConfigs", "GmmConfig", "WgradConfig", "MatmulKernels", "Fp8Experts", "moe_ffn_fp8",
+           "quantize_experts"]

@@ -44,10 +44,20 @@ def moe_ffn_decode(x, w_gate, w_up, w_down, group_sizes, row_weights, *, max_gro
 def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, align: int = SLAB_ROWS):
     """ffn(x_slabs, slab_sizes, row_vector_slabs) run on the slab layout (module doc), its rows gathered back
     to the order of x: [M, N] in the dtype ffn returns. row_vectors: one vector [M] per row of x (the routing
-    weights), or a tuple of them, laid out like x (padding rows get zeros). Slabs have max_group_rows rows
-    rounded up to `align` each; with max_group_rows None, each group's own size rounded up (every group then
-    fills whole blocks of `align` rows, at most num_groups * (align - 1) padding rows in all)."""
-    num_rows, num_groups = x.shape[0], group_sizes.shape[0]
+    weights), or a tuple of them, laid out like x (padding rows get zeros). The slabs: `slab_maps`."""
+    slab_sizes, src, valid, dst, in_group = slab_maps(group_sizes, x.shape[0], max_group_rows, align)
+    to_slabs = lambda v: _moved(v, src, valid, dst, in_group)  # noqa: E731
+    y_slabs = ffn(to_slabs(x), slab_sizes, jax.tree.map(to_slabs, row_vectors))
+    return _moved(y_slabs, dst, in_group, src, valid)
+
+
+def slab_maps(group_sizes, num_rows: int, max_group_rows: int | None, align: int):
+    """The slab layout of num_rows rows sorted by group: (slab_sizes [G], src [P]: the row each slab row copies,
+    valid [P]: whether it copies one (else padding), dst [num_rows]: each row's slab row, in_group [num_rows]:
+    whether the row is in a group). Slabs have max_group_rows rows rounded up to `align` each; with max_group_rows
+    None, each group's own size rounded up (every group then fills whole blocks of `align` rows, at most
+    num_groups * (align - 1) padding rows in all)."""
+    num_groups = group_sizes.shape[0]
     starts, ends = group_bounds(group_sizes, num_rows)
     if max_group_rows is None:
         slab_sizes = round_up(ends - starts, align).astype(jnp.int32)
@@ -68,10 +78,7 @@ def in_slabs(x, group_sizes, row_vectors, max_group_rows: int | None, ffn, *, al
     rg = row_groups(group_sizes, num_rows)
     in_group = rows < ends[rg]
     dst = jnp.where(in_group, slab_starts[rg] + rows - starts[rg], 0)
-
-    to_slabs = lambda v: _moved(v, src, valid, dst, in_group)  # noqa: E731
-    y_slabs = ffn(to_slabs(x), slab_sizes, jax.tree.map(to_slabs, row_vectors))
-    return _moved(y_slabs, dst, in_group, src, valid)
+    return slab_sizes, src, valid, dst, in_group
 
 
 @jax.custom_vjp
