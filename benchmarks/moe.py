@@ -45,12 +45,11 @@ from benchmarks.moe_report import DEFAULT_KERNEL, DEFAULT_LAYER, PEER, summary
 from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
-from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, jax_mgpu, moe_ffn, moe_ffn_decode
+from pallas_kernels.moe import DECODE_MAX_ROWS, MatmulKernels, block_tiles, jax_mgpu, moe_ffn, moe_ffn_decode
 from pallas_kernels.moe.decode import MAX_SLAB_TOKENS
 from pallas_kernels.moe.fp8 import moe_ffn_fp8, quantize_experts
 from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
-from pallas_kernels.moe.tuning import large_steps
 
 START = time.perf_counter()
 PALLAS = Backend(moe="pallas", moe_backward="pallas")  # the model's MoE on our grouped-matmul kernels
@@ -139,7 +138,7 @@ def backward_name(use: str, s, rows: int) -> str:
 
 def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
     groups = s.local + s.shared
-    tiles = "large" if large_steps(rows, groups) else "default"
+    tiles = "large" if block_tiles(rows, groups, jnp.bfloat16)[0].large else "default"
     return (f"moe_ffn: forward {kernels.forward} ({tiles} tiles; forward-only calls in slabs of whole blocks, "
             f"differentiated on the rows), backward {backward_name(kernels.backward, s, rows)}")
 

@@ -10,7 +10,7 @@ also the 2 shared experts as two more groups of every token, as `benchmarks.moe`
   visited once per expert (`tuning.DEFAULTS`' 128-row tiles and `LARGE`'s 256-row tiles);
 - slabs: every expert's rows padded to whole blocks first (`decode.in_slabs`), 128 rows with the default tiles,
   256 with the large ones;
-- `moe_ffn`: what the library runs for a forward-only call (slabs, the tiles `tuning.large_steps` picks).
+- `moe_ffn`: what the library runs for a forward-only call (slabs, the tiles `block_tiles` picks).
 Each row gives ms, TFLOP/s of the useful work (6 M H I) and the peer's time over the row's (above 1: faster).
 Prints a table last and writes moe_layouts.json into --out.
 """

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 from benchmarks.moe import DRY, INKLING, rnd, rows_inputs, weights
 from benchmarks.timing import CALLS, attempt, median_seconds, save_json, stamp, stamp_line
-from pallas_kernels.moe import epilogues, jax_mgpu, matmuls
-from pallas_kernels.moe.tuning import KernelConfigs, WgradConfig, large_steps
+from pallas_kernels.moe import block_tiles, epilogues, jax_mgpu, matmuls
+from pallas_kernels.moe.tuning import WgradConfig
 
 ROLES = ("swiglu", "gmm", "gmm_pairs", "wgrad")
 PLAIN = ((0, 0, 0),)
@@ -200,7 +200,7 @@ def main(argv=None):
     print(stamp_line(results["stamp"]), flush=True)
     cases = problems(s, interpret)
     share = args.seconds / len(roles)
-    current = KernelConfigs(large=large_steps(s.tokens * (s.top_k + s.shared), s.local + s.shared))
+    current, _ = block_tiles(s.tokens * (s.top_k + s.shared), s.local + s.shared, jnp.bfloat16)
     for role in roles:
         default = current.get(role, jnp.bfloat16)
         sweep = Sweep(role, cases[role], share)
