@@ -62,10 +62,13 @@ class MTPHead(nnx.Module):
         return [head(h) for h in self.hidden_states(trunk_hidden, input_ids, embed)]
 
     def extend(self, trunk_hidden, next_ids, embed, cache: Cache, n_new):
-        """Serving: every depth over a chunk in step with the trunk, `cache.layers` holding one LayerCache per
-        depth. The entry of every depth at position p is computed from the trunk's hidden state at p and the
-        token at p + 1 (`next_ids [B, T]`), so the depths' caches advance with the trunk's and a rejected draft
-        is undone by not advancing them. Returns (each depth's hidden states [B, T, H], cache)."""
+        """Serving: the first len(cache.layers) depths (those a server drafts with) over a chunk in step with
+        the trunk, `cache.layers` holding one LayerCache per depth. The entry of every depth at position p is
+        computed from the trunk's hidden state at p and the token at p + 1 (`next_ids [B, T]`), so the depths'
+        caches advance with the trunk's and a rejected draft is undone by not advancing them. Returns (each
+        depth's hidden states [B, T, H], cache)."""
+        if len(cache.layers) > len(self.layers):
+            raise ValueError(f"a cache of {len(cache.layers)} MTP depths for a head of {len(self.layers)}")
         token_embeds = embed(next_ids)
         out, layers = [], []
         for layer, layer_cache in zip(self.layers, cache.layers):

@@ -16,7 +16,8 @@ A round, for every running row at cached length L whose last sampled token t0 is
 4. draft (method "mtp"): every MTP depth runs over the kept positions with the trunk's hidden states and the
    tokens after them (g_0 .. g_a), so its cache advances with the trunk's (`MTPHead.extend`); depth 0's output at
    the last kept position drafts d'1, and the chain feeds each step's hidden state and token to the next
-   position (step j through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length
+   position (step j through depth min(j, depths - 1)) for d'2 .. d'K. Only those depths are kept and run
+   (`drafter_layers`). The chain's entries past the length
    stay (never read: the drafter's rings too hold K slots past the window), its ShortConv states are not kept.
 
 Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
@@ -46,14 +47,17 @@ from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepProgr
 
 def drafter_layers(config: InklingConfig, speculative: SpeculativeConfig | None,
                    draft: InklingConfig | None = None) -> TextConfig | None:
-    """The text config of the layers whose cache the drafter keeps beside the target's: the MTP depths (the
-    trunk's attention shapes, local where the depth is), the draft model's layers, or None."""
+    """The text config of the layers whose cache the drafter keeps beside the target's: the MTP depths a chain of
+    K drafts reads (the first min(K, depths): draft j comes from depth min(j, depths - 1); the trunk's attention
+    shapes, local where the depth is), the draft model's layers, or None. Depths past K would only be kept up to
+    date, each round, for nothing."""
     if speculative is None or speculative.method == "oracle":
         return None
     if speculative.method == "draft":
         return draft.text
-    return dataclasses.replace(config.text, num_layers=config.mtp.num_layers, dense_layer_ids=(),
-                               local_layer_ids=config.mtp.local_layer_ids)
+    depths = min(speculative.num_draft_tokens, config.mtp.num_layers)
+    return dataclasses.replace(config.text, num_layers=depths, dense_layer_ids=(),
+                               local_layer_ids=tuple(i for i in config.mtp.local_layer_ids if i < depths))
 
 
 def cache_layout(target: TextConfig, drafter: TextConfig | None) -> TextConfig:

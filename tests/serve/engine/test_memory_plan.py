@@ -10,7 +10,8 @@ import pytest
 
 from inkling_jax import preset
 from serve.engine import memory_plan
-from serve.engine.config import EngineConfig
+from serve.engine.config import EngineConfig, SpeculativeConfig
+from serve.runner.speculative import drafter_layers
 
 
 class FakeDevice:
@@ -90,3 +91,16 @@ def test_a_draft_models_layers_are_counted_with_their_own_shapes():
     assert with_draft - page == 2 * 1 * 8 * 1 * draft.head_dim * 4  # one full layer, one KV head, fp32
     beside = memory_plan.beside_pool_bytes(text, config, jnp.float32)["slot states"]
     assert memory_plan.beside_pool_bytes(text, config, jnp.float32, draft)["slot states"] > beside
+
+
+@pytest.mark.parametrize("k, depths, local", [(1, 1, (0,)), (3, 3, (0, 2)), (8, 8, (0, 2, 4, 5, 6, 7))])
+def test_the_mtp_drafter_keeps_the_depths_a_chain_of_k_reads(k, depths, local):
+    """The released head has 8 depths; K drafts read depths 0 .. K - 1 only, so the cache (and the page size the
+    pool is planned with) holds those alone."""
+    config = preset("inkling")
+    drafter = drafter_layers(config, SpeculativeConfig("mtp", k))
+    assert (drafter.num_layers, drafter.local_layer_ids, drafter.dense_layer_ids) == (depths, local, ())
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, page_size=8, chunk_buckets=(1, 16), row_buckets=(5,))
+    page = functools.partial(memory_plan.page_bytes, config.text, engine, jnp.bfloat16)
+    full_depths = 2 * 8 * config.text.num_kv_heads * config.text.head_dim * 2  # K and V of one full layer's page
+    assert page(drafter=drafter) - page() == (depths - len(local)) * full_depths
