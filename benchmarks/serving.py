@@ -196,7 +196,7 @@ def build_engine(args, levels, placement, results, **changes):
                                  fuse_projections=not args.no_fuse_projections,
                                  mixed_steps=not args.no_mixed_steps, memory_fraction=args.memory_fraction)
     engine_config = dataclasses.replace(engine_config, **changes)
-    model = placement.model_view(model, engine_config.fuse_projections)  # as serve.app: the unfused weights freed
+    model = placement.model_view(model, engine_config)  # as serve.app: the unfused weights freed
     engine = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement)
     engine.start()
     results["compile_s"] = engine.warm_up_seconds

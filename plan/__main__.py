@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from inkling_jax.config import preset
 from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import MeshError, parse_mesh_spec
-from plan.serving import serving_plan
+from plan.serving import served_config, serving_plan
 from plan.training import training_plan
 from plan.weights import GIB, abstract_mesh, bytes_by_kind, model_weights
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
@@ -111,7 +111,7 @@ def table(title: str, rows: dict[str, float], whole: dict[str, float] | None = N
 def serve_report(args, mesh, limit) -> tuple[list[str], bool]:
     engine, text = args.engine, args.config.text
     fuse = engine.fuse_projections and mesh.shape["tensor"] == 1  # `Placement.fuses_projections`
-    weights = model_weights(args.config, args.dtype, args.quant, fuse=fuse)
+    weights = model_weights(served_config(args.config, engine), args.dtype, args.quant, fuse=fuse)
     plan = serving_plan(args.config, mesh, engine, args.quant, limit, jnp.dtype(args.dtype), weights)
     full_layers = text.num_layers - len(text.local_layer_ids)
     out = table("weights", plan.weights, bytes_by_kind(weights)) + [""]

@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     if not stats or "bytes_limit" not in stats:
         raise SystemExit(f"{jax.devices()[0]} keeps no memory statistics: run this on a GPU")
     placement = Placement()
-    model = placement.model_view(model, engine_config.fuse_projections)  # as serve.app: unfused weights freed
+    model = placement.model_view(model, engine_config)  # as serve.app: unfused weights freed
     runner = Engine(model, engine_config, eos_token_id=config.eos_token_id, placement=placement).runner
     plan = serving_plan(config, abstract_mesh({}), engine_config, quant, stats["bytes_limit"])
     print(f"| {args.preset} on {jax.devices()[0].device_kind} | plan | server |\n|---|---:|---:|")

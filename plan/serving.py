@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh
 
 from inkling_jax.config import InklingConfig
 from inkling_jax.nn.cache import init_cache
+from inkling_jax.nn.mtp import first_depths
 from inkling_jax.parallel.kernel_sharding import head_shards
 from plan.weights import Weight, bytes_by_kind, model_weights
 from inkling_jax.quant import QuantConfig
@@ -67,13 +68,20 @@ def cache_state_bytes(config: InklingConfig, engine: EngineConfig, dtype, mesh: 
     return out
 
 
+def served_config(config: InklingConfig, engine: EngineConfig) -> InklingConfig:
+    """The config of the model an engine of `engine` runs (`Placement.model_view`): only the MTP depths it drafts
+    with."""
+    return first_depths(config, engine.mtp_depths(config))
+
+
 def serving_plan(config: InklingConfig, mesh: AbstractMesh, engine: EngineConfig, quant: QuantConfig,
                  allocator_bytes: float, dtype=jnp.bfloat16, weights: list[Weight] | None = None) -> ServingPlan:
     """allocator_bytes: what the allocator may hand out on each device (the device's memory times
     XLA_PYTHON_CLIENT_MEM_FRACTION). weights: `model_weights` of the served form, if already made."""
     text = config.text
     if weights is None:
-        weights = model_weights(config, dtype, quant, fuse=engine.fuse_projections and mesh.shape["tensor"] == 1)
+        weights = model_weights(served_config(config, engine), dtype, quant,
+                                fuse=engine.fuse_projections and mesh.shape["tensor"] == 1)
     by_kind = bytes_by_kind(weights, mesh)
     shards = head_shards(mesh, (text.attention(False).num_heads, text.attention(False).num_kv_heads))
     page = page_bytes(text, engine, dtype, shards)

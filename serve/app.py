@@ -287,7 +287,7 @@ def build_service(args: argparse.Namespace) -> Service:
         raise SystemExit(f"--lora-modules: {name!r} is the served model's name")
     # The engine's view of the model (fused, placed), built here so that the weights it replaces are freed before
     # the engine sizes its KV pool by the free memory; the engine's own view of it then changes nothing.
-    model = placement.model_view(model, config.fuse_projections)
+    model = placement.model_view(model, config)
     draft = None if draft_dir is None else load_pretrained(draft_dir, dtype=dtype, config=draft_config,
                                                            mesh=placement.mesh, quant=quant, backend=args.backend)
     engine = Engine(model, config, eos_token_id=model.config.eos_token_id, placement=placement, draft_model=draft)

@@ -12,6 +12,8 @@ transformers' Inkling has no MTP module, so there is no oracle to compare with; 
 implementation as the spec transcribes it (section 3).
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -99,3 +101,23 @@ class MTPHead(nnx.Module):
             h = layer(h, embed(shifted), positions, segment_ids)
             out.append(h)
         return out
+
+
+def first_depths(config: InklingConfig, depths: int) -> InklingConfig:
+    """`config` with an MTP head of its first `depths` depths only (0: no head); as it is if it has no more."""
+    if config.mtp is None or depths >= config.mtp.num_layers:
+        return config
+    if depths <= 0:
+        return dataclasses.replace(config, mtp=None)
+    return dataclasses.replace(config, mtp=dataclasses.replace(
+        config.mtp, num_layers=depths, local_layer_ids=tuple(i for i in config.mtp.local_layer_ids if i < depths)))
+
+
+def keep_first_depths(view, depths: int) -> None:
+    """Cuts the MTP head of `view`, a model view its caller built (changed in place), to its first `depths`
+    depths (0: no head), config included."""
+    view.config = first_depths(view.config, depths)
+    if view.config.mtp is None:
+        view.mtp = None
+    elif len(view.mtp.layers) > depths:
+        view.mtp.layers = nnx.List(list(view.mtp.layers)[:depths])

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from serve.engine.sampling_params import InvalidParams, SamplingParams
 from serve.lora.config import LoRAConfig
+
+if TYPE_CHECKING:
+    from inkling_jax.config import InklingConfig
 
 # Where no token budget is given: a decode token for every slot, plus this many prompt chunks of the largest size,
 # so that a server with every slot busy still prefills several prompts per step (one per step starves the TTFT of
@@ -51,6 +55,11 @@ class SpeculativeConfig:
         """Positions past a row's cached tokens that a step may write: the verify's drafts, then the next drafts'
         chain (their entries are never read once the row's length passes them, but need pages)."""
         return 2 * self.num_draft_tokens
+
+    def mtp_depths(self, head_depths: int) -> int:
+        """The depths of an MTP head of `head_depths` that this drafting reads: draft j comes from depth
+        min(j, depths - 1), so K drafts read the first min(K, depths); none unless the method is "mtp"."""
+        return min(self.num_draft_tokens, head_depths) if self.method == "mtp" else 0
 
     @property
     def ring_slack(self) -> int:
@@ -167,6 +176,13 @@ class EngineConfig:
     def ring_slack(self) -> int:
         """Slots the sliding rings hold past the window (`SpeculativeConfig.ring_slack`; else 0)."""
         return 0 if self.speculative is None else self.speculative.ring_slack
+
+    def mtp_depths(self, model: InklingConfig) -> int:
+        """How many of `model`'s MTP depths the engine drafts with (`SpeculativeConfig.mtp_depths`; else none):
+        the depths its model view and cache keep."""
+        if self.speculative is None or model.mtp is None:
+            return 0
+        return self.speculative.mtp_depths(model.mtp.num_layers)
 
     @property
     def pages_per_row(self) -> int:

@@ -71,8 +71,8 @@ class ModelRunner(StepCompilation, MixedSteps):
                              "projections (EngineConfig(fuse_projections=False)) and without LoRA adapters")
         log.info("projections: %s", "fused (attention q|k|v|r, MLP gate|up, shared experts as one MLP)" if fused
                  else "separate matmuls (fuse_projections off, or a tensor-parallel mesh)")
-        self.model = self.placement.model_view(model, config.fuse_projections)  # `model` stays as it is
-        self.draft = None if draft_model is None else self.placement.model_view(draft_model, config.fuse_projections)
+        self.model = self.placement.model_view(model, config)  # `model` stays as it is
+        self.draft = None if draft_model is None else self.placement.model_view(draft_model, config)
         if config.lora is not None:  # LoRA adapters in device slots of the view (`serve.lora`), on its devices
             self.model = lora_view(self.model, config.lora.max_loras + 1, config.lora.max_rank, config.lora.experts,
                                    self.placement.mesh)

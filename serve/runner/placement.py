@@ -19,11 +19,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from inkling_jax.config import TextConfig
 from inkling_jax.nn.cache import Cache
+from inkling_jax.nn.mtp import keep_first_depths
 from inkling_jax.parallel.kernel_sharding import head_shards
 from inkling_jax.parallel.mesh import MeshError, check_mesh, make_mesh, parse_mesh_spec
 from inkling_jax.parallel.placement import shard_model
 from inkling_jax.parallel.rules import override_rules, spec_for
 from inkling_jax.quant import serving_view
+from serve.engine.config import EngineConfig
 
 # The batch axes of the server's rows: never `expert` (RULES splits a trainer's batch over it). The KV pool is one
 # pool of pages, whole on every expert shard; with the rows split over `expert`, every step program would write it
@@ -90,11 +92,13 @@ class Placement:
         heads or width (the fused columns mix them)."""
         return self.mesh is None or self.mesh.shape["tensor"] == 1
 
-    def model_view(self, model, fuse_projections: bool = True):
-        """The model the engine runs, built from `model`, which is left as it was: fused where `fuse_projections`
-        and the mesh allow (a decode step's small products are latency-bound; `serving_view`), and placed on the
-        mesh (`shard_model`)."""
-        view = serving_view(model, fuse=fuse_projections and self.fuses_projections)
+    def model_view(self, model, config: EngineConfig = EngineConfig()):
+        """The model an engine of `config` runs, built from `model`, which is left as it was: fused where
+        `config.fuse_projections` and the mesh allow (a decode step's small products are latency-bound;
+        `serving_view`), with only the MTP depths the engine drafts with (`EngineConfig.mtp_depths`: none unless
+        it drafts with the head), and placed on the mesh (`shard_model`)."""
+        view = serving_view(model, fuse=config.fuse_projections and self.fuses_projections)
+        keep_first_depths(view, config.mtp_depths(model.config))
         return view if self.mesh is None else shard_model(view, self.mesh)
 
     def replicated(self):

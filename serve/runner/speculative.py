@@ -38,6 +38,7 @@ import numpy as np
 
 from inkling_jax.config import InklingConfig, TextConfig
 from inkling_jax.nn.cache import Cache, init_cache
+from inkling_jax.nn.mtp import first_depths
 from serve.engine.config import SpeculativeConfig
 from serve.runner.rollback import keep_conv_prefix
 from serve.runner.rejection import verify
@@ -47,17 +48,16 @@ from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepProgr
 
 def drafter_layers(config: InklingConfig, speculative: SpeculativeConfig | None,
                    draft: InklingConfig | None = None) -> TextConfig | None:
-    """The text config of the layers whose cache the drafter keeps beside the target's: the MTP depths a chain of
-    K drafts reads (the first min(K, depths): draft j comes from depth min(j, depths - 1); the trunk's attention
-    shapes, local where the depth is), the draft model's layers, or None. Depths past K would only be kept up to
-    date, each round, for nothing."""
+    """The text config of the layers whose cache the drafter keeps beside the target's: the MTP depths it drafts
+    with (`SpeculativeConfig.mtp_depths`; the trunk's attention shapes, local where the depth is), the draft
+    model's layers, or None."""
     if speculative is None or speculative.method == "oracle":
         return None
     if speculative.method == "draft":
         return draft.text
-    depths = min(speculative.num_draft_tokens, config.mtp.num_layers)
-    return dataclasses.replace(config.text, num_layers=depths, dense_layer_ids=(),
-                               local_layer_ids=tuple(i for i in config.mtp.local_layer_ids if i < depths))
+    mtp = first_depths(config, speculative.mtp_depths(config.mtp.num_layers)).mtp
+    return dataclasses.replace(config.text, num_layers=mtp.num_layers, dense_layer_ids=(),
+                               local_layer_ids=mtp.local_layer_ids)
 
 
 def cache_layout(target: TextConfig, drafter: TextConfig | None) -> TextConfig:

@@ -18,11 +18,11 @@ from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model
 from plan.__main__ import main
 from plan.aot import compare
-from plan.serving import serving_plan
+from plan.serving import served_config, serving_plan
 from plan.training import training_plan
 from plan.weights import abstract_mesh, bytes_by_kind, kind_of, model_weights
 from inkling_jax.quant import QuantConfig, serving_view
-from serve.engine.config import EngineConfig
+from serve.engine.config import EngineConfig, SpeculativeConfig
 from serve.runner.placement import Placement
 from train.state import seeded_params
 from train.step import StepConfig, Trainer
@@ -57,6 +57,25 @@ def test_weights_equal_a_real_models_whole_and_per_device(name, quant):
     assert any(w.count > 1 for w in weights)  # the probe stands for several layers of a kind
     placed = shard_model(model, make_mesh(SIZES))
     assert bytes_by_kind(weights, abstract_mesh(SIZES)) == real_by_kind(placed, per_device=True)
+
+
+@pytest.mark.parametrize("speculative, depths", [(None, 0), (SpeculativeConfig("draft", 3), 0),
+                                                 (SpeculativeConfig("mtp", 1), 1), (SpeculativeConfig("mtp", 4), 2)])
+def test_the_engine_view_holds_and_the_plan_counts_only_the_mtp_depths_it_drafts_with(speculative, depths):
+    """`tiny` has 2 MTP depths: an engine that does not draft with the head holds none of it, K drafts read the
+    first min(K, 2); the model it was given keeps all of them."""
+    config = preset("tiny")
+    model = InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    engine = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, chunk_buckets=(1, 16),
+                          speculative=speculative)
+    view = Placement().model_view(model, engine)
+    assert (0 if view.mtp is None else len(view.mtp.layers)) == depths
+    assert (0 if view.config.mtp is None else view.config.mtp.num_layers) == depths
+    assert len(model.mtp.layers) == config.mtp.num_layers == 2
+    held = real_by_kind(view, per_device=False)
+    assert ("MTP head" in held) == (depths > 0)
+    weights = model_weights(served_config(config, engine), jnp.bfloat16, QuantConfig(), fuse=True)
+    assert bytes_by_kind(weights) == held
 
 
 def test_kv_rings_and_states_equal_an_allocated_cache_as_the_server_places_it():

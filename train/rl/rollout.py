@@ -120,11 +120,11 @@ class Rollouts:
                                   lambda: Engine(trainer.parts.merge(self._initial_params(state, frozen)), config,
                                                  eos_token_id=trainer.config.eos_token_id,
                                                  placement=Placement(self.local)))
-        placement, fuse = Placement(mesh), config.fuse_projections
+        placement = Placement(mesh)
         # The view comes out laid out as the engine's arrays are (on the whole job's engine mesh: each process's
         # shards on its own devices), so that the engine takes them as they are.
         self._view = jax.jit(lambda s, f: flat_params(placement.model_view(
-            trainer.parts.merge(trainer.model_params(s, f)), fuse))[0],
+            trainer.parts.merge(trainer.model_params(s, f)), config))[0],
             out_shardings=[global_sharding(x.sharding, mesh) for x in self.engine.runner.params])
         self._towers = jax.jit(lambda s, f, pixels: tower_outputs(trainer.parts.merge(trainer.model_params(s, f)),
                                                                    pixels), out_shardings=trainer.shardings.replicated)

@@ -68,7 +68,9 @@ def forced(model, greedy):
 def test_mtp_drafts_give_the_greedy_tokens(model, greedy):
     engine = start(model, "mtp", 1)  # the head's own (random: mostly rejected) drafts
     try:
-        assert len(engine.runner.cache.layers) == CONFIG.text.num_layers + 1  # depth 0: one draft reads no other
+        # depth 0 alone, in the cache and the engine's view: a chain of one draft reads no other
+        assert len(engine.runner.cache.layers) == CONFIG.text.num_layers + 1
+        assert len(engine.runner.model.mtp.layers) == 1
         results = generate(engine, PROMPTS, greedy_params())
         assert [r.token_ids for r in results] == [greedy[tuple(p)][:NEW] for p in PROMPTS]
         rounds = [r for result in results for r in result.speculative_rounds]
