@@ -23,11 +23,12 @@ import jax.numpy as jnp
 from inkling_jax.config import preset
 from inkling_jax.nn.model import REMAT_POLICIES
 from inkling_jax.parallel.mesh import MeshError, parse_mesh_spec
-from plan.serving import served_config, serving_plan
+from plan.serving import mtp_drafter, served_config, serving_plan
 from plan.training import training_plan
 from plan.weights import GIB, abstract_mesh, bytes_by_kind, model_weights
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
-from serve.engine.config import EngineConfig
+from serve.engine.config import EngineConfig, SpeculativeConfig
+from serve.runner.speculative import check_speculative
 
 
 
@@ -54,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--num-snapshots", type=int, help="serving: prefix snapshots (default 2 per slot)")
     a("--no-prefix-caching", action="store_true")
     a("--no-fuse-projections", action="store_true")
+    a("--speculative-num-draft-tokens", type=int, default=0, help="serving: as serve.app with --speculative-algorithm "
+      "mtp (the MTP depths it drafts with and their cache; default 0: no drafting)")
     a("--train", action="store_true", help="plan a training step instead of the server")
     a("--lora-rank", type=int, default=0, help="training: LoRA adapters of this rank (0: full parameters)")
     a("--remat", default="full", choices=sorted(REMAT_POLICIES), help="training: rematerialisation")
@@ -79,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.quant = QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins)
         args.config = preset(args.preset)
         args.engine = None if args.train else engine_config(args)
+        if args.engine is not None:
+            check_speculative(args.config, args.engine.speculative)
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -91,7 +96,9 @@ def engine_config(args) -> EngineConfig:
                         memory_fraction=args.memory_fraction, chunk_buckets=ints(args.chunk_buckets),
                         row_buckets=ints(args.row_buckets) if args.row_buckets else None,
                         prefix_caching=not args.no_prefix_caching, num_snapshots=args.num_snapshots,
-                        fuse_projections=not args.no_fuse_projections)
+                        fuse_projections=not args.no_fuse_projections,
+                        speculative=SpeculativeConfig("mtp", args.speculative_num_draft_tokens)
+                        if args.speculative_num_draft_tokens else None)
 
 
 def gib(n: float) -> str:
@@ -113,7 +120,8 @@ def serve_report(args, mesh, limit) -> tuple[list[str], bool]:
     fuse = engine.fuse_projections and mesh.shape["tensor"] == 1  # `Placement.fuses_projections`
     weights = model_weights(served_config(args.config, engine), args.dtype, args.quant, fuse=fuse)
     plan = serving_plan(args.config, mesh, engine, args.quant, limit, jnp.dtype(args.dtype), weights)
-    full_layers = text.num_layers - len(text.local_layer_ids)
+    full_layers = sum(layers.num_layers - len(layers.local_layer_ids)
+                      for layers in (text, mtp_drafter(args.config, engine)) if layers is not None)
     out = table("weights", plan.weights, bytes_by_kind(weights)) + [""]
     out += [f"KV of the full-attention layers ({full_layers}): {plan.kv_per_token / 1024:,.2f} KiB per token per "
             f"device; {engine.max_num_seqs} slots x {engine.max_model_len} tokens need {gib(plan.kv_needed)} GiB "

@@ -24,6 +24,7 @@ from plan.weights import abstract_mesh, bytes_by_kind, kind_of, model_weights
 from inkling_jax.quant import QuantConfig, serving_view
 from serve.engine.config import EngineConfig, SpeculativeConfig
 from serve.runner.placement import Placement
+from serve.runner.speculative import cache_layout, drafter_layers, init_serving_cache
 from train.state import seeded_params
 from train.step import StepConfig, Trainer
 
@@ -78,21 +79,28 @@ def test_the_engine_view_holds_and_the_plan_counts_only_the_mtp_depths_it_drafts
     assert bytes_by_kind(weights) == held
 
 
-def test_kv_rings_and_states_equal_an_allocated_cache_as_the_server_places_it():
+@pytest.mark.parametrize("speculative", [None, SpeculativeConfig("mtp", 2)])
+def test_kv_rings_and_states_equal_an_allocated_cache_as_the_server_places_it(speculative):
+    """With the MTP head drafting 2 tokens, its depths 0 (sliding) and 1 (full) are in the cache too, and the
+    rings hold 2 slots past the window."""
     config = preset("tiny")  # sliding layers' 2 KV heads split over tensor=2, the full layer's 1 does not
-    engine = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, chunk_buckets=(1, 16))
+    engine = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=64, chunk_buckets=(1, 16),
+                          speculative=speculative)
     mesh = make_mesh({"tensor": 2}, jax.devices()[:2])
     plan = serving_plan(config, abstract_mesh({"tensor": 2}), engine, QuantConfig(), allocator_bytes=2**30,
                         dtype=jnp.float32)
     pages = 7
     placement = Placement(mesh)
-    model = nnx.eval_shape(lambda: InklingModel(config, dtype=jnp.float32, rngs=nnx.Rngs(0)))
-    make = lambda: model.init_cache(engine.num_rows, engine.max_model_len, page_size=engine.page_size,  # noqa: E731
-                                    num_pages=pages)
-    cache = placement.create(make, placement.cache_shardings((config.text,), jax.eval_shape(make)))
-    text = config.text
-    full = [layer for i, layer in enumerate(cache.layers) if not text.is_local(i)]
-    local = [layer for i, layer in enumerate(cache.layers) if text.is_local(i)]
+    drafter = drafter_layers(config, speculative)
+    texts = (config.text,) if drafter is None else (config.text, drafter)
+    make = lambda: init_serving_cache(config.text, drafter, engine.num_rows,  # noqa: E731  (as the engine does)
+                                      engine.max_model_len + engine.lookahead, jnp.float32,
+                                      page_size=engine.page_size, num_pages=pages, ring_slack=engine.ring_slack)
+    cache = placement.create(make, placement.cache_shardings(texts, jax.eval_shape(make)))
+    layout = cache_layout(config.text, drafter)
+    assert len(cache.layers) == layout.num_layers == config.text.num_layers + (0 if speculative is None else 2)
+    full = [layer for i, layer in enumerate(cache.layers) if not layout.is_local(i)]
+    local = [layer for i, layer in enumerate(cache.layers) if layout.is_local(i)]
     assert device0_bytes([(x.k, x.v) for x in full]) == pages * plan.page_bytes
     assert plan.kv_per_token * engine.page_size == plan.page_bytes
     assert device0_bytes([(x.k, x.v) for x in local]) == plan.state["sliding rings"]
@@ -128,6 +136,15 @@ def test_the_command_says_whether_it_fits_and_refuses_bad_meshes(capsys):
     assert main([*train, "--devices", "512", "--mesh", "fsdp=64,expert=8"]) == 0
     with pytest.raises(SystemExit):
         main([*serve, "--device-memory-gib", "140", "--devices", "8", "--mesh", "tensor=2,expert=2"])
+    with pytest.raises(SystemExit):  # `bench` has no MTP head to draft with
+        main([*serve, "--device-memory-gib", "140", "--speculative-num-draft-tokens", "3"])
+    assert "needs a model with an MTP head" in capsys.readouterr().err
+    tiny = ["--preset", "tiny", "--devices", "1", "--max-num-seqs", "2", "--max-model-len", "64",
+            "--device-memory-gib", "1"]
+    assert main(tiny) == 0 and "| MTP head |" not in capsys.readouterr().out
+    assert main([*tiny, "--speculative-num-draft-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "| MTP head |" in out and "full-attention layers (2)" in out  # the model's 1 and depth 1
 
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
