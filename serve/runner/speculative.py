@@ -13,12 +13,12 @@ A round, for every running row at cached length L whose last sampled token t0 is
    output is distributed exactly as plain sampling's. a = drafts kept; the row emits them and one more token;
 3. commit: the cache keeps t0, d1 .. da (length L + a + 1) and the ShortConv states after them; nothing is
    copied back;
-4. draft (method "mtp"): every MTP depth runs over the kept positions with the trunk's hidden states and the
-   tokens after them (g_0 .. g_a), so its cache advances with the trunk's (`MTPHead.extend`); depth 0's output at
-   the last kept position drafts d'1, and the chain feeds each step's hidden state and token to the next
-   position (step j through depth min(j, depths - 1)) for d'2 .. d'K. Only those depths are kept and run
-   (`drafter_layers`). The chain's entries past the length
-   stay (never read: the drafter's rings too hold K slots past the window), its ShortConv states are not kept.
+4. draft (method "mtp"): every MTP depth the engine keeps (those the chain reads, the first min(K, depths):
+   `drafter_layers`) runs over the kept positions with the trunk's hidden states and the tokens after them
+   (g_0 .. g_a), so its cache advances with the trunk's (`MTPHead.extend`); depth 0's output at the last kept
+   position drafts d'1, and the chain feeds each step's hidden state and token to the next position (step j
+   through depth min(j, depths - 1)) for d'2 .. d'K. The chain's entries past the length stay (never read: the
+   drafter's rings too hold K slots past the window), its ShortConv states are not kept.
 
 Method "draft": a smaller Inkling with its own layers in the cache (same lengths and pages) extends over the
 kept tokens, then runs K one-token steps from the emitted token for d'1 .. d'K, left behind as the MTP chain is.
