@@ -28,6 +28,7 @@ from plan.training import training_plan
 from plan.weights import GIB, abstract_mesh, bytes_by_kind, model_weights
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS, QuantConfig
 from serve.engine.config import EngineConfig, SpeculativeConfig
+from serve.engine.memory_plan import cache_layers
 from serve.runner.speculative import check_speculative
 
 
@@ -121,7 +122,7 @@ def serve_report(args, mesh, limit) -> tuple[list[str], bool]:
     weights = model_weights(served_config(args.config, engine), args.dtype, args.quant, fuse=fuse)
     plan = serving_plan(args.config, mesh, engine, args.quant, limit, jnp.dtype(args.dtype), weights)
     full_layers = sum(layers.num_layers - len(layers.local_layer_ids)
-                      for layers in (text, mtp_drafter(args.config, engine)) if layers is not None)
+                      for layers in cache_layers(text, mtp_drafter(args.config, engine)))
     out = table("weights", plan.weights, bytes_by_kind(weights)) + [""]
     out += [f"KV of the full-attention layers ({full_layers}): {plan.kv_per_token / 1024:,.2f} KiB per token per "
             f"device; {engine.max_num_seqs} slots x {engine.max_model_len} tokens need {gib(plan.kv_needed)} GiB "

@@ -22,7 +22,7 @@ from inkling_jax.parallel.kernel_sharding import head_shards
 from plan.weights import Weight, bytes_by_kind, model_weights
 from inkling_jax.quant import QuantConfig
 from serve.engine.config import EngineConfig
-from serve.engine.memory_plan import beside_pool_bytes, page_bytes, pages_in
+from serve.engine.memory_plan import beside_pool_bytes, cache_layers, page_bytes, pages_in
 from serve.runner.speculative import drafter_layers, init_serving_cache
 
 # Cache fields split over `tensor` with their layer's KV heads (`serve.runner.placement.CACHE_AXES`).
@@ -46,18 +46,16 @@ class ServingPlan:
         return self.pages >= self.pages_needed
 
 
-def cache_state_bytes(config: InklingConfig, engine: EngineConfig, dtype, mesh: AbstractMesh) -> dict[str, int]:
+def cache_state_bytes(config: InklingConfig, engine: EngineConfig, dtype, mesh: AbstractMesh,
+                      drafter: TextConfig | None = None) -> dict[str, int]:
     """Per device, the cache beside its pages: the sliding layers' K/V rings and the ShortConv states of every
     slot (split over `tensor` with their layer's KV heads, as the server places them), the lengths and page
-    table, and the prefix snapshots (a slot's rings and states each); the MTP depths' layers too where the engine
-    drafts with them."""
-    drafter = mtp_drafter(config, engine)
+    table, and the prefix snapshots (a slot's rings and states each); the drafter's layers too (`mtp_drafter`)."""
     shapes = jax.eval_shape(lambda: init_serving_cache(config.text, drafter, engine.num_rows,
                                                        engine.max_model_len + engine.lookahead, dtype,
                                                        page_size=engine.page_size, num_pages=1,
                                                        ring_slack=engine.ring_slack))
-    texts = (config.text,) if drafter is None else (config.text, drafter)
-    kinds = [(text, text.is_local(i)) for text in texts for i in range(text.num_layers)]
+    kinds = [(text, text.is_local(i)) for text in cache_layers(config.text, drafter) for i in range(text.num_layers)]
     out = {"sliding rings": 0, "ShortConv states": 0, "lengths and page table": 0}
     for layer, (text, local) in zip(shapes.layers, kinds, strict=True):
         shards = head_shards(mesh, (text.attention(local).num_heads, text.attention(local).num_kv_heads))
@@ -102,6 +100,6 @@ def serving_plan(config: InklingConfig, mesh: AbstractMesh, engine: EngineConfig
     return ServingPlan(weights=by_kind, kv_per_token=page // engine.page_size,
                        kv_needed=engine.max_num_seqs * engine.pages_per_row * page,
                        pages=pages_in(budget, text, engine, dtype, shards, drafter), page_bytes=page,
-                       state=cache_state_bytes(config, engine, dtype, mesh),
+                       state=cache_state_bytes(config, engine, dtype, mesh, drafter),
                        beside_pool=beside_pool_bytes(text, engine, dtype, drafter), budget=budget,
                        pages_needed=engine.max_num_seqs * engine.pages_per_row)

@@ -24,7 +24,7 @@ from serve.engine.config import EngineConfig
 log = logging.getLogger(__name__)
 
 
-def _cache_layers(text: TextConfig, drafter: TextConfig | None) -> tuple[TextConfig, ...]:
+def cache_layers(text: TextConfig, drafter: TextConfig | None) -> tuple[TextConfig, ...]:
     """The configs of the cache's layers: the target's, then the drafter's (if any)."""
     return (text,) if drafter is None else (text, drafter)
 
@@ -35,7 +35,7 @@ def page_bytes(text: TextConfig, config: EngineConfig, dtype, kv_shards: int = 1
     drafter's layers (`serve.runner.speculative.drafter_layers`, each with its own shapes); per device where the
     KV heads are split over kv_shards devices (the target's split, taken for the drafter's layers too)."""
     total = 0
-    for layers in _cache_layers(text, drafter):
+    for layers in cache_layers(text, drafter):
         shape = layers.attention(False)
         full = layers.num_layers - len(layers.local_layer_ids)
         total += 2 * full * config.page_size * shape.num_kv_heads * shape.head_dim * jnp.dtype(dtype).itemsize
@@ -72,7 +72,7 @@ def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype,
     lengths and page table too: a few bytes a row more than the engine keeps)."""
     cfg, vocab = config, text.unpadded_vocab_size
     slots = sum(cache_bytes(layers, cfg.num_rows, cfg.max_model_len, dtype, page_size=cfg.page_size, num_pages=1,
-                            ring_slack=cfg.ring_slack) for layers in _cache_layers(text, drafter))
+                            ring_slack=cfg.ring_slack) for layers in cache_layers(text, drafter))
     slots -= page_bytes(text, cfg, dtype, drafter=drafter)
     return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
             "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)

@@ -62,7 +62,7 @@ class ModelRunner(StepCompilation, MixedSteps):
             self.placement.check(draft_model.config.text, name="the draft model")
         self.drafter = drafter_layers(model.config, spec, draft_config)
         # The configs of the cache's layers (the model's, the drafter's), and one that says which are local.
-        self.cache_texts = (model.config.text,) + (() if self.drafter is None else (self.drafter,))
+        self.cache_texts = memory_plan.cache_layers(model.config.text, self.drafter)
         self.text = cache_layout(model.config.text, self.drafter)
         self.vocab = self.text.unpadded_vocab_size
         fused = config.fuse_projections and self.placement.fuses_projections
