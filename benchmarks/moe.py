@@ -139,15 +139,15 @@ def backward_name(use: str, s, rows: int) -> str:
 def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
     groups = s.local + s.shared
     tiles = "large" if block_tiles(rows, groups, jnp.bfloat16)[0].large else "default"
-    return (f"moe_ffn: forward {kernels.forward} ({tiles} tiles; forward-only calls in slabs of whole blocks, "
-            f"differentiated on the rows), backward {backward_name(kernels.backward, s, rows)}")
+    return (f"moe_ffn: forward {kernels.forward} ({tiles} tiles; in slabs of whole blocks), "
+            f"backward {backward_name(kernels.backward, s, rows)}")
 
 
 def backend_name(backend: Backend, s, num_tokens: int) -> str:
     use = backend.resolve()
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
-    layout = ", forward-only calls in slabs of whole blocks, differentiated on the rows" if use.moe == "pallas" else ""
+    layout = ", in slabs of whole blocks" if use.moe == "pallas" else ""
     return (f"moe={use.moe}, moe_forward={use.moe_forward}, "
             f"moe_backward={backward_name(use.moe_backward, s, num_tokens * s.top_k)}{layout}")
 

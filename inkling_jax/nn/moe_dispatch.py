@@ -74,35 +74,13 @@ class ExpertFfn(NamedTuple):
 
 def grouped_rows(x, group, row_weights, stack, ffn: ExpertFfn, copies: int = 1):
     """y[r] = row_weights[r] * E_{group[r]}(x[r // copies]) for the rows of x [T, H] each taken `copies` times in
-    a row (a token's top-k copies), in that order, by `ffn` on the rows sorted by group (`lay_out`); a group >= G
-    (the number of experts in `stack`) means no expert and gives zeros. The rows go from x straight into the
-    layout ffn runs on and its result straight back: one gather each way. Returns [R, H] in x.dtype.
-
-    Differentiated, forward and backward run on the rows sorted without ffn's padding (the prefill kernels'
-    row-blocked layout, in which the training step is measured): the backward in slabs has not measured faster."""
-    if ffn.align == 1:
-        return _in_layout(x, group, row_weights, stack, ffn.run, copies, 1)
-
-    @jax.custom_vjp
-    def in_slabs(x, group, row_weights, stack):
-        return _in_layout(x, group, row_weights, stack, ffn.run, copies, ffn.align)
-
-    def on_rows(x, group, row_weights, stack):
-        return jax.vjp(lambda x, rw, stack: _in_layout(x, group, rw, stack, ffn.run, copies, 1), x, row_weights,
-                       stack)
-
-    def backward(vjp, cotangent):
-        dx, drow_weights, dstack = vjp(cotangent)
-        return dx, None, drow_weights, dstack
-
-    in_slabs.defvjp(on_rows, backward)
-    return in_slabs(x, group, row_weights, stack)
-
-
-def _in_layout(x, group, row_weights, stack, ffn, copies: int, align: int):
-    place, source, group_sizes = lay_out(group, stack[0].shape[0], align)
+    a row (a token's top-k copies), in that order, by `ffn` on the rows sorted by group (`lay_out`) and padded to
+    its `align`; a group >= G (the number of experts in `stack`) means no expert and gives zeros. The rows go from
+    x straight into the layout ffn runs on and its result straight back: one gather each way, and one each way
+    in the backward (`take_rows`). Returns [R, H] in x.dtype."""
+    place, source, group_sizes = lay_out(group, stack[0].shape[0], ffn.align)
     rows = take_rows(x, source // copies, place.reshape(-1, copies))
-    y = ffn(rows, *stack, group_sizes, take_rows(row_weights, source, place[:, None]))
+    y = ffn.run(rows, *stack, group_sizes, take_rows(row_weights, source, place[:, None]))
     return take_rows(y, place, source[:, None])
 
 

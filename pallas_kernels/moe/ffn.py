@@ -1,5 +1,5 @@
 """Public SwiGLU MoE FFN over rows sorted by expert: the decode layout for few rows, else every expert's rows
-padded to whole row blocks of the kernels' tiles (`decode.in_slabs`) for the forward, so that no block straddles
+padded to whole row blocks of the kernels' tiles (`decode.in_slabs`), forward and backward, so that no block straddles
 two experts: the row-blocked kernels would visit such a block once per expert, and those blocks' longer pipelines
 leave SMs idle at the end of the grid."""
 
@@ -30,9 +30,8 @@ def moe_ffn(x, w_gate, w_up, w_down, group_sizes, row_weights, *, interpret: boo
       [M, H] in x.dtype. SwiGLU and the row weight are applied in fp32 on the fp32 accumulators (on the
       x.dtype products with jax's forward matmuls), the result is cast to x.dtype before the down projection.
       Differentiable in x, the three weights and row_weights. With M <= DECODE_MAX_ROWS it runs the decode
-      layout (`moe_ffn_decode`), always on our kernels; else the slab layout (differentiated: the rows as
-      given), with `tuning.LARGE`'s tiles for steps of many rows per group (`tuning.large_steps`) unless
-      `configs` is given.
+      layout (`moe_ffn_decode`), always on our kernels; else the slab layout, with `tuning.LARGE`'s tiles
+      for steps of many rows per group (`tuning.large_steps`) unless `configs` is given.
     """
     ops._check(x, w_gate, w_up, w_down)
     interpret = interpret_default() if interpret is None else interpret
@@ -69,14 +68,9 @@ def moe_ffn_in_blocks(x, w_gate, w_up, w_down, group_sizes, row_weights, *, conf
                             kernels or MatmulKernels())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _in_slabs(x, w_gate, w_up, w_down, group_sizes, row_weights, interpret, configs, kernels):
-    """`ops.moe_ffn_core` on every expert's rows padded to whole blocks of the kernels' rows. Differentiated, the
-    forward and backward run on the rows as given (`ops.moe_ffn_core`'s own VJP): with the gathers into and out
-    of the slabs, the slab layout is faster for the forward only."""
+    """`ops.moe_ffn_core` on every expert's rows padded to whole blocks of the kernels' rows, forward and
+    backward (the moves into and out of the slabs are each other's gradient: `decode._moved`)."""
     _, align = block_tiles(x.shape[0], group_sizes.shape[0], x.dtype, configs)
     return decode.in_slabs(x, group_sizes, row_weights, None, lambda xs, sizes, rws: ops.moe_ffn_core(
         xs, w_gate, w_up, w_down, sizes, rws, interpret, configs, kernels), align=align)
-
-
-_in_slabs.defvjp(ops.moe_ffn_core_fwd, ops.moe_ffn_core_bwd)
