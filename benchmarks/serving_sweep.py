@@ -155,12 +155,14 @@ def measure_programs(args, results: dict, engine) -> None:
         f"pages, buckets {config.buckets}")
     context = args.input_len + args.output_len // 2  # a decoding row's mean context during the load
     decode = results.setdefault("decode_ms_per_token", {})
-    for rows in args.level_list:
+    # a level of more requests than slots runs (and is compared with) the programs of every slot
+    levels = {level: program_rows(results, level) for level in args.level_list}
+    for level, rows in levels.items():
         seconds = attempt(f"decode program, {rows} rows", lambda: decode_program_seconds(engine, rows, context))
         if seconds is not None:
-            decode[rows] = 1e3 * seconds / config.decode_steps
-            log(f"decode program alone, {rows} rows at {context} tokens: {decode[rows]:.2f} ms per token = "
-                f"{rows / decode[rows] * 1e3:.0f} tok/s")
+            decode[level] = 1e3 * seconds / config.decode_steps
+            log(f"decode program alone, {rows} rows at {context} tokens: {decode[level]:.2f} ms per token = "
+                f"{rows / decode[level] * 1e3:.0f} tok/s")
         save(args, results)
     chunks = math.ceil(args.input_len / config.max_chunk)
     seconds = attempt("prefill program", lambda: prefill_program_seconds(engine, 1, config.max_chunk))
@@ -175,14 +177,19 @@ def measure_programs(args, results: dict, engine) -> None:
         log(f"largest prefill program, {rows} x {config.max_chunk} tokens: {1e3 * seconds:.2f} ms = "
             f"{results['largest_prefill_us_per_token']:.1f} us per prompt token")
     mixed = results.setdefault("mixed_ms", {})
-    for rows in args.level_list if config.mixed_buckets else ():
+    for level, rows in levels.items() if config.mixed_buckets else ():
         seconds = attempt(f"mixed program, {rows} rows", lambda: mixed_program_seconds(engine, rows, context))
         if seconds is not None:
-            mixed[rows] = 1e3 * seconds
-            apart = decode.get(rows, math.nan) + results.get("prefill_ms", math.nan) / chunks
-            log(f"mixed program alone, {rows} decode rows + one {config.max_chunk}-token chunk: {mixed[rows]:.2f} ms "
-                f"(a decode step and the chunk's prefill apart: {apart:.2f} ms)")
+            mixed[level] = 1e3 * seconds
+            apart = decode.get(level, math.nan) + results.get("prefill_ms", math.nan) / chunks
+            log(f"mixed program alone, {rows} decode rows + one {config.max_chunk}-token chunk: {mixed[level]:.2f} "
+                f"ms (a decode step and the chunk's prefill apart: {apart:.2f} ms)")
         save(args, results)
+
+
+def program_rows(results: dict, level: int) -> int:
+    """The rows of the programs a level runs: its requests, or every slot where they are more."""
+    return min(level, results["engine"]["max_num_seqs"])
 
 
 def schedule_ceiling(results: dict, level: int) -> float | None:
@@ -197,7 +204,7 @@ def schedule_ceiling(results: dict, level: int) -> float | None:
     if step_ms is None or not costs:
         return None
     output, prompt = results["args"]["output_len"], results["args"]["input_len"]
-    return 1e3 * output / (output * step_ms / level + prompt * min(costs))
+    return 1e3 * output / (output * step_ms / program_rows(results, level) + prompt * min(costs))
 
 
 def table(results: dict) -> str:
@@ -209,7 +216,7 @@ def table(results: dict) -> str:
              "|---:" * 13 + "|"]
     for level, found in results["levels"].items():
         ms = decode.get(level)
-        program = level / ms * 1e3 if ms else None  # the decode program's tok/s at these rows
+        program = program_rows(results, level) / ms * 1e3 if ms else None  # the decode program's tok/s
         ceiling = schedule_ceiling(results, level)
         served = found["output_throughput"]
         cells = [level, found["completed"] + found["failed"], f"{served:.0f}",
@@ -230,9 +237,10 @@ def targets(results: dict) -> list[str]:
         results["levels"], []
     for level in (32, 128):
         if level in levels and level in decode:
-            ratio = levels[level]["output_throughput"] * decode[level] / level / 1e3
+            per_token = decode[level] / program_rows(results, level) / 1e3  # the decode program's seconds a token
+            ratio = levels[level]["output_throughput"] * per_token
             best = schedule_ceiling(results, level)
-            reach = f"; the timed programs' ceiling is {best * decode[level] / level / 1e3:.2f} of it" if best else ""
+            reach = f"; the timed programs' ceiling is {best * per_token:.2f} of it" if best else ""
             lines.append(f"output tok/s at {level}: {ratio:.2f} of the decode program's (bar 0.85){reach}")
     if 32 in levels and prefill:
         lines.append(f"TTFT p50 at 32: {levels[32]['median_ttft_ms'] / prefill:.2f} prefills (bar 3)")

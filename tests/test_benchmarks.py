@@ -188,7 +188,7 @@ def test_the_serving_sweep_serves_loads_and_times_the_same_engine(tmp_path):
 def test_the_sweeps_ceiling_decodes_at_full_rows_and_prefills_at_the_cheapest_measured_cost():
     from benchmarks.serving_sweep import schedule_ceiling, table
 
-    results = {"args": {"input_len": 1024, "output_len": 256}, "engine": {"max_chunk": 256},
+    results = {"args": {"input_len": 1024, "output_len": 256}, "engine": {"max_chunk": 256, "max_num_seqs": 128},
                "decode_ms_per_token": {128: 10.0}, "mixed_ms": {128: 17.0}, "largest_prefill_us_per_token": 30.0,
                "levels": {128: {"completed": 512, "failed": 0, "output_throughput": 4000.0, "median_ttft_ms": 900.0,
                                 "median_tpot_ms": 20.0, "p99_itl_ms": 90.0}}}
@@ -198,3 +198,6 @@ def test_the_sweeps_ceiling_decodes_at_full_rows_and_prefills_at_the_cheapest_me
     assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 128 + 1024 * 0.02))
     assert schedule_ceiling(results, 32) is None  # not timed at 32 rows
     assert "the timed programs' ceiling is 0.49 of it" in table(results)
+    results["engine"]["max_num_seqs"] = 64  # 128 requests on 64 slots: the programs of 64 rows ran, 10 ms a step
+    assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 64 + 1024 * 0.02))
+    assert "| 128 | 512 | 4000 | 6400 | 0.62 |" in table(results)
