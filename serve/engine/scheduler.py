@@ -143,11 +143,14 @@ class Scheduler:
 
     def _fits(self, chunks: list[Chunk], seq: Sequence, n: int) -> bool:
         """Whether a chunk of n tokens of `seq` can join the step's prefill rows within a compiled program: a
-        bucket, or where any of them computes prompt logprobs, the rows of the program that does."""
+        bucket, or where any of them computes prompt logprobs, the rows of the program that does. A decode token
+        joins the decode rows, which always fit."""
+        if n == 1 and not seq.scores_prompt:
+            return True
         prefill = [c for c in chunks if c.prefill]
         if seq.scores_prompt or any(c.scores for c in prefill):
             return len(prefill) + 1 <= self.config.prompt_logprobs_rows
-        return n == 1 or self.config.fits(len(prefill) + 1, max([c.num_tokens for c in prefill] + [n]))
+        return self.config.fits(len(prefill) + 1, max([c.num_tokens for c in prefill] + [n]))
 
     def _admit(self, seq: Sequence, budget: int, chunks: list[Chunk]) -> Chunk | None:
         if not self._adapter_fits(seq):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import time
@@ -26,6 +27,7 @@ from serve.engine.engine import Engine
 from serve.engine.outputs import Output, Sample
 from serve.engine.request import EngineStopped, OutputParser, QueueFull
 from serve.engine.sampling_params import SamplingParams
+from serve.http.outbox import outbox_of
 from serve.http.protocol import APIError, SamplingFields
 from serve.http.text_stream import prompt_text
 from serve.http.tokenizer import Tokenizer
@@ -227,7 +229,7 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
     request_id = responder.request_id
     try:
         engine.submit(request_id, prompts, params, body.n, make_parser,
-                      lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), media=media, adapter=adapter)
+                      functools.partial(outbox_of(loop).put, queue), media=media, adapter=adapter)
     except QueueFull as exc:
         raise APIError(429, f"the server is busy: {exc}; retry later", kind="rate_limit_error",
                        code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None

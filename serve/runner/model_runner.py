@@ -224,11 +224,12 @@ class ModelRunner(StepCompilation, MixedSteps):
                 seq = chunk.seq
                 if not chunk.samples:
                     continue
-                index = range(chunk.samples)
                 if drafts is not None:
                     seq.drafts = drafts[row].tolist()
-                if kept is not None:
-                    index = read_rounds(seq, row, kept, verified, len(host.tokens) // len(kept), self.on_round)
+                if kept is None:  # the chunk's steps, in order
+                    results[seq.seq_id] = read_samples(host, row, chunk.samples, seq.params.logprobs or 0)
+                    continue
+                index = read_rounds(seq, row, kept, verified, len(host.tokens) // len(kept), self.on_round)
                 picked = jax.tree.map(lambda x: x[np.asarray(index, int)], host)
                 results[seq.seq_id] = read_samples(picked, row, len(index), seq.params.logprobs or 0)
         return results
