@@ -23,7 +23,7 @@ from tests.greedy import greedy_tokens
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("name", ["model", "serving", "serving_sweep", "speculative", "training", "kernels", "moe",
                                   "conversion", "timing", "multi_lora", "rl", "moe_tiles", "moe_layouts",
-                                  "invariant_matmul"])
+                                  "invariant_matmul", "engine_host"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:
@@ -183,6 +183,52 @@ def test_the_serving_sweep_serves_loads_and_times_the_same_engine(tmp_path):
         assert level["failed"] == 0 and level["compilations_after_warmup"] == 0 and level["output_throughput"] > 0
     assert set(found["decode_ms_per_token"]) == {"1", "2"} and found["prefill_ms"] > 0
     assert found["largest_prefill_us_per_token"] > 0
+
+
+def test_the_engine_host_benchmark_times_each_level_and_the_program(tmp_path):
+    """`benchmarks.engine_host` on the tiny preset: every level decodes its rows for the steps asked, with the
+    engine thread's time in parts and the decode program timed at those rows."""
+    from benchmarks import engine_host
+
+    engine_host.main(["--preset", "tiny", "--rows", "1,3", "--steps", "3", "--prompt-len", "8",
+                      "--out", str(tmp_path)])
+    found = json.loads((tmp_path / "engine_host.json").read_text())
+    assert [level["rows"] for level in found["levels"]] == [1, 3]
+    for level in found["levels"]:
+        host = level["host_ms_per_step"]
+        assert level["steps"] == 3 and 2 <= level["step_calls"] <= 4  # calls and tokens line up to within one
+        assert level["decode_program_ms"] > 0 and host["dispatch"] > 0 and host["collect"] > 0
+        assert host["total"] <= level["wall_ms_per_step"] * 1.5  # one thread's CPU time within the wall time
+
+
+def test_the_engine_host_clock_counts_a_nested_part_once():
+    """dispatch calls report (as the engine's does while the device runs): report's time is its own, not also
+    dispatch's, and the step's own is what is left."""
+    import time as clock_time
+
+    from benchmarks.engine_host import ThreadClock
+
+    def spin(seconds):
+        end = clock_time.thread_time() + seconds
+        while clock_time.thread_time() < end:
+            pass
+
+    class Part:
+        pass
+
+    engine, runner = Part(), Part()
+    engine.scheduler, engine.runner = Part(), runner
+    engine.scheduler.schedule = lambda: spin(0.01)
+    runner.dispatch = lambda: spin(0.02) or engine._report()
+    runner.collect = engine._apply = engine._update_gauges = lambda: None
+    engine._report = lambda: spin(0.03)
+    engine.step = lambda: spin(0.01) or engine.scheduler.schedule() or engine.runner.dispatch()
+    clock = ThreadClock(engine)
+    engine.step()
+    assert clock.seconds["_report"] == pytest.approx(0.03, abs=0.005)
+    assert clock.seconds["dispatch"] == pytest.approx(0.02, abs=0.005)
+    assert clock.seconds["step"] == pytest.approx(0.01, abs=0.005)
+    assert sum(clock.seconds.values()) == pytest.approx(0.07, abs=0.01)
 
 
 def test_the_sweeps_ceiling_decodes_at_full_rows_and_prefills_at_the_cheapest_measured_cost():
