@@ -81,11 +81,13 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
 
 def mixed_program_seconds(engine: Engine, num_rows: int, cached: int) -> float:
     """Seconds per call of the compiled mixed program alone (`StepPrograms.mixed`): `num_rows` decode rows at
-    `cached` tokens and one prompt chunk of the largest size, from position 0, in a row past them."""
+    `cached` tokens and the prompt chunks of the fewest rows a mixed program takes (one by default), of the largest
+    size, from position 0, in rows past them."""
     runner = engine.runner
     rows, decode = _program_inputs(engine, num_rows, 1, cached, steps=1)
-    _, prefill = _program_inputs(engine, 1, runner.config.max_chunk, first_row=num_rows)
-    program = runner._mixed[rows, runner.config.full_sampler(1, False)]  # greedy rows' sampler
+    chunk_rows = runner.config.mixed_prefills[0]
+    _, prefill = _program_inputs(engine, chunk_rows, runner.config.max_chunk, first_row=num_rows)
+    program = runner._mixed[rows, chunk_rows, runner.config.full_sampler(1, False)]  # greedy rows' sampler
 
     def call():
         runner.cache, runner.penalties, *out = program(runner.params, runner.cache, runner.penalties, decode,

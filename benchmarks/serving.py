@@ -205,9 +205,9 @@ def build_engine(args, levels, placement, results, **changes):
     results["kv_pool_gib"] = runner.num_pages * runner.page_bytes_per_device() / 2**30
     results["step_program_gib"] = {f"{rows}x{tokens}{' full' if full else ''}": program_bytes(p) / 2**30
                                    for (rows, tokens, full), p in runner._steps.items()}
-    chunk = "x".join(map(str, engine_config.mixed_prefill))
-    results["step_program_gib"].update({f"{rows}+{chunk}{' full' if full else ''}": program_bytes(p) / 2**30
-                                        for (rows, full), p in runner._mixed.items()})  # mixed steps
+    results["step_program_gib"].update({  # mixed steps: decode rows + prompt chunks
+        f"{rows}+{chunks}x{engine_config.max_chunk}{' full' if full else ''}": program_bytes(p) / 2**30
+        for (rows, chunks, full), p in runner._mixed.items()})
     return model, engine
 
 

@@ -133,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--no-mixed-steps", action="store_true",
       help="run a step's decodes and its prompt chunk as two programs (by default a step of decodes and one prompt "
       "chunk runs as one program, which reads the weights once)")
+    a("--mixed-prefill-rows", help="row buckets of prompt chunks that the mixed programs also take, e.g. 1,2,4,8: "
+      "a step of decodes and up to that many chunks runs as one program (default: the smallest row bucket, one "
+      "chunk; each adds a program per decode row bucket and sampler to start-up)")
     a("--no-fuse-projections", action="store_true",
       help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
       "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")
@@ -222,6 +225,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, num_pages=args.num_pages,
         memory_fraction=args.memory_fraction, chunk_buckets=chunks, row_buckets=rows,
         prefix_caching=not args.no_prefix_caching, mixed_steps=not args.no_mixed_steps,
+        mixed_prefill_rows=ints(args.mixed_prefill_rows) if args.mixed_prefill_rows else None,
         fuse_projections=not (args.no_fuse_projections or args.backend.batch_invariant),
         num_snapshots=args.num_snapshots, max_queued=args.max_queued, decode_steps=args.decode_steps,
         speculative=SpeculativeConfig(args.speculative_algorithm,

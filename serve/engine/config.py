@@ -10,7 +10,6 @@ while serving.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import TYPE_CHECKING
 
 from serve.engine.sampling_params import InvalidParams, SamplingParams
@@ -106,6 +105,10 @@ class EngineConfig:
     # MoEs and head over both sets' tokens at once, so the step reads the weights once; off, or where no mixed
     # program fits (`mixed_buckets`), such a step runs a decode program and a prefill program
     mixed_steps: bool = True
+    # the prompt chunks' row buckets that mixed programs are compiled for beside every decode row bucket (each a
+    # row bucket with a prefill program of the largest chunk): a step of decodes and up to the most of them runs
+    # as one program; None: the smallest row bucket only (one chunk)
+    mixed_prefill_rows: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -120,6 +123,10 @@ class EngineConfig:
         rows = self.rows
         if list(rows) != sorted(set(rows)) or rows[0] < 1 or rows[-1] != self.num_rows:
             raise ValueError(f"row_buckets must increase and end at every row ({self.num_rows}), got {rows}")
+        mixed, prefill_rows = self.mixed_prefill_rows or (), {r for r in rows[:-1] if self.fits(r, self.max_chunk)}
+        if list(mixed) != sorted(set(mixed)) or not set(mixed) <= prefill_rows:
+            raise ValueError(f"mixed_prefill_rows must increase and be row buckets below every row with a prefill "
+                             f"program of the largest chunk ({self.max_chunk} tokens), got {self.mixed_prefill_rows}")
         if rows[0] * self.max_chunk > self.max_num_batched_tokens:
             raise ValueError(f"a prefill step of {rows[0]} row(s) x {self.max_chunk} tokens exceeds the token budget "
                              f"({self.max_num_batched_tokens}): add a smaller row bucket or raise the budget")
@@ -214,23 +221,30 @@ class EngineConfig:
 
     @property
     def mixed_buckets(self) -> tuple[int, ...]:
-        """The decode row buckets of the mixed programs (`mixed_steps`), each with one prompt chunk in the smallest
-        row bucket at the largest chunk size (`mixed_prefill`). None are compiled with speculative decoding, or
-        where the smallest row bucket is every row (the chunk's rows are gathered, apart from the decode rows)."""
+        """The decode row buckets of the mixed programs (`mixed_steps`), each with the prompt chunks of
+        `mixed_prefills`. None are compiled with speculative decoding, or where the smallest row bucket is every
+        row (the chunks' rows are gathered, apart from the decode rows)."""
         if not self.mixed_steps or self.speculative is not None or self.rows[0] == self.num_rows:
             return ()
         return self.rows
 
     @property
-    def mixed_prefill(self) -> tuple[int, int]:
-        """(rows, tokens) of a mixed program's prefill chunk."""
-        return self.rows[0], self.max_chunk
+    def mixed_prefills(self) -> tuple[int, ...]:
+        """The rows of prompt chunks (each of the largest chunk size) that the mixed programs take, one program per
+        decode row bucket and each of them (`mixed_prefill_rows`); none without mixed programs."""
+        if not self.mixed_buckets:
+            return ()
+        return self.mixed_prefill_rows or (self.rows[0],)
+
+    def mixed_prefill_bucket(self, chunks: int) -> int | None:
+        """The fewest prompt-chunk rows of a mixed program that hold `chunks` chunks (None: none does)."""
+        return next((rows for rows in self.mixed_prefills if rows >= chunks), None)
 
     @property
     def max_step_tokens(self) -> int:
         """The most tokens (padding included) that one compiled step program runs: a bucket's rows x tokens, or a
         mixed program's decode rows plus its chunk."""
-        mixed = [rows + math.prod(self.mixed_prefill) for rows in self.mixed_buckets]
+        mixed = [rows + max(self.mixed_prefills) * self.max_chunk for rows in self.mixed_buckets]
         return max([r * t for r, t in self.buckets] + mixed)
 
     def fits(self, rows: int, tokens: int) -> bool:

@@ -76,7 +76,7 @@ def beside_pool_bytes(text: TextConfig, config: EngineConfig, dtype,
     slots -= page_bytes(text, cfg, dtype, drafter=drafter)
     return {"slot states": slots, "prefix snapshots": cfg.snapshots * (slots // cfg.num_rows),
             "sampler state": cfg.num_rows * vocab * 5,  # penalty counts (int32) and prompt masks (bool)
-            "step logits": 4 * (cfg.rows[-1] + (cfg.rows[0] if cfg.mixed_buckets else 0)) * vocab * 4,
+            "step logits": 4 * (cfg.rows[-1] + max(cfg.mixed_prefills, default=0)) * vocab * 4,
             "step activations": 2 * cfg.max_step_tokens * text.hidden_size * 4 * 4}
 
 

@@ -39,7 +39,7 @@ class Metrics:
         self.compilations = Counter("inkling_compilations_after_warmup", "Programs the engine thread built while "
                                     "serving (compiled or loaded from the compilation cache): 0 unless a step fell "
                                     "outside the shapes compiled at warm-up", registry=r)
-        self.mixed_steps = Counter("inkling_mixed_steps", "Steps whose decodes and prompt chunk ran as one program "
+        self.mixed_steps = Counter("inkling_mixed_steps", "Steps whose decodes and prompt chunks ran as one program "
                                    "(EngineConfig.mixed_steps)", registry=r)
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731

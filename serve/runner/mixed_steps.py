@@ -1,12 +1,12 @@
-"""The runner's mixed steps: a step that holds decodes and one prompt chunk runs as one program
+"""The runner's mixed steps: a step that holds decodes and prompt chunks runs as one program
 (`StepPrograms.mixed`) rather than a decode program and a prefill program, each of which reads every weight; the
-chunk then rides along with the memory-bound decodes. A mixin of `ModelRunner`, whose state it dispatches with.
+chunks then ride along with the memory-bound decodes. A mixin of `ModelRunner`, whose state it dispatches with.
 
-Mixed programs are compiled (`warm_up`) for every decode row bucket with the chunk in the smallest row bucket at
-the largest chunk size (`EngineConfig.mixed_buckets`, `mixed_prefill`): the steady state of a busy server, where
-one new prompt is prefilled chunk by chunk while the other rows decode. Shorter chunks are padded to it. Any other
-step (several prompt chunks, prompt logprobs, a multi-token decode run, speculative rounds) runs the two
-programs."""
+Mixed programs are compiled (`warm_up`) for every decode row bucket with the prompt chunks of each of
+`EngineConfig.mixed_prefills` rows at the largest chunk size: by default one row, the steady state of a busy
+server, where one new prompt is prefilled chunk by chunk while the other rows decode. A step's chunks are padded
+to the fewest rows that hold them and to that size. Any other step (more chunks than the most rows, prompt
+logprobs, a multi-token decode run, speculative rounds) runs the two programs."""
 
 from __future__ import annotations
 
@@ -21,22 +21,24 @@ class MixedSteps:
 
     def runs_mixed(self, groups: list[list[Chunk]], previous) -> bool:
         """Whether a step of these groups (`_groups`: decodes, then prefill chunks) runs as a mixed program: one
-        token per decode row (no continuation of a decode run) and one prompt chunk that scores no prompt."""
+        token per decode row (no continuation of a decode run) and prompt chunks that score no prompt, as many as
+        a mixed program holds."""
         if not self.config.mixed_buckets or len(groups) != 2 or previous is not None:
             return False
         decode, prefill = groups
-        return len(prefill) == 1 and not prefill[0].scores and all(c.steps == 1 and not c.ahead for c in decode)
+        return (self.config.mixed_prefill_bucket(len(prefill)) is not None and not any(c.scores for c in prefill)
+                and all(c.steps == 1 and not c.ahead for c in decode))
 
     def dispatch_mixed(self, decode: list[Chunk], prefill: list[Chunk], on_queued: Callable[[], None]) -> list:
         """Dispatches a mixed step and calls `on_queued`; returns its two groups' entries as `dispatch` does, each
         group's samples read as its own program's would be (`collect`)."""
-        rows = self.config.row_bucket(len(decode))
-        chunk_rows, chunk = self.config.mixed_prefill
+        rows, chunk_rows = self.config.row_bucket(len(decode)), self.config.mixed_prefill_bucket(len(prefill))
         self._assign_adapters(decode + prefill)
-        inputs = self.placement.put((pack(self._inputs(decode, rows, 1)), pack(self._inputs(prefill, chunk_rows,
-                                                                                          chunk))))
-        self.cache, self.penalties, decode_out, prefill_out = self._mixed[rows, self._full(decode + prefill, 1)](
-            self.params, self.cache, self.penalties, *inputs)
+        inputs = self.placement.put((pack(self._inputs(decode, rows, 1)),
+                                     pack(self._inputs(prefill, chunk_rows, self.config.max_chunk))))
+        program = self._mixed[rows, chunk_rows, self._full(decode + prefill, 1)]
+        self.cache, self.penalties, decode_out, prefill_out = program(self.params, self.cache, self.penalties,
+                                                                      *inputs)
         on_queued()
         self.mixed_runs += 1
         return [(decode, [decode_out], None, None, None), (prefill, [prefill_out], None, None, None)]

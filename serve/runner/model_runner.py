@@ -97,7 +97,7 @@ class ModelRunner(StepCompilation, MixedSteps):
                                                     no_previous_round(rows, spec.num_draft_tokens))
                            for rows in config.rows}
         self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
-        self._mixed: dict[tuple[int, bool], object] = {}  # (decode rows, full sampler) -> mixed program
+        self._mixed: dict[tuple[int, int, bool], object] = {}  # (decode rows, chunk rows, full sampler) -> program
         self._save = self._restore = self._init_penalties = self._scoring = None
         log.info("KV pool: %d pages of %d tokens (%.1f MiB); %d slots (+1 scratch) of ring and conv state "
                  "(%.1f MiB each); %d prefix snapshots; on %s", self.num_pages, config.page_size,

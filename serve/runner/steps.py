@@ -11,7 +11,7 @@ each row's parameters and (seed, output index), so the tokens equal those of one
 discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
 reads its condition on the host at every iteration and copies loop-carried buffers: idle device time per token
 (see docs/performance.md).
-`mixed`: a decode step of some rows and a prefill chunk of others in one program, which reads the weights once
+`mixed`: a decode step of some rows and prefill chunks of others in one program, which reads the weights once
 (`InklingModel.extend_sets`; `serve.runner.mixed_steps` says when the runner takes it).
 
 All gather their rows' state out of the cache (the all-rows bucket works in place), run, and scatter it

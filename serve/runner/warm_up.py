@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import math
 import os
 import time
 
@@ -56,9 +55,9 @@ class StepCompilation:
         if self.config.mixed_buckets:
             mixed = jit(self.programs.mixed, out_shardings=step_out["mixed"], static_argnames=("gather", "full"),
                         donate_argnums=(1, 2))
-            for rows, inputs in self._mixed_inputs():
+            for (rows, chunk_rows), inputs in self._mixed_inputs().items():
                 for full in self.config.samplers(1):
-                    lowered["mixed", rows, math.prod(self.config.mixed_prefill), full] = mixed.lower(
+                    lowered["mixed", rows, chunk_rows, full] = mixed.lower(
                         self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
                         full=full)
         if self.config.score_prompts:
@@ -95,14 +94,14 @@ class StepCompilation:
         self._init_penalties = compiled.pop("init_penalties")
         self._scoring = compiled.pop("prompt_logprobs", None)
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
-        self._mixed = {(key[1], key[3]): compiled.pop(key) for key in list(compiled) if key[0] == "mixed"}
+        self._mixed = {key[1:]: compiled.pop(key) for key in list(compiled) if key[0] == "mixed"}
         self._steps = compiled
         self._run_once()
         seconds = time.perf_counter() - start
         log.info("compiled %d step programs (rows x tokens: %s; decode up to %d tokens per call) and %d mixed ones "
-                 "(decode rows %s with a chunk of rows x tokens %s) in %.1fs", len(self._steps), self.config.buckets,
-                 self.config.decode_steps, len(self._mixed), self.config.mixed_buckets,
-                 self.config.mixed_prefill, seconds)
+                 "(decode rows %s with prompt chunks of %s rows x %d tokens) in %.1fs", len(self._steps),
+                 self.config.buckets, self.config.decode_steps, len(self._mixed), self.config.mixed_buckets,
+                 self.config.mixed_prefills, self.config.max_chunk, seconds)
         return seconds
 
     def page_bytes_per_device(self) -> int:
@@ -118,11 +117,13 @@ class StepCompilation:
         self.penalties = None  # freed, with the cache, before the smaller pool is made
         self.reset()
 
-    def _mixed_inputs(self) -> list[tuple[int, tuple]]:
-        """(decode rows, device inputs of a mixed step of those rows that holds nothing) per mixed bucket."""
-        chunk = self.placement.put(pack(self._inputs([], *self.config.mixed_prefill)))
-        return [(rows, (self.placement.put(pack(self._inputs([], rows, 1))), chunk))
-                for rows in self.config.mixed_buckets]
+    def _mixed_inputs(self) -> dict[tuple[int, int], tuple]:
+        """(decode rows, prompt-chunk rows) -> device inputs of a mixed step of that shape that holds nothing, per
+        mixed program."""
+        chunks = {rows: self.placement.put(pack(self._inputs([], rows, self.config.max_chunk)))
+                  for rows in self.config.mixed_prefills}
+        return {(rows, chunk_rows): (self.placement.put(pack(self._inputs([], rows, 1))), chunk)
+                for rows in self.config.mixed_buckets for chunk_rows, chunk in chunks.items()}
 
     def _run_once(self) -> None:
         """Runs every step program once on rows that hold nothing (they change no state), so that the first run
@@ -133,9 +134,10 @@ class StepCompilation:
                 self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
-        mixed_inputs = dict(self._mixed_inputs()) if self._mixed else {}
-        for (rows, _), program in self._mixed.items():
-            self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, *mixed_inputs[rows])
+        mixed_inputs = self._mixed_inputs() if self._mixed else {}
+        for (rows, chunk_rows, _), program in self._mixed.items():
+            self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties,
+                                                     *mixed_inputs[rows, chunk_rows])
         if self._scoring is not None:
             rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
             self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties,

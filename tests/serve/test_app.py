@@ -39,8 +39,13 @@ def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(mon
     assert max(r for r, t in config.buckets if t == 256) == 8 and (129, 16) in config.buckets
     assert config.fits(8, 256) and not config.fits(9, 256)
     # a step of decodes and one prompt chunk (one row of 256 tokens) runs as one program, for every decode bucket
-    assert config.mixed_buckets == config.rows and config.mixed_prefill == (1, 256)
+    assert config.mixed_buckets == config.rows and config.mixed_prefills == (1,) and config.max_chunk == 256
     assert not engine_config(parse_args(["--no-mixed-steps"])).mixed_buckets
+    wider = engine_config(parse_args(["--mixed-prefill-rows", "1,2,8"]))  # up to 8 chunks ride along, padded
+    assert [wider.mixed_prefill_bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 8, 8, None]
+    for bad in ("3", "2,1", "16", "129"):  # not a row bucket, not increasing, no prefill program, every row
+        with pytest.raises(ValueError, match="mixed_prefill_rows"):
+            engine_config(parse_args(["--mixed-prefill-rows", bad]))
     scheduler = Scheduler(config, BlockManager(20_000, config.page_size, config.snapshots))
     for _ in range(128):  # a burst of long prompts
         scheduler.add(seq_of(1000))

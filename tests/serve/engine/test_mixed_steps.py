@@ -1,6 +1,8 @@
-"""Mixed steps (`EngineConfig.mixed_steps`): a step of decodes and one prompt chunk runs as one program, and the
-engine's outputs (greedy tokens, logprobs, the routing record) equal those of the engine that runs such steps as a
-decode program and a prefill program."""
+"""Mixed steps (`EngineConfig.mixed_steps`): a step of decodes and one prompt chunk (or, with `mixed_prefill_rows`,
+several) runs as one program, and the engine's outputs (greedy tokens, logprobs, the routing record) equal those of
+the engine that runs such steps as a decode program and a prefill program."""
+
+import collections
 
 import numpy as np
 import pytest
@@ -27,18 +29,37 @@ def sharp_model():
     return model
 
 
-def run(mixed_steps: bool):
+def run(mixed_steps: bool, prompts=PROMPTS, **config):
+    """The engine's outputs, its mixed steps (by shape: (decode rows, chunk rows) -> steps) and its metric."""
+    config = dict(dict(max_num_seqs=3, max_num_batched_tokens=32, row_buckets=(1, 4), num_pages=24), **config)
     engine = Engine(sharp_model(), EngineConfig(
-        max_num_seqs=3, max_model_len=64, max_num_batched_tokens=32, page_size=8, chunk_buckets=(1, 16),
-        row_buckets=(1, 4), num_pages=24, decode_steps=2, prefix_caching=False, full_sampler_only=True,
-        score_prompts=False, record_experts=True, mixed_steps=mixed_steps), eos_token_id=CONFIG.eos_token_id)
+        max_model_len=64, page_size=8, chunk_buckets=(1, 16), decode_steps=2, prefix_caching=False,
+        full_sampler_only=True, score_prompts=False, record_experts=True, mixed_steps=mixed_steps, **config),
+        eos_token_id=CONFIG.eos_token_id)
     engine.start()
+    shapes = collections.Counter()
+    for (rows, chunk_rows, full), program in list(engine.runner._mixed.items()):
+        engine.runner._mixed[rows, chunk_rows, full] = counted(program, shapes, (rows, chunk_rows))
     try:
-        outputs = generate(engine, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True))
+        outputs = generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True))
         metric = engine.metrics.registry.get_sample_value("inkling_mixed_steps_total")
-        return outputs, engine.runner.mixed_runs, metric
+        return outputs, shapes, metric
     finally:
         engine.shutdown(drain_seconds=0)
+
+
+def counted(program, shapes: collections.Counter, shape):
+    def call(*args):
+        shapes[shape] += 1
+        return program(*args)
+    return call
+
+
+def assert_same(outputs, expected):
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 8
+        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +68,19 @@ def two_programs():
 
 
 def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
-    outputs, mixed_runs, metric = run(mixed_steps=True)
-    assert mixed_runs >= 2 and metric == mixed_runs  # a chunk of the long prompts rode along with decodes
+    outputs, shapes, metric = run(mixed_steps=True)
+    assert sum(shapes.values()) >= 2 and metric == sum(shapes.values())  # chunks of long prompts rode along
     expected, none, _ = two_programs
-    assert none == 0
-    for got, want in zip(outputs, expected):
-        assert got.token_ids == want.token_ids and len(got.token_ids) == 8
-        np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-5, atol=1e-5)
-        np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
+    assert not none
+    assert_same(outputs, expected)
+
+
+def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them():
+    """Four slots, a budget of two 16-token chunks beside the decodes: after the two short prompts, the two long
+    ones are prefilled side by side while the short ones decode, in the mixed programs of 2 chunk rows."""
+    prompts = PROMPTS + [RNG.integers(0, 256, 30).tolist()]
+    config = dict(max_num_seqs=4, max_num_batched_tokens=48, row_buckets=(1, 2, 5), num_pages=30)
+    expected, _, _ = run(False, prompts, **config)
+    outputs, shapes, metric = run(True, prompts, mixed_prefill_rows=(1, 2), **config)
+    assert any(chunk_rows == 2 for _, chunk_rows in shapes) and metric == sum(shapes.values())
+    assert_same(outputs, expected)
