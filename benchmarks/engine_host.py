@@ -2,8 +2,8 @@
 
     python -m benchmarks.engine_host [--preset bench] [--rows 1,32,128] [--steps 64] [--out DIR]
 
-A step's host work (scheduling, the step's inputs, reading its samples, applying them to their sequences, handing
-the outputs to their requests) runs while the device runs the step dispatched before it; once a request arrives
+A step's host work (scheduling, the step's inputs, reading its samples, applying them to their sequences, turning
+each token into text and handing the outputs to their requests) runs while the device runs the step dispatched before it; once a request arrives
 the next step waits for it. Where the host work takes longer than the device's step, the server is bound by its
 host at that load. The server's engine (serve.app's, random weights, one token per device call: `--decode-steps
 1`, the steps of a server that keeps admitting requests) decodes `rows` requests at a time; the engine thread's
@@ -73,11 +73,12 @@ class ThreadClock:
         return collections.Counter(self.seconds), collections.Counter(self.calls), time.perf_counter()
 
 
-def decode_level(engine, clock: ThreadClock, rows: int, steps: int, prompt_len: int, vocab: int) -> dict:
-    """`rows` requests decoded together: the engine thread's CPU ms per step (and per part), and the wall ms per
-    step, over `steps` steps once every request decodes."""
+def decode_level(service, clock: ThreadClock, rows: int, steps: int, prompt_len: int) -> dict:
+    """`rows` requests decoded together, their tokens turned into text as the server's completions do: the engine
+    thread's CPU ms per step (and per part), and the wall ms per step, over `steps` steps once every request
+    decodes."""
     from serve.engine.sampling_params import SamplingParams
-    from serve.offline import TokenRecorder
+    from serve.http.text_stream import TextOutput
 
     warm = 4  # steps after the last prefill before the clock starts
     reached = {target: threading.Event() for target in (warm, warm + steps, warm + steps + 1)}
@@ -92,8 +93,8 @@ def decode_level(engine, clock: ThreadClock, rows: int, steps: int, prompt_len: 
     params = SamplingParams(max_tokens=warm + steps + 1, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(rows)
     for i in range(rows):
-        engine.submit(f"host-{rows}-{i}", [rng.integers(0, vocab, prompt_len).tolist()], params, 1, TokenRecorder,
-                      on_output)
+        service.engine.submit(f"host-{rows}-{i}", [rng.integers(0, service.vocab_size, prompt_len).tolist()], params,
+                              1, lambda: TextOutput(service.tokenizer), on_output)
     for target in (warm, warm + steps):
         if not reached[target].wait(timeout=600):
             raise SystemExit(f"{rows} rows: the requests did not reach {target} tokens in 600 s")
@@ -135,12 +136,13 @@ def main(argv=None):
     flags = ["--random-weights", "--preset", args.preset, "--decode-steps", "1", "--max-num-seqs",
              str(max(args.row_list)), "--max-model-len", str(max_len), *shlex.split(args.server_args)]
     print("serving as: python -m serve.app " + shlex.join(flags), flush=True)
-    engine = build_service(server_args(flags)).engine
+    service = build_service(server_args(flags))
+    engine = service.engine
     clock = ThreadClock(engine)
     results = {"stamp": stamp(), "args": vars(args), "server_flags": flags, "levels": []}
     try:
         for rows in args.row_list:
-            level = decode_level(engine, clock, rows, args.steps, args.prompt_len, engine.runner.vocab)
+            level = decode_level(service, clock, rows, args.steps, args.prompt_len)
             results["levels"].append(level)
             print(f"{rows} rows: engine thread {level['host_ms_per_step']['total']:.2f} ms CPU a step, wall "
                   f"{level['wall_ms_per_step']:.2f} ms", flush=True)
