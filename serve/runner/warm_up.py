@@ -57,7 +57,7 @@ class StepCompilation:
                         donate_argnums=(1, 2))
             for (rows, chunk_rows), inputs in self._mixed_inputs().items():
                 for full in self.config.samplers(1):
-                    lowered["mixed", rows, chunk_rows, full] = mixed.lower(
+                    lowered["mixed", rows, chunk_rows * self.config.max_chunk, full] = mixed.lower(
                         self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
                         full=full)
         if self.config.score_prompts:
@@ -94,7 +94,8 @@ class StepCompilation:
         self._init_penalties = compiled.pop("init_penalties")
         self._scoring = compiled.pop("prompt_logprobs", None)
         self._save, self._restore = compiled.pop("save", None), compiled.pop("restore", None)
-        self._mixed = {key[1:]: compiled.pop(key) for key in list(compiled) if key[0] == "mixed"}
+        mixed_keys = [key for key in compiled if key[0] == "mixed"]  # ("mixed", decode rows, chunk tokens, full)
+        self._mixed = {(key[1], key[2] // self.config.max_chunk, key[3]): compiled.pop(key) for key in mixed_keys}
         self._steps = compiled
         self._run_once()
         seconds = time.perf_counter() - start

@@ -13,6 +13,7 @@ from serve.engine.engine import Engine
 from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
+from serve.runner import warm_up
 from tests.backends import REFERENCE
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))  # sliding + dense, full + MoE
@@ -75,12 +76,17 @@ def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
     assert_same(outputs, expected)
 
 
-def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them():
+def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them(monkeypatch):
     """Four slots, a budget of two 16-token chunks beside the decodes: after the two short prompts, the two long
-    ones are prefilled side by side while the short ones decode, in the mixed programs of 2 chunk rows."""
+    ones are prefilled side by side while the short ones decode, in the mixed programs of 2 chunk rows. Each
+    mixed program compiles with the options of its decode rows and chunk tokens (`compile_options`' key)."""
+    compiled = []
+    options = warm_up.compile_options
+    monkeypatch.setattr(warm_up, "compile_options", lambda key: compiled.append(key) or options(key))
     prompts = PROMPTS + [RNG.integers(0, 256, 30).tolist()]
     config = dict(max_num_seqs=4, max_num_batched_tokens=48, row_buckets=(1, 2, 5), num_pages=30)
     expected, _, _ = run(False, prompts, **config)
     outputs, shapes, metric = run(True, prompts, mixed_prefill_rows=(1, 2), **config)
     assert any(chunk_rows == 2 for _, chunk_rows in shapes) and metric == sum(shapes.values())
     assert_same(outputs, expected)
+    assert {key[1:3] for key in compiled if key[0] == "mixed"} == {(r, t) for r in (1, 2, 5) for t in (16, 32)}
