@@ -18,8 +18,9 @@ from tests.backends import REFERENCE
 
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))  # sliding + dense, full + MoE
 RNG = np.random.default_rng(5)
-# Three slots for four prompts: the last is prefilled, chunk by chunk, while the others decode.
-PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 9, 40, 23)]
+# Four slots for five prompts, a budget of two 16-token chunks beside the decodes: after the two short prompts, the
+# long ones are prefilled chunk by chunk, side by side, while the others decode; the last one alone.
+PROMPTS = [RNG.integers(0, 256, n).tolist() for n in (5, 9, 40, 23, 30)]
 
 
 def sharp_model():
@@ -30,19 +31,18 @@ def sharp_model():
     return model
 
 
-def run(mixed_steps: bool, prompts=PROMPTS, **config):
+def run(mixed_steps: bool, **config):
     """The engine's outputs, its mixed steps (by shape: (decode rows, chunk rows) -> steps) and its metric."""
-    config = dict(dict(max_num_seqs=3, max_num_batched_tokens=32, row_buckets=(1, 4), num_pages=24), **config)
     engine = Engine(sharp_model(), EngineConfig(
-        max_model_len=64, page_size=8, chunk_buckets=(1, 16), decode_steps=2, prefix_caching=False,
-        full_sampler_only=True, score_prompts=False, record_experts=True, mixed_steps=mixed_steps, **config),
-        eos_token_id=CONFIG.eos_token_id)
+        max_num_seqs=4, max_model_len=64, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
+        row_buckets=(1, 2, 5), num_pages=30, decode_steps=2, prefix_caching=False, full_sampler_only=True,
+        score_prompts=False, record_experts=True, mixed_steps=mixed_steps, **config), eos_token_id=CONFIG.eos_token_id)
     engine.start()
     shapes = collections.Counter()
     for (rows, chunk_rows, full), program in list(engine.runner._mixed.items()):
         engine.runner._mixed[rows, chunk_rows, full] = counted(program, shapes, (rows, chunk_rows))
     try:
-        outputs = generate(engine, prompts, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True))
+        outputs = generate(engine, PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True))
         metric = engine.metrics.registry.get_sample_value("inkling_mixed_steps_total")
         return outputs, shapes, metric
     finally:
@@ -71,22 +71,21 @@ def two_programs():
 def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
     outputs, shapes, metric = run(mixed_steps=True)
     assert sum(shapes.values()) >= 2 and metric == sum(shapes.values())  # chunks of long prompts rode along
+    assert {chunk_rows for _, chunk_rows in shapes} == {1}  # one chunk a mixed step by default
     expected, none, _ = two_programs
     assert not none
     assert_same(outputs, expected)
 
 
-def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them(monkeypatch):
-    """Four slots, a budget of two 16-token chunks beside the decodes: after the two short prompts, the two long
-    ones are prefilled side by side while the short ones decode, in the mixed programs of 2 chunk rows. Each
-    mixed program compiles with the options of its decode rows and chunk tokens (`compile_options`' key)."""
+def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them(two_programs,
+                                                                                          monkeypatch):
+    """With mixed programs of 1 and 2 chunk rows, the two long prompts prefilled side by side beside the decodes
+    run in the 2-row ones. Each mixed program compiles with the options of its decode rows and chunk tokens
+    (`compile_options`' key)."""
     compiled = []
     options = warm_up.compile_options
     monkeypatch.setattr(warm_up, "compile_options", lambda key: compiled.append(key) or options(key))
-    prompts = PROMPTS + [RNG.integers(0, 256, 30).tolist()]
-    config = dict(max_num_seqs=4, max_num_batched_tokens=48, row_buckets=(1, 2, 5), num_pages=30)
-    expected, _, _ = run(False, prompts, **config)
-    outputs, shapes, metric = run(True, prompts, mixed_prefill_rows=(1, 2), **config)
+    outputs, shapes, metric = run(True, mixed_prefill_rows=(1, 2))
     assert any(chunk_rows == 2 for _, chunk_rows in shapes) and metric == sum(shapes.values())
-    assert_same(outputs, expected)
+    assert_same(outputs, two_programs[0])
     assert {key[1:3] for key in compiled if key[0] == "mixed"} == {(r, t) for r in (1, 2, 5) for t in (16, 32)}
