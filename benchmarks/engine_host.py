@@ -3,13 +3,13 @@
     python -m benchmarks.engine_host [--preset bench] [--rows 1,32,128] [--steps 64] [--out DIR]
 
 A step's host work (scheduling, the step's inputs, reading its samples, applying them to their sequences, turning
-each token into text and handing the outputs to their requests) runs while the device runs the step dispatched before it; once a request arrives
-the next step waits for it. Where the host work takes longer than the device's step, the server is bound by its
-host at that load. The server's engine (serve.app's, random weights, one token per device call: `--decode-steps
-1`, the steps of a server that keeps admitting requests) decodes `rows` requests at a time; the engine thread's
-CPU time per step and its parts are set against the decode program alone at those rows, timed on the same engine
-afterwards (`benchmarks.programs`). `--preset tiny --server-args ...` runs on a CPU, where the device is the CPU
-too. Writes engine_host.json into --out.
+each token into text and handing the outputs to their requests) runs while the device runs the step dispatched
+before it; once a request arrives the next step waits for it. Where the host work takes longer than the device's
+step, the server is bound by its host at that load. The server's engine (serve.app's, random weights, one token per
+device call: `--decode-steps 1`, the steps of a server that keeps admitting requests) decodes `rows` requests at a
+time; the engine thread's CPU time per step and its parts are set against the decode program alone at those rows,
+timed on the same engine afterwards (`benchmarks.programs`). `--preset tiny --server-args ...` runs on a CPU, where
+the device is the CPU too. Writes engine_host.json into --out.
 """
 
 import argparse
