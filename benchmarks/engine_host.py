@@ -83,26 +83,25 @@ def decode_level(service, clock: ThreadClock, rows: int, steps: int, prompt_len:
     warm = 4  # steps after the last prefill before the clock starts
     reached = {target: threading.Event() for target in (warm, warm + steps, warm + steps + 1)}
     counts = collections.Counter()  # target -> requests whose output reached it (one token an output)
+    snapshots = {}  # target -> the clock when the last request reached it, taken on the engine thread
 
     def on_output(output):  # on the engine thread, inside the time it measures: O(1)
-        if output.num_output in reached:
-            counts[output.num_output] += 1
-            if counts[output.num_output] == rows:
-                reached[output.num_output].set()
+        target = output.num_output
+        if target in reached:
+            counts[target] += 1
+            if counts[target] == rows:
+                snapshots[target] = clock.snapshot()
+                reached[target].set()
 
     params = SamplingParams(max_tokens=warm + steps + 1, temperature=0.0, ignore_eos=True)
     rng = np.random.default_rng(rows)
     for i in range(rows):
         service.engine.submit(f"host-{rows}-{i}", [rng.integers(0, service.vocab_size, prompt_len).tolist()], params,
                               1, lambda: TextOutput(service.tokenizer), on_output)
-    for target in (warm, warm + steps):
+    for target in reached:  # the last: every request done before the next level
         if not reached[target].wait(timeout=600):
             raise SystemExit(f"{rows} rows: the requests did not reach {target} tokens in 600 s")
-        if target == warm:
-            before = clock.snapshot()
-    after = clock.snapshot()
-    reached[warm + steps + 1].wait(timeout=600)
-    (seconds0, calls0, wall0), (seconds1, calls1, wall1) = before, after
+    (seconds0, calls0, wall0), (seconds1, calls1, wall1) = snapshots[warm], snapshots[warm + steps]
     host = {name: 1e3 * (seconds1[name] - seconds0[name]) / steps for name, _ in PARTS}
     return {"rows": rows, "steps": steps, "step_calls": calls1["step"] - calls0["step"],
             "wall_ms_per_step": 1e3 * (wall1 - wall0) / steps,
