@@ -265,15 +265,25 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
                     for chunk in responder.first_chunks(len(choices)):
                         yield _sse(chunk)
                     while pending[0]:
-                        output = await queue.get()
-                        if output is CLIENT_GONE:
-                            return
-                        if output.finish_reason in ENDED_BY_SERVER:
-                            yield _sse(_ended_by_server(output.finish_reason).body())
+                        # Every output already queued (a decode run's tokens come together) goes out in one
+                        # write: an event per token still, but not a send and a socket write per token.
+                        outputs = [await queue.get()]
+                        while not queue.empty():
+                            outputs.append(queue.get_nowait())
+                        events, failed = [], None
+                        for output in outputs:
+                            if output is CLIENT_GONE:
+                                return
+                            if output.finish_reason in ENDED_BY_SERVER:
+                                failed = _sse(_ended_by_server(output.finish_reason).body())
+                                break
+                            events.extend(map(_sse, responder.chunks(output, logprobs, choices[output.index])))
+                            record(output)
+                        if events:
+                            yield "".join(events)
+                        if failed is not None:
+                            yield failed
                             break
-                        for chunk in responder.chunks(output, logprobs, choices[output.index]):
-                            yield _sse(chunk)
-                        record(output)
                     else:
                         if body.stream_options and body.stream_options.include_usage:
                             yield _sse(responder.usage_chunk(total()))

@@ -4,6 +4,7 @@ conftest.py)."""
 import concurrent.futures
 import http.client
 import json
+import socket
 import time
 import urllib.request
 
@@ -142,6 +143,32 @@ def test_disconnected_stream_returns_its_pages(server):
         time.sleep(0.05)
     assert server.engine.num_requests == 0 and blocks.num_free == blocks.num_blocks
     assert metric(server.url, 'inkling_requests_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_a_decode_runs_tokens_leave_in_one_write(server):
+    """A stream keeps an event per token, but the tokens of one decode run (up to 8 a device call here) leave in
+    one HTTP chunk, one send and socket write, not one per token."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": ids(8, 21), "max_tokens": 24, "stream": True,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: "
+                     b"application/json\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        raw = b"".join(iter(lambda: sock.recv(1 << 16), b""))
+    head, rest = raw.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    chunks = []  # the body's HTTP chunks, as the server wrote them
+    while True:
+        size, rest = rest.split(b"\r\n", 1)
+        if int(size, 16) == 0:
+            break
+        chunks.append(rest[:int(size, 16)])
+        rest = rest[int(size, 16) + 2:]
+    events = [e.removeprefix(b"data: ") for e in b"".join(chunks).split(b"\n\n") if e]
+    tokens = [e for e in events if e != b"[DONE]" and json.loads(e)["choices"]]
+    assert len(tokens) == 24  # an event per token...
+    assert len(chunks) <= len(events) // 3  # ...in far fewer writes (one per token: as many as events)
 
 
 def test_full_queue_answers_429(server):
