@@ -18,6 +18,7 @@ from inkling_jax.nn.moe import MoE
 from inkling_jax.parallel.mesh import make_mesh
 from inkling_jax.parallel.placement import shard_model
 from inkling_jax.parallel.rules import spec_for
+from pallas_kernels._common import interpret_default
 from pallas_kernels.moe.groups import running_sum
 
 
@@ -48,15 +49,21 @@ def _input(shape):
     return jax.random.normal(jax.random.key(sum(shape)), shape + (64,))
 
 
-def _assert_same(got, want, atol=1e-6):
+def _assert_same(got, want, atol=1e-6, tf32=False):
+    """Equal routing, values and gradients to fp32 rounding; `tf32`: the compiled GPU kernel multiplies fp32 as
+    tf32 (10 mantissa bits), so values and gradients agree to a relative 1e-2 in norm instead."""
     y, ids, g = got
     ref_y, ref_ids, ref_g = want
     np.testing.assert_array_equal(ids, ref_ids)
-    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=max(atol, 1e-6))
     leaves, ref_leaves = jax.tree.leaves(g), jax.tree.leaves(ref_g)
     assert len(leaves) == len(ref_leaves) == 10  # x and the 9 parameters
+    assert all(np.all(np.isfinite(np.asarray(a))) for a in leaves)
+    if tf32:
+        for a, b in zip([y, *leaves], [ref_y, *ref_leaves]):
+            assert np.linalg.norm(np.asarray(a) - b) <= 1e-2 * np.linalg.norm(b)
+        return
+    np.testing.assert_allclose(y, ref_y, rtol=1e-5, atol=max(atol, 1e-6))
     for a, b in zip(leaves, ref_leaves):
-        assert np.all(np.isfinite(np.asarray(a)))
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=atol)
 
 
@@ -69,7 +76,7 @@ def _assert_same(got, want, atol=1e-6):
                                             ("pallas", 300)])
 def test_backends_agree_in_value_and_gradient(backend, tokens):
     got = nnx.jit(_run)(_moe(backend=backend), _input((2, tokens // 2)))
-    _assert_same(got, _reference((2, tokens // 2)))
+    _assert_same(got, _reference((2, tokens // 2)), tf32=backend == "pallas" and not interpret_default())
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
