@@ -13,8 +13,7 @@ width 3072, bf16. FLOPs: forward 6*M*H*I (gate, up, down), forward+backward 3x.
 - layer rows: `inkling_jax.nn.moe.experts` with the Pallas MoE backend (routing sort, gathers, combine included)
   on the model's separate routed / shared weights, the shared experts as an XLA einsum; with our matmuls and with
   jax's in the backward (`Backend.moe_backward`).
-The default rows run `moe_backward="auto"` (the default backend's): per product, jax's kernels for the dgrads
-where `jax_mgpu.chosen` picks them, ours for the weight gradients. Every row names what ran (its `backend`) and
+Our rows are the default backend's (`moe_backward="auto"` is ours). Every row names what ran (its `backend`) and
 its speed against the peer measured in the same run (the peer's time over the row's: above 1 is faster than the
 peer).
 Decode (1/8/64 tokens): bytes of the touched experts' weights (routed + shared) per second against the copy
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.moe_peers import ffn_rows, mgpu_peer, unfused_ffn
-from benchmarks.moe_report import DEFAULT_KERNEL, DEFAULT_LAYER, PEER, summary
+from benchmarks.moe_report import OURS_KERNEL, OURS_LAYER, PEER, summary
 from benchmarks.timing import attempt, copy_bandwidth, matmul_flops, median_seconds, read_bandwidth, stamp
 from inkling_jax.backend import Backend
 from inkling_jax.nn.moe import experts
@@ -52,11 +51,9 @@ from pallas_kernels.moe.nvfp4 import moe_ffn_nvfp4
 from pallas_kernels.moe.nvfp4 import quantize_experts as quantize_nvfp4
 
 START = time.perf_counter()
-PALLAS = Backend(moe="pallas", moe_backward="pallas")  # the model's MoE on our grouped-matmul kernels
+PALLAS = Backend(moe="pallas")  # the model's MoE on our grouped-matmul kernels, forward and backward
 JAX_BACKWARD = MatmulKernels(backward=jax_mgpu.JAX_MGPU)
-AUTO_BACKWARD = MatmulKernels(backward=jax_mgpu.AUTO)
 PALLAS_JAX_BACKWARD = Backend(moe="pallas", moe_backward=jax_mgpu.JAX_MGPU)
-DEFAULT = Backend(moe="pallas")  # moe_backward "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,16 +128,11 @@ def train_step(f, num_diff):
     return jax.jit(step)
 
 
-def backward_name(use: str, s, rows: int) -> str:
-    """`use`, and for "auto" what it ran for the backward's products over `rows` sorted rows on this device."""
-    return jax_mgpu.backward_in_words(use, Backend().resolve().interpret, rows, s.hidden, s.width, s.local)
-
-
 def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
     groups = s.local + s.shared
     tiles = "large" if block_tiles(rows, groups, jnp.bfloat16)[0].large else "default"
     return (f"moe_ffn: forward {kernels.forward} ({tiles} tiles; in slabs of whole blocks), "
-            f"backward {backward_name(kernels.backward, s, rows)}")
+            f"backward {kernels.backward}")
 
 
 def backend_name(backend: Backend, s, num_tokens: int) -> str:
@@ -148,8 +140,7 @@ def backend_name(backend: Backend, s, num_tokens: int) -> str:
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
     layout = ", in slabs of whole blocks" if use.moe == "pallas" else ""
-    return (f"moe={use.moe}, moe_forward={use.moe_forward}, "
-            f"moe_backward={backward_name(use.moe_backward, s, num_tokens * s.top_k)}{layout}")
+    return f"moe={use.moe}, moe_forward={use.moe_forward}, moe_backward={use.moe_backward}{layout}"
 
 
 def measure(run, name, f, args, num_diff, flops, *, backend, note="", trials=5):
@@ -176,9 +167,7 @@ def prefill(run, w):
     flops = 6 * d["x"].shape[0] * s.hidden * s.width
     kargs = (d["x"], *w, d["rw"], d["gs"], d["dy"])
     ours = {}
-    for name, kernels in (("kernel: ours (moe_ffn)", MatmulKernels()),
-                          ("kernel: ours forward + jax backward", JAX_BACKWARD),
-                          (DEFAULT_KERNEL, AUTO_BACKWARD)):
+    for name, kernels in ((OURS_KERNEL, MatmulKernels()), ("kernel: ours forward + jax backward", JAX_BACKWARD)):
         ours[name] = functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels))
         measure(run, name, ours[name], kargs, 5, flops, backend=kernels_name(kernels, s, d["x"].shape[0]))
     peer_mm = run.guarded("mgpu peer import", mgpu_peer)
@@ -211,9 +200,8 @@ def layer(run, w, d):
     shared_wts = jax.random.uniform(ks[1], (s.tokens, s.shared), jnp.float32, 0.1, 1.0)
     flops = 6 * s.tokens * (s.top_k + s.shared) * s.hidden * s.width
     args = (x, routed, shared, wts, shared_wts, d["ids"], d["dy"][:s.tokens])
-    for name, backend in (("layer: ours, shared as XLA einsum", PALLAS),
-                          ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD),
-                          (DEFAULT_LAYER, DEFAULT)):
+    for name, backend in ((OURS_LAYER, PALLAS),
+                          ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD)):
         def f(x, routed, shared, wts, shared_wts, ids, backend=backend):
             return experts(x, routed, shared, ids, wts, shared_wts, backend=backend).astype(x.dtype)
         measure(run, name, f, args, 5, flops, backend=backend_name(backend, s, s.tokens),
@@ -221,9 +209,8 @@ def layer(run, w, d):
 
 
 def ragged_peer(run, w):
-    """`jax.lax.ragged_dot` at the reduced token count it fits at, with ours, ours with jax's backward and the
-    default at the same size: the fewest rows `moe_backward="auto"` gives to jax's kernels
-    (`jax_mgpu.AUTO_MIN_ROWS`)."""
+    """`jax.lax.ragged_dot` at the reduced token count it fits at, with ours and ours with jax's backward at the
+    same size."""
     s = run.s
     d = rows_inputs(s, s.ragged_tokens, seed=2)
     flops = 6 * d["x"].shape[0] * s.hidden * s.width
@@ -233,8 +220,7 @@ def ragged_peer(run, w):
             note=f"at {s.ragged_tokens} tokens ({d['x'].shape[0]} rows): it pads every group to all rows")
     rows = d["x"].shape[0]
     for name, kernels in (("kernel: ours at the same size", MatmulKernels()),
-                          ("kernel: ours forward + jax backward at the same size", JAX_BACKWARD),
-                          ("kernel: the default (backward auto) at the same size", AUTO_BACKWARD)):
+                          ("kernel: ours forward + jax backward at the same size", JAX_BACKWARD)):
         measure(run, name, functools.partial(ffn_rows, functools.partial(moe_ffn, kernels=kernels)), args, 5,
                 flops, backend=kernels_name(kernels, s, rows), note=f"at {s.ragged_tokens} tokens ({rows} rows)")
 

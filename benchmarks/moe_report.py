@@ -5,9 +5,9 @@ experts against the read bandwidth."""
 from benchmarks.timing import save_json, stamp_line
 
 PEER = "kernel: jax Mosaic-GPU ragged_dot"  # the row the others are compared with
-# The layer (routing layout, gathers and combine around the kernels) against the grouped FFN alone, both default
-DEFAULT_LAYER = "layer: the default (backward auto), shared as XLA einsum"
-DEFAULT_KERNEL = "kernel: the default (backward auto)"
+# The layer (routing layout, gathers and combine around the kernels) against the grouped FFN alone, both ours
+OURS_LAYER = "layer: ours, shared as XLA einsum"
+OURS_KERNEL = "kernel: ours (moe_ffn)"
 
 
 def summary(run, out, seconds: float):
@@ -29,10 +29,10 @@ def summary(run, out, seconds: float):
             cells += [fmt(ms, ".2f"), fmt(rate, ".1f"), fmt(rate and rate / peak, ".2f"),
                       fmt(ms and peer_ms and peer_ms / ms, ".3f")]
         lines.append(f"| {name} | {row['backend']} | " + " | ".join(cells) + f" | {row['note']} |")
-    layer, kernel = r["rows"].get(DEFAULT_LAYER, {}), r["rows"].get(DEFAULT_KERNEL, {})
+    layer, kernel = r["rows"].get(OURS_LAYER, {}), r["rows"].get(OURS_KERNEL, {})
     over = {k: layer.get(f"{k}_ms") and kernel.get(f"{k}_ms") and layer[f"{k}_ms"] / kernel[f"{k}_ms"]
             for k in ("fwd", "fwdbwd")}
-    lines.append(f"the default layer's time over the default kernel's: forward {fmt(over['fwd'], '.3f')}, "
+    lines.append(f"our layer's time over our kernel's: forward {fmt(over['fwd'], '.3f')}, "
                  f"forward + backward {fmt(over['fwdbwd'], '.3f')}")
     for tokens, row in r["decode"].items():
         cells = [f"{k[:-3]} {fmt(row.get(k), '.0f')} us = {fmt(row.get(k[:-3] + '_of_copy'), '.2f')} of copy"

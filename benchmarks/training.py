@@ -124,23 +124,11 @@ def train_jax(config, args, moe: str, remat: str) -> dict:
     if not all(map(math.isfinite, losses)):
         raise FloatingPointError(f"non-finite loss with moe={moe}: {losses}")
     stats = jax.devices()[0].memory_stats() or {}
-    return {"moe": backend.resolve().moe, "moe_backward": moe_backward_run(config, args, backend), "remat": remat,
+    return {"moe": backend.resolve().moe, "moe_backward": backend.resolve().moe_backward, "remat": remat,
             "dense_layers": len(config.text.dense_layer_ids),
             "step_s": statistics.median(times),
             "first_step_s": first_s, "losses": losses, "peak_bytes": stats.get("peak_bytes_in_use"),
             "grad_norm": float(metrics["grad_norm"]), "devices": mesh.size}
-
-
-def moe_backward_run(config, args, backend) -> str:
-    """The MoE backward's matmuls this step ran (`jax_mgpu.backward_in_words` for the routed experts' products; a
-    mesh splits them further, which this does not follow)."""
-    from pallas_kernels.moe import jax_mgpu
-
-    use, t = backend.resolve(), config.text
-    if use.moe != "pallas":
-        return f"none (moe={use.moe})"
-    return jax_mgpu.backward_in_words(use.moe_backward, use.interpret, args.batch * args.seq * t.num_experts_per_tok,
-                                      t.hidden_size, t.moe_intermediate_size, t.num_experts)
 
 
 def part_jax(args) -> None:

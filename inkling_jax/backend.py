@@ -19,10 +19,8 @@ Fields, each "auto" by default:
 - moe_forward, moe_backward: under moe "pallas", which grouped matmuls run the routed experts' forward (gate/up
   and down) and backward (dgrads and weight gradients): "pallas" (ours) or "jax_mgpu" (jax's own Mosaic-GPU
   ragged dot, `pallas_kernels/moe/jax_mgpu.py`: compiled only, 16-bit weights), inside our custom VJP, so
-  routing, SwiGLU and combine stay ours. "auto": the forward ours; the backward decided per product on a GPU
-  (`jax_mgpu.chosen`: jax's dgrads on a Hopper GPU at 16-bit training-sized products, where they were measured
-  faster, docs/kernels.md; our weight gradients), ours elsewhere. Decode-sized steps (`moe_ffn_decode`) and
-  quantised experts always run ours;
+  routing, SwiGLU and combine stay ours. "auto" is ours, measured the faster on a GPU (docs/kernels.md).
+  Decode-sized steps (`moe_ffn_decode`) and quantised experts always run ours;
 - lora: the adapters' products of a LoRA serving view (`serve.lora`), "reference" or "pallas"
   (`pallas_kernels/lora`).
 "auto" is "pallas" on GPU; elsewhere "reference", and "ragged" for the MoE (interpreted on CPU the kernels are
@@ -115,10 +113,10 @@ class Backend:
 
     def resolve(self) -> Backend:
         """The same choices with "auto" and interpret None replaced by what they mean on this platform (and the
-        MoE on "pallas" where batch_invariant); on a GPU moe_backward "auto" stays, decided per product."""
+        MoE on "pallas" where batch_invariant)."""
         gpu = jax.default_backend() == "gpu"
         auto = {name: "pallas" if gpu else ("ragged" if name == "moe" else "reference") for name in CHOICES}
-        auto.update(moe_forward="pallas", moe_backward="auto" if gpu else "pallas")  # "auto": per product
+        auto.update(moe_forward="pallas", moe_backward="pallas")
         chosen = {name: auto[name] if getattr(self, name) == "auto" else getattr(self, name) for name in CHOICES}
         if self.batch_invariant:
             chosen.update(moe="pallas", shortconv="pallas")

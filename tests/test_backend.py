@@ -58,11 +58,11 @@ def test_bad_fields_are_errors():
         Backend(interpret="mosaic")
 
 
-@pytest.mark.parametrize("platform,kernels,moe,interpret,backward", [("gpu", "pallas", "pallas", False, "auto"),
+@pytest.mark.parametrize("platform,kernels,moe,interpret,backward", [("gpu", "pallas", "pallas", False, "pallas"),
                                                                      ("cpu", "reference", "ragged", True, "pallas")])
 def test_auto_resolves_by_platform(monkeypatch, platform, kernels, moe, interpret, backward):
     monkeypatch.setattr(backend_module.jax, "default_backend", lambda: platform)
-    # The MoE's matmuls: our forward; the backward on a GPU decided per product (jax_mgpu.chosen), ours elsewhere.
+    # The MoE's matmuls: ours, forward and backward, everywhere (jax's only when named).
     ours = {"moe_forward": "pallas", "moe_backward": backward}
     assert Backend().resolve() == Backend(kernels, kernels, kernels, moe, kernels, **ours, interpret=interpret)
     # Named choices stay; an explicit interpret too (False on CPU: the compiled form, to lower for CUDA).

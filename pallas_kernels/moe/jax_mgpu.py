@@ -19,28 +19,22 @@ except ImportError as exc:  # an older or newer jax without them
 else:
     _IMPORT_ERROR = ""
 
-PALLAS, JAX_MGPU, AUTO = "pallas", "jax_mgpu", "auto"
+PALLAS, JAX_MGPU = "pallas", "jax_mgpu"
 IMPLEMENTATIONS = (PALLAS, JAX_MGPU)
-# AUTO (the backward only) runs jax's kernels on its row-major products (dh, dx) of at least this many rows
-# (sorted token copies): `benchmarks/moe_tiles.py` timed them faster than ours at 131072 rows (the roles gmm and
-# gmm_pairs), and `benchmarks/moe.py` this choice the fastest backward at 16384 (fewer were not timed).
-# The weight gradients stay ours, timed faster than jax's transposed ragged dot (the role wgrad).
-AUTO_MIN_ROWS = 16384
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulKernels:
     """Which grouped matmuls run a layer's forward (gate/up and down) and its backward (dgrads and weight
-    gradients): PALLAS (ours) or JAX_MGPU (jax's); the backward also AUTO (`chosen`). Hashable: a static
-    argument."""
+    gradients): PALLAS (ours) or JAX_MGPU (jax's). Hashable: a static argument."""
 
     forward: str = PALLAS
     backward: str = PALLAS
 
     def __post_init__(self):
-        for name, allowed in (("forward", IMPLEMENTATIONS), ("backward", (*IMPLEMENTATIONS, AUTO))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"MoE {name} matmuls must be one of {allowed}, not {getattr(self, name)!r}")
+        for name in ("forward", "backward"):
+            if getattr(self, name) not in IMPLEMENTATIONS:
+                raise ValueError(f"MoE {name} matmuls must be one of {IMPLEMENTATIONS}, not {getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,36 +61,6 @@ def kernels(interpret):
                            f"ragged_dot_mgpu / transposed_ragged_dot_mgpu: {_IMPORT_ERROR}); choose the pallas "
                            "MoE matmuls instead")
     return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
-
-
-def runnable(interpret) -> bool:
-    """Whether jax's kernels can run here: compiled (interpret False), with this jax having them, on a Hopper GPU
-    (compute capability 9.x) as the default device."""
-    device = jax.devices()[0]
-    return (interpret is False and ragged_dot_mgpu is not None and device.platform == "gpu"
-            and str(getattr(device, "compute_capability", "")).startswith("9."))
-
-
-def chosen(use: str, interpret, *operands) -> str:
-    """The matmuls that run one row-major product (`ragged_dot`'s: not a weight gradient) whose choice is `use`:
-    AUTO is JAX_MGPU where jax's kernels can run (`runnable`) and take it, and were measured faster (16-bit
-    operands, every dimension but the rows a multiple of 64, at least AUTO_MIN_ROWS rows: the first operand's),
-    PALLAS elsewhere; the others are themselves."""
-    if use != AUTO:
-        return use
-    fits = operands[0].shape[0] >= AUTO_MIN_ROWS and all(
-        jnp.dtype(a.dtype).itemsize == 2 and all(d % 64 == 0 for d in a.shape[1:]) for a in operands)
-    return JAX_MGPU if fits and runnable(interpret) else PALLAS
-
-
-def backward_in_words(use: str, interpret, rows: int, hidden: int, width: int, groups: int) -> str:
-    """What a backward whose choice is `use` runs for an FFN's bf16 products over `rows` sorted rows and `groups`
-    experts of [hidden, width], in words: for the benchmarks' rows."""
-    if use != AUTO:
-        return use
-    x = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((groups, hidden, width), jnp.bfloat16)
-    return f"auto (dgrads {chosen(AUTO, interpret, x, w)}, weight gradients {PALLAS})"
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:

@@ -51,7 +51,7 @@ def pad_expert_width(w_gate, w_up, w_down, multiple: int | None = None):
 
 def _mm(lhs, weights, group_sizes, configs, interpret, use, *, role="gmm", transpose_rhs=False, pairs=_PLAIN):
     """One accumulator's grouped matmul by `use` (a MatmulKernels field)."""
-    if jax_mgpu.chosen(use, interpret, *lhs, *weights) == JAX_MGPU:
+    if use == JAX_MGPU:
         return jax_mgpu.gmm(lhs, weights, group_sizes, transpose_rhs=transpose_rhs, pairs=pairs,
                             interpret=interpret)
     cfg = configs.get(role, lhs[0].dtype)
@@ -60,7 +60,7 @@ def _mm(lhs, weights, group_sizes, configs, interpret, use, *, role="gmm", trans
 
 
 def _wgrad(x, dy, group_sizes, configs, interpret, use, dtype):
-    if use == JAX_MGPU:  # AUTO keeps ours (`jax_mgpu.AUTO_MIN_ROWS` says why)
+    if use == JAX_MGPU:
         return jax_mgpu.tgmm(x, dy, group_sizes, interpret=interpret).astype(dtype)
     return matmuls.tgmm(x, dy, group_sizes, cfg=configs.get("wgrad", x.dtype), interpret=interpret).astype(dtype)
 
@@ -77,8 +77,8 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, interpret:
       interpret: None picks compiled Mosaic GPU on a GPU backend and the portable interpreted kernel elsewhere;
         "mosaic" runs the Mosaic-GPU kernels in Pallas's GPU interpreter (slow; checks the GPU code on CPU).
       configs: tile overrides (`tuning.KernelConfigs`).
-      kernels: ours or jax's Mosaic-GPU ragged dot for the forward, and for the backward also "auto" (per
-        product, `jax_mgpu.chosen`) (`MatmulKernels`, default ours; jax's runs compiled only, on 16-bit operands).
+      kernels: ours or jax's Mosaic-GPU ragged dot for the forward and for the backward (`MatmulKernels`, default
+        ours; jax's runs compiled only, on 16-bit operands).
     Returns:
       [M, N] in x.dtype (fp32 accumulation). Differentiable in x and w.
     """

@@ -115,33 +115,4 @@ def test_jax_matmuls_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="backward matmuls must be one of"):
         MatmulKernels(backward="triton")
     with pytest.raises(ValueError, match="forward matmuls must be one of"):
-        MatmulKernels(forward=jax_mgpu.AUTO)  # the forward's choice is named: it decides batch invariance
-
-
-def test_auto_picks_jax_only_where_it_was_measured_faster_and_can_run(monkeypatch):
-    assert not jax_mgpu.runnable(True)  # interpreted: jax's have no such form
-    assert jax_mgpu.runnable(False) == (jax.default_backend() == "gpu" and jax_mgpu.ragged_dot_mgpu is not None and
-                                        jax.devices()[0].compute_capability.startswith("9."))
-    monkeypatch.setattr(jax_mgpu, "runnable", lambda interpret: interpret is False)  # as on a Hopper GPU
-    rows, hidden, width = jax_mgpu.AUTO_MIN_ROWS, 6144, 3072
-    x, w = jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16), jax.ShapeDtypeStruct((32, hidden, width), jnp.bfloat16)
-    assert jax_mgpu.chosen(jax_mgpu.AUTO, False, x, w) == JAX
-    unlike = {"fewer rows": (jax.ShapeDtypeStruct((rows - 1, hidden), jnp.bfloat16), w),
-              "fp32": (x.update(dtype=jnp.float32), w.update(dtype=jnp.float32)),
-              "a width no multiple of 64": (x, jax.ShapeDtypeStruct((32, hidden, 96), jnp.bfloat16))}
-    for case, operands in unlike.items():
-        assert jax_mgpu.chosen(jax_mgpu.AUTO, False, *operands) == PALLAS, case
-    assert jax_mgpu.chosen(jax_mgpu.AUTO, True, x, w) == PALLAS  # where jax's cannot run
-    assert jax_mgpu.chosen(PALLAS, False, x, w) == PALLAS and jax_mgpu.chosen(JAX, True, x, w) == JAX  # as named
-
-
-def test_auto_backward_runs_jax_dgrads_and_our_weight_gradients(stand_ins, monkeypatch):
-    """Where `chosen` says so (a Hopper GPU and the row count lowered here, so that a small case qualifies), the
-    backward's two dgrads go to jax's kernels and its three weight gradients to ours (interpreted here); the
-    gradients stay the reference's."""
-    monkeypatch.setattr(jax_mgpu, "runnable", lambda interpret: True)  # the stand-ins run interpreted, as ours
-    monkeypatch.setattr(jax_mgpu, "AUTO_MIN_ROWS", 256)
-    args = moe_inputs(jax.random.key(3), 300, 192, 192, GROUP_SIZES, jnp.bfloat16)
-    check_moe(lambda *a: moe_ffn(*a, interpret=True, configs=small_configs(jnp.bfloat16),
-                                 kernels=MatmulKernels(JAX, jax_mgpu.AUTO)), args, jnp.bfloat16)
-    assert set(stand_ins.calls) == set(MOE_CALLS["forward"] + MOE_CALLS["backward"][:2])
+        MatmulKernels(forward="auto")  # "auto" is the Backend's word, resolved before it gets here
