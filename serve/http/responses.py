@@ -270,19 +270,18 @@ async def respond(engine: Engine, request: Request, body: SamplingFields, prompt
                         outputs = [await queue.get()]
                         while not queue.empty():
                             outputs.append(queue.get_nowait())
-                        events, failed = [], None
+                        events, failed = [], False
                         for output in outputs:
                             if output is CLIENT_GONE:
                                 return
-                            if output.finish_reason in ENDED_BY_SERVER:
-                                failed = _sse(_ended_by_server(output.finish_reason).body())
+                            if failed := output.finish_reason in ENDED_BY_SERVER:
+                                events.append(_sse(_ended_by_server(output.finish_reason).body()))
                                 break
                             events.extend(map(_sse, responder.chunks(output, logprobs, choices[output.index])))
                             record(output)
                         if events:
                             yield "".join(events)
-                        if failed is not None:
-                            yield failed
+                        if failed:
                             break
                     else:
                         if body.stream_options and body.stream_options.include_usage:
