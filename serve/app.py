@@ -133,9 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--no-mixed-steps", action="store_true",
       help="run a step's decodes and its prompt chunk as two programs (by default a step of decodes and one prompt "
       "chunk runs as one program, which reads the weights once)")
-    a("--mixed-prefill-rows", help="row buckets of prompt chunks that the mixed programs also take, e.g. 1,2,4,8: "
-      "a step of decodes and up to that many chunks runs as one program (default: the smallest row bucket, one "
-      "chunk; each adds a program per decode row bucket and sampler to start-up)")
+    a("--mixed-prefill-rows", help="row buckets of prompt chunks that the mixed programs take, e.g. 1,2,4,8: a "
+      "step of decodes and up to that many chunks runs as one program (default: the smallest row bucket, one "
+      "chunk, and the most rows of the largest chunk the token budget holds; each adds a program per decode row "
+      "bucket and sampler to start-up)")
     a("--no-fuse-projections", action="store_true",
       help="keep the attention input projections, the dense MLPs' gate and up and the shared experts as separate "
       "matmuls (by default each group is fused into one; not on a tensor-parallel mesh)")

@@ -107,7 +107,8 @@ class EngineConfig:
     mixed_steps: bool = True
     # the prompt chunks' row buckets that mixed programs are compiled for beside every decode row bucket (each a
     # row bucket with a prefill program of the largest chunk): a step of decodes and up to the most of them runs
-    # as one program; None: the smallest row bucket only (one chunk)
+    # as one program; None: the smallest row bucket (one chunk: a busy server's steady state) and the most rows
+    # of the largest chunk (a burst of prompts prefilled beside the decodes)
     mixed_prefill_rows: tuple[int, ...] | None = None
 
     def __post_init__(self):
@@ -123,8 +124,8 @@ class EngineConfig:
         rows = self.rows
         if list(rows) != sorted(set(rows)) or rows[0] < 1 or rows[-1] != self.num_rows:
             raise ValueError(f"row_buckets must increase and end at every row ({self.num_rows}), got {rows}")
-        mixed, prefill_rows = self.mixed_prefill_rows or (), {r for r in rows[:-1] if self.fits(r, self.max_chunk)}
-        if list(mixed) != sorted(set(mixed)) or not set(mixed) <= prefill_rows:
+        mixed = self.mixed_prefill_rows or ()
+        if list(mixed) != sorted(set(mixed)) or not set(mixed) <= set(self._chunk_rows):
             raise ValueError(f"mixed_prefill_rows must increase and be row buckets below every row with a prefill "
                              f"program of the largest chunk ({self.max_chunk} tokens), got {self.mixed_prefill_rows}")
         if rows[0] * self.max_chunk > self.max_num_batched_tokens:
@@ -234,7 +235,12 @@ class EngineConfig:
         decode row bucket and each of them (`mixed_prefill_rows`); none without mixed programs."""
         if not self.mixed_buckets:
             return ()
-        return self.mixed_prefill_rows or (self.rows[0],)
+        return self.mixed_prefill_rows or tuple(sorted({self.rows[0], max(self._chunk_rows)}))
+
+    @property
+    def _chunk_rows(self) -> tuple[int, ...]:
+        """The row buckets below every row with a prefill program of the largest chunk."""
+        return tuple(r for r in self.rows[:-1] if self.fits(r, self.max_chunk))
 
     def mixed_prefill_bucket(self, chunks: int) -> int | None:
         """The fewest prompt-chunk rows of a mixed program that hold `chunks` chunks (None: none does)."""

@@ -4,7 +4,8 @@ chunks then ride along with the memory-bound decodes. A mixin of `ModelRunner`, 
 
 Mixed programs are compiled (`warm_up`) for every decode row bucket with the prompt chunks of each of
 `EngineConfig.mixed_prefills` rows at the largest chunk size: by default one row, the steady state of a busy
-server, where one new prompt is prefilled chunk by chunk while the other rows decode. A step's chunks are padded
+server, where one new prompt is prefilled chunk by chunk while the other rows decode, and the most rows the token
+budget holds, a burst of new prompts beside the decodes. A step's chunks are padded
 to the fewest rows that hold them and to that size. Any other step (more chunks than the most rows, prompt
 logprobs, a multi-token decode run, speculative rounds) runs the two programs."""
 

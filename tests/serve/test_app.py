@@ -38,8 +38,10 @@ def test_gpu_defaults_decode_every_slot_and_prefill_several_prompts_per_step(mon
     assert {r for r, t in config.buckets if t == 1} == set(config.rows)
     assert max(r for r, t in config.buckets if t == 256) == 8 and (129, 16) in config.buckets
     assert config.fits(8, 256) and not config.fits(9, 256)
-    # a step of decodes and one prompt chunk (one row of 256 tokens) runs as one program, for every decode bucket
-    assert config.mixed_buckets == config.rows and config.mixed_prefills == (1,) and config.max_chunk == 256
+    # a step of decodes and one prompt chunk (one row of 256 tokens), or up to 8 (a burst), runs as one program, for
+    # every decode bucket
+    assert config.mixed_buckets == config.rows and config.mixed_prefills == (1, 8) and config.max_chunk == 256
+    assert [config.mixed_prefill_bucket(n) for n in (1, 2, 8, 9)] == [1, 8, 8, None]
     assert not engine_config(parse_args(["--no-mixed-steps"])).mixed_buckets
     wider = engine_config(parse_args(["--mixed-prefill-rows", "1,2,8"]))  # up to 8 chunks ride along, padded
     assert [wider.mixed_prefill_bucket(n) for n in (1, 2, 3, 8, 9)] == [1, 2, 8, 8, None]

@@ -69,9 +69,9 @@ def two_programs():
 
 
 def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
-    outputs, shapes, metric = run(mixed_steps=True)
+    outputs, shapes, metric = run(mixed_steps=True, mixed_prefill_rows=(1,))
     assert sum(shapes.values()) >= 2 and metric == sum(shapes.values())  # chunks of long prompts rode along
-    assert {chunk_rows for _, chunk_rows in shapes} == {1}  # one chunk a mixed step by default
+    assert {chunk_rows for _, chunk_rows in shapes} == {1}  # one chunk a mixed step
     expected, none, _ = two_programs
     assert not none
     assert_same(outputs, expected)
@@ -79,13 +79,14 @@ def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
 
 def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them(two_programs,
                                                                                           monkeypatch):
-    """With mixed programs of 1 and 2 chunk rows, the two long prompts prefilled side by side beside the decodes
-    run in the 2-row ones. Each mixed program compiles with the options of its decode rows and chunk tokens
+    """With mixed programs of 1 and 2 chunk rows (the default here: the smallest row bucket and the most rows of
+    the largest chunk that the budget holds), the two long prompts prefilled side by side beside the decodes run in
+    the 2-row ones. Each mixed program compiles with the options of its decode rows and chunk tokens
     (`compile_options`' key)."""
     compiled = []
     options = warm_up.compile_options
     monkeypatch.setattr(warm_up, "compile_options", lambda key: compiled.append(key) or options(key))
-    outputs, shapes, metric = run(True, mixed_prefill_rows=(1, 2))
+    outputs, shapes, metric = run(True)
     assert any(chunk_rows == 2 for _, chunk_rows in shapes) and metric == sum(shapes.values())
     assert_same(outputs, two_programs[0])
     assert {key[1:3] for key in compiled if key[0] == "mixed"} == {(r, t) for r in (1, 2, 5) for t in (16, 32)}
