@@ -4,7 +4,7 @@ between calls, so the time is the device's (the ceiling a served load is held ag
 - `decode_program_call` / `decode_program_seconds`: the decode program (or a speculative engine's round) at a
   row count and context;
 - `prefill_program_seconds`: a prefill chunk per row;
-- `mixed_program_seconds`: the mixed program (decode rows and one prompt chunk, `StepPrograms.mixed`).
+- `mixed_program_seconds`: the mixed program (decode rows and prompt chunks, `StepPrograms.mixed`).
 """
 
 import numpy as np
@@ -79,13 +79,13 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
     return median_seconds(call, trials=5, calls=CALLS)
 
 
-def mixed_program_seconds(engine: Engine, num_rows: int, cached: int) -> float:
+def mixed_program_seconds(engine: Engine, num_rows: int, cached: int, chunk_rows: int | None = None) -> float:
     """Seconds per call of the compiled mixed program alone (`StepPrograms.mixed`): `num_rows` decode rows at
-    `cached` tokens and the prompt chunks of the fewest rows a mixed program takes (one by default), of the largest
-    size, from position 0, in rows past them."""
+    `cached` tokens and `chunk_rows` prompt chunks (a row bucket of `EngineConfig.mixed_prefills`; default the
+    fewest, one by default) of the largest size, from position 0, in rows past them."""
     runner = engine.runner
     rows, decode = _program_inputs(engine, num_rows, 1, cached, steps=1)
-    chunk_rows = runner.config.mixed_prefills[0]
+    chunk_rows = chunk_rows or runner.config.mixed_prefills[0]
     _, prefill = _program_inputs(engine, chunk_rows, runner.config.max_chunk, first_row=num_rows)
     program = runner._mixed[rows, chunk_rows, runner.config.full_sampler(1, False)]  # greedy rows' sampler
 

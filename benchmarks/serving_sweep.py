@@ -16,8 +16,8 @@ programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
 3. With the HTTP server stopped and the engine thread ended, the same engine's programs are timed alone: the
    decode program at each level's rows (at the load's mean context), the prefill of one prompt of --input-len
    tokens (its chunks of the largest size, one after the other), the largest prefill bucket (the most prompt
-   tokens one step prefills), and the mixed program (each level's decode rows with one chunk of the largest
-   size) beside a decode step plus that chunk apart.
+   tokens one step prefills), and the mixed programs (each level's decode rows with one chunk of the largest
+   size, and with the most such chunks a mixed program takes) beside a decode step plus those chunks apart.
 4. A table: served output tok/s against the decode program's tok/s at the same rows and against the ceiling of
    the timed programs (`schedule_ceiling`: output tokens come with their prompts' prefill, which no schedule
    skips), TTFT p50 against one prompt's prefill, TPOT p50 against the decode program's time per token;
@@ -185,6 +185,20 @@ def measure_programs(args, results: dict, engine) -> None:
             log(f"mixed program alone, {rows} decode rows + one {config.max_chunk}-token chunk: {mixed[level]:.2f} "
                 f"ms (a decode step and the chunk's prefill apart: {apart:.2f} ms)")
         save(args, results)
+    widest = max(config.mixed_prefills, default=1)
+    if widest > 1:  # the mixed programs a burst of prompts rides in, beside a decode step and their prefill apart
+        seconds = attempt(f"prefill program, {widest} rows",
+                          lambda: prefill_program_seconds(engine, widest, config.max_chunk))
+        results["widest_mixed"] = {"chunk_rows": widest, "prefill_ms": seconds and 1e3 * seconds, "ms": {}}
+        for level, rows in levels.items():
+            mixed_s = attempt(f"mixed program, {rows} rows + {widest} chunks",
+                              lambda: mixed_program_seconds(engine, rows, context, widest))
+            if mixed_s is not None:
+                results["widest_mixed"]["ms"][level] = 1e3 * mixed_s
+                log(f"mixed program alone, {rows} decode rows + {widest} {config.max_chunk}-token chunks: "
+                    f"{1e3 * mixed_s:.2f} ms (apart: {decode.get(level, math.nan):.2f} + "
+                    f"{1e3 * (seconds or math.nan):.2f} ms)")
+        save(args, results)
 
 
 def program_rows(results: dict, level: int) -> int:
@@ -195,12 +209,15 @@ def program_rows(results: dict, level: int) -> int:
 def schedule_ceiling(results: dict, level: int) -> float | None:
     """Output tok/s at `level` concurrent requests of the best schedule of the timed programs: every output token
     in a decode step of `level` rows, every prompt token prefilled at the lowest cost a token measured (in the
-    largest prefill bucket, or in chunks riding that level's mixed step beside its decodes). None where a part
-    was not timed."""
+    largest prefill bucket, or in chunks riding that level's mixed steps beside its decodes: one chunk, or the
+    most a mixed program takes). None where a part was not timed."""
     step_ms = results.get("decode_ms_per_token", {}).get(level)
     costs = [results["largest_prefill_us_per_token"] / 1e3] if "largest_prefill_us_per_token" in results else []
     if step_ms is not None and level in results.get("mixed_ms", {}):
         costs.append((results["mixed_ms"][level] - step_ms) / results["engine"]["max_chunk"])
+    widest = results.get("widest_mixed", {})
+    if step_ms is not None and level in widest.get("ms", {}):
+        costs.append((widest["ms"][level] - step_ms) / (widest["chunk_rows"] * results["engine"]["max_chunk"]))
     if step_ms is None or not costs:
         return None
     output, prompt = results["args"]["output_len"], results["args"]["input_len"]

@@ -172,17 +172,21 @@ def test_device_op_times_sum_a_traced_programs_operations():
 
 def test_the_serving_sweep_serves_loads_and_times_the_same_engine(tmp_path):
     """`benchmarks.serving_sweep` on the tiny preset: the server it hosts answers the load generator's subprocess
-    at each level, nothing compiles after warm-up, and its engine's programs are timed after the load."""
+    at each level, nothing compiles after warm-up, and its engine's programs are timed after the load. Row buckets
+    as a GPU's (not the CPU's one bucket) give it mixed programs of one and of two chunks, timed too."""
     from benchmarks import serving_sweep
 
     serving_sweep.main(["--preset", "tiny", "--levels", "1,2", "--input-len", "24", "--output-len", "4",
-                        "--prompts-per-level", "1", "--port", "8377", "--out", str(tmp_path)])
+                        "--prompts-per-level", "1", "--port", "8377", "--out", str(tmp_path),
+                        "--server-args", "--max-num-seqs 3 --row-buckets 1,2,4"])
     found = json.loads((tmp_path / "sweep.json").read_text())
     assert [int(level) for level in found["levels"]] == [1, 2]
     for level in found["levels"].values():
         assert level["failed"] == 0 and level["compilations_after_warmup"] == 0 and level["output_throughput"] > 0
     assert set(found["decode_ms_per_token"]) == {"1", "2"} and found["prefill_ms"] > 0
     assert found["largest_prefill_us_per_token"] > 0
+    assert set(found["mixed_ms"]) == {"1", "2"} and found["widest_mixed"]["chunk_rows"] == 2
+    assert set(found["widest_mixed"]["ms"]) == {"1", "2"} and found["widest_mixed"]["prefill_ms"] > 0
 
 
 def test_the_engine_host_benchmark_times_each_level_and_the_program(tmp_path):
@@ -244,6 +248,9 @@ def test_the_sweeps_ceiling_decodes_at_full_rows_and_prefills_at_the_cheapest_me
     assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 128 + 1024 * 0.02))
     assert schedule_ceiling(results, 32) is None  # not timed at 32 rows
     assert "the timed programs' ceiling is 0.49 of it" in table(results)
+    results["widest_mixed"] = {"chunk_rows": 8, "prefill_ms": 30.0, "ms": {128: 45.96}}  # 8 chunks riding along
+    assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 128 + 1024 * 35.96 / 2048))
+    del results["widest_mixed"]
     results["engine"]["max_num_seqs"] = 64  # 128 requests on 64 slots: the programs of 64 rows ran, 10 ms a step
     assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 64 + 1024 * 0.02))
     assert "| 128 | 512 | 4000 | 6400 | 0.62 |" in table(results)
