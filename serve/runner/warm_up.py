@@ -26,63 +26,14 @@ class StepCompilation:
         """Compile every step bucket and helper; returns the seconds it took. `spare`: the room beyond the largest
         program's buffers that the KV pool leaves (`memory_plan.pages_that_fit`)."""
         start = time.perf_counter()
-        jit = self.placement.jit
-        step_out = {"decode": None, "prefill": None, "scoring": None, "mixed": None}
-        if self.cache_shardings is not None:
-            replicated = self.placement.replicated()
-            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
-            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
-                        "prefill": (self.cache_shardings, replicated, replicated) + drafts,
-                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts,
-                        "mixed": (self.cache_shardings, replicated, replicated, replicated)}
-        # With speculative decoding a decode step is a round, `K + 1` tokens per row.
-        decode = jit(self.programs.round if self.speculative else self.programs.decode,
-                     out_shardings=step_out["decode"], static_argnames=("gather", "full"), donate_argnums=(1, 2))
-        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
-                      donate_argnums=(1, 2))
-        lowered = {}
-        for rows, chunk in self.config.buckets:
-            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
-            gather = rows != self.config.num_rows
-            for full in self.config.samplers(chunk):
-                if chunk > 1:
-                    lowered[rows, chunk, full] = prefill.lower(self.params, self.cache, self.penalties, inputs,
-                                                               gather=gather, full=full)
-                else:
-                    lowered[rows, chunk, full] = decode.lower(self.params, self.cache, self.penalties, inputs,
-                                                              self._step_index[0], self._no_tokens[rows],
-                                                              gather=gather, full=full)
-        if self.config.mixed_buckets:
-            mixed = jit(self.programs.mixed, out_shardings=step_out["mixed"], static_argnames=("gather", "full"),
-                        donate_argnums=(1, 2))
-            for (rows, chunk_rows), inputs in self._mixed_inputs().items():
-                for full in self.config.samplers(1):
-                    lowered["mixed", rows, chunk_rows * self.config.max_chunk, full] = mixed.lower(
-                        self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
-                        full=full)
-        if self.config.score_prompts:
-            rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
-            scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"],
-                          static_argnames=("gather", "full"), donate_argnums=(1, 2))
-            lowered["prompt_logprobs"] = scoring.lower(
-                self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
-                self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows,
-                full=True)
-        scalar = self.placement.put(np.int32(0))
-        tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
-        lowered["init_penalties"] = jit(init_penalties, donate_argnums=0).lower(
-            self.penalties, scalar, tokens, scalar)
-        if self.config.snapshots:
-            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshot,
-                                                                      cache_rows.restore_snapshot))
-            lowered["save"] = jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
-                self.cache, self.snapshots, scalar, scalar)
-            lowered["restore"] = jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
-                self.cache, self.snapshots, scalar, scalar)
-        log.info("traced %d programs in %.1fs; compiling them", len(lowered), time.perf_counter() - start)
-        # XLA compiles outside the GIL: the buckets compile side by side.
-        with concurrent.futures.ThreadPoolExecutor(min(len(lowered), os.cpu_count() or 1)) as pool:
-            compiled = dict(zip(lowered, pool.map(lambda key: lowered[key].compile(compile_options(key)), lowered)))
+        # XLA compiles outside the GIL: each program compiles on the pool as soon as it is traced, while the next
+        # ones are, and the buckets compile side by side.
+        with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            compiling = {key: pool.submit(program.compile, compile_options(key))
+                         for key, program in self._lowered_programs()}
+            log.info("traced %d programs in %.1fs; compiling the rest of them", len(compiling),
+                     time.perf_counter() - start)
+            compiled = {key: future.result() for key, future in compiling.items()}
         pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
                                            self.config.num_pages is not None, spare)
@@ -104,6 +55,61 @@ class StepCompilation:
                  self.config.buckets, self.config.decode_steps, len(self._mixed), self.config.mixed_buckets,
                  self.config.mixed_prefills, self.config.max_chunk, seconds)
         return seconds
+
+    def _lowered_programs(self):
+        """(key, lowered program) for every step bucket and helper, each traced when asked for."""
+        jit = self.placement.jit
+        step_out = {"decode": None, "prefill": None, "scoring": None, "mixed": None}
+        if self.cache_shardings is not None:
+            replicated = self.placement.replicated()
+            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
+            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
+                        "prefill": (self.cache_shardings, replicated, replicated) + drafts,
+                        "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts,
+                        "mixed": (self.cache_shardings, replicated, replicated, replicated)}
+        # With speculative decoding a decode step is a round, `K + 1` tokens per row.
+        decode = jit(self.programs.round if self.speculative else self.programs.decode,
+                     out_shardings=step_out["decode"], static_argnames=("gather", "full"), donate_argnums=(1, 2))
+        prefill = jit(self.programs.prefill, out_shardings=step_out["prefill"], static_argnames=("gather", "full"),
+                      donate_argnums=(1, 2))
+        for rows, chunk in self.config.buckets:
+            inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
+            gather = rows != self.config.num_rows
+            for full in self.config.samplers(chunk):
+                if chunk > 1:
+                    yield (rows, chunk, full), prefill.lower(self.params, self.cache, self.penalties, inputs,
+                                                             gather=gather, full=full)
+                else:
+                    yield (rows, chunk, full), decode.lower(self.params, self.cache, self.penalties, inputs,
+                                                            self._step_index[0], self._no_tokens[rows],
+                                                            gather=gather, full=full)
+        if self.config.mixed_buckets:
+            mixed = jit(self.programs.mixed, out_shardings=step_out["mixed"], static_argnames=("gather", "full"),
+                        donate_argnums=(1, 2))
+            for (rows, chunk_rows), inputs in self._mixed_inputs().items():
+                for full in self.config.samplers(1):
+                    yield ("mixed", rows, chunk_rows * self.config.max_chunk, full), mixed.lower(
+                        self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
+                        full=full)
+        if self.config.score_prompts:
+            rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
+            scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"],
+                          static_argnames=("gather", "full"), donate_argnums=(1, 2))
+            yield "prompt_logprobs", scoring.lower(
+                self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
+                self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows,
+                full=True)
+        scalar = self.placement.put(np.int32(0))
+        tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
+        yield "init_penalties", jit(init_penalties, donate_argnums=0).lower(
+            self.penalties, scalar, tokens, scalar)
+        if self.config.snapshots:
+            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshot,
+                                                                      cache_rows.restore_snapshot))
+            yield "save", jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
+                self.cache, self.snapshots, scalar, scalar)
+            yield "restore", jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
+                self.cache, self.snapshots, scalar, scalar)
 
     def page_bytes_per_device(self) -> int:
         """Bytes of one KV page on each device (its share of the KV heads)."""
