@@ -135,7 +135,7 @@ def kernels_name(kernels: MatmulKernels, s, rows: int) -> str:
             f"backward {kernels.backward}")
 
 
-def backend_name(backend: Backend, s, num_tokens: int) -> str:
+def backend_name(backend: Backend, num_tokens: int) -> str:
     use = backend.resolve()
     if use.moe == "pallas" and num_tokens <= MAX_SLAB_TOKENS:
         return "moe=pallas: the decode layout, our matmuls"
@@ -204,7 +204,7 @@ def layer(run, w, d):
                           ("layer: ours forward + jax backward, shared as XLA einsum", PALLAS_JAX_BACKWARD)):
         def f(x, routed, shared, wts, shared_wts, ids, backend=backend):
             return experts(x, routed, shared, ids, wts, shared_wts, backend=backend).astype(x.dtype)
-        measure(run, name, f, args, 5, flops, backend=backend_name(backend, s, s.tokens),
+        measure(run, name, f, args, 5, flops, backend=backend_name(backend, s.tokens),
                 note="incl. routing sort/gather/combine")
 
 
