@@ -170,12 +170,12 @@ def measure_programs(args, results: dict, engine) -> None:
         results["prefill_ms"] = 1e3 * seconds * chunks
         log(f"one {args.input_len}-token prompt's prefill: {chunks} x {config.max_chunk}-token chunk "
             f"{1e3 * seconds:.2f} ms = {results['prefill_ms']:.1f} ms")
-    rows = max(r for r, tokens in config.buckets if tokens == config.max_chunk)
-    seconds = attempt("largest prefill program", lambda: prefill_program_seconds(engine, rows, config.max_chunk))
-    prefill_s = {rows: seconds}  # prefill programs of the largest chunk timed, by rows
-    if seconds is not None:
-        results["largest_prefill_us_per_token"] = 1e6 * seconds / (rows * config.max_chunk)
-        log(f"largest prefill program, {rows} x {config.max_chunk} tokens: {1e3 * seconds:.2f} ms = "
+    largest_rows = max(r for r, tokens in config.buckets if tokens == config.max_chunk)
+    largest_s = attempt("largest prefill program",
+                        lambda: prefill_program_seconds(engine, largest_rows, config.max_chunk))
+    if largest_s is not None:
+        results["largest_prefill_us_per_token"] = 1e6 * largest_s / (largest_rows * config.max_chunk)
+        log(f"largest prefill program, {largest_rows} x {config.max_chunk} tokens: {1e3 * largest_s:.2f} ms = "
             f"{results['largest_prefill_us_per_token']:.1f} us per prompt token")
     mixed = results.setdefault("mixed_ms", {})
     for level, rows in levels.items() if config.mixed_buckets else ():
@@ -188,7 +188,7 @@ def measure_programs(args, results: dict, engine) -> None:
         save(args, results)
     widest = max(config.mixed_prefills, default=1)
     if widest > 1:  # the mixed programs a burst of prompts rides in, beside a decode step and their prefill apart
-        seconds = prefill_s[widest] if widest in prefill_s else attempt(
+        seconds = largest_s if widest == largest_rows else attempt(
             f"prefill program, {widest} rows", lambda: prefill_program_seconds(engine, widest, config.max_chunk))
         results["widest_mixed"] = {"chunk_rows": widest, "prefill_ms": seconds and 1e3 * seconds, "ms": {}}
         for level, rows in levels.items():
