@@ -53,7 +53,7 @@ def decode_step_bytes(model, batch: int, context: int, tokens_per_row: int = 1) 
 
 
 def build(config, backend):
-    """The model with its random weights made on the device, in one jitted program (not layer by layer)."""
+    """The model with its random weights made on the device."""
     return device_random_model(config, jnp.bfloat16, 0, backend)
 
 

@@ -42,7 +42,7 @@ from benchmarks.timing import (copy_bandwidth, matmul_flops, read_bandwidth, sav
                                show_progress_logs, stamp, stamp_line)
 from inkling_jax import preset
 from inkling_jax.backend import add_backend_flag
-from inkling_jax.quant import QuantConfig, serving_view
+from inkling_jax.quant import QuantConfig
 from inkling_jax.quant.config import DENSE_PRECISIONS, EXPERT_PRECISIONS
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
@@ -183,8 +183,8 @@ def build_engine(args, levels, placement, results, **changes):
     dtype = jnp.bfloat16 if gpu else jnp.float32
     start = time.perf_counter()
     config = preset(args.preset)
-    model = random_weights(config, dtype, backend=args.backend)
-    model = serving_view(model, QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins), fuse=False)
+    model = random_weights(config, dtype, backend=args.backend,
+                           quant=QuantConfig(args.expert_precision, args.dense_precision, args.fp8_twins))
     results["build_s"] = time.perf_counter() - start
     length = args.prompt_tokens + args.output_tokens + 16
     chunks = (1, min(args.prompt_tokens, args.max_num_batched_tokens))

@@ -242,7 +242,7 @@ def build_service(args: argparse.Namespace) -> Service:
     from inkling_jax import load_config, load_pretrained, preset
     from inkling_jax.assets import DEFAULT_MODEL_NAME, default_model_description, default_model_dir
     from inkling_jax.config import GenerationConfig, load_generation_config
-    from inkling_jax.quant import QuantConfig, serving_view
+    from inkling_jax.quant import QuantConfig
     from serve.random_weights import random_weights
 
     dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
@@ -275,8 +275,7 @@ def build_service(args: argparse.Namespace) -> Service:
         else:
             name, description = args.served_model_name or DEFAULT_MODEL_NAME, default_model_description()
     else:
-        model = serving_view(random_weights(model_config, dtype, args.seed, backend=args.backend), quant,
-                             fuse=False)
+        model = random_weights(model_config, dtype, args.seed, backend=args.backend, quant=quant)
         name = args.served_model_name or f"inkling-{args.preset}-random"
         description = (f"the `{args.preset}` preset with seeded random weights (seed {args.seed}) and a byte-level "
                        "tokenizer: a demo of the server, its output is noise")

@@ -36,17 +36,20 @@ def serving_view(model: InklingModel, quant: QuantConfig = QuantConfig(), *, fus
     does not change (jax arrays are immutable), so a trainer and a server can hold the same parameters."""
     if not isinstance(quant, QuantConfig):
         raise TypeError(f"quant must be an inkling_jax.quant.QuantConfig, not {type(quant).__name__}")
-    fuse = fuse or quant.dense_precision == "nvfp4"
     view = nnx.clone(model)
     for layer in view.layers:
-        _layer_view(layer, quant, fuse, fp8_mlp=quant.dense_precision != "bf16")
-    for depth in () if view.mtp is None else view.mtp.layers:  # the MTP blocks' MLPs stay in the model's dtype
-        _layer_view(depth.block, quant, fuse, fp8_mlp=False)
+        into_serving_forms(layer, quant, fuse=fuse)
+    for depth in () if view.mtp is None else view.mtp.layers:
+        into_serving_forms(depth.block, quant, fuse=fuse, mtp=True)
     return view if quant.dense_precision == "bf16" else Fp8HeadModel.quantize(view)
 
 
-def _layer_view(layer: DecoderLayer, quant: QuantConfig, fuse: bool, fp8_mlp: bool) -> None:
-    """Swaps the attention and MLP of a layer of the view for their serving forms."""
+def into_serving_forms(layer: DecoderLayer, quant: QuantConfig, *, fuse: bool, mtp: bool = False) -> None:
+    """Swaps the attention and MLP of `layer` for their serving forms, in place: a layer of a view (or of a model
+    being built, `serve.random_weights`), never the caller's. An MTP block's (`mtp`) MLP stays in the model's
+    dtype."""
+    fuse = fuse or quant.dense_precision == "nvfp4"
+    fp8_mlp = quant.dense_precision != "bf16" and not mtp
     layer.attn = attention_view(layer.attn, quant, fuse=fuse)
     if isinstance(layer.mlp, MoE):
         layer.mlp = moe_view(layer.mlp, quant, fuse=fuse)
