@@ -56,6 +56,7 @@ class Nvfp4Experts(NamedTuple):
     w2_scale2: jax.Array
 
 
+@jax.jit  # one program (op by op, some twenty of them per shape)
 def quantize_matrices(w):
     """w [G, M, rows, K] (M matrices sharing one scale2 per expert, [out, in] each) -> e2m1 codes uint8
     [G, M, rows, K], e4m3 block scales [G, M, rows, K / 16] and fp32 scale2 [G], as inkling_jax/nvfp4.quantize
@@ -118,6 +119,7 @@ def quantize_experts(w_gate, w_up, w_down) -> Nvfp4Experts:
     return Nvfp4Experts(w13, w13_scale, scale2, w2, w2_scale, scale2_down)
 
 
+@functools.partial(jax.jit, static_argnames="matrices")
 def dequantize(packed, scales, scale2, matrices: int):
     """The fp32 weights [G, matrices, rows, K] that kernel-layout tensors stand for."""
     packed = from_units(packed)
