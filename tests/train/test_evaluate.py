@@ -6,8 +6,6 @@ import json
 import math
 import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -15,6 +13,7 @@ from inkling_jax import preset
 from inkling_jax.assets import DEFAULT_MODEL_DIR
 from serve.random_weights import random_model
 from tests.backends import REFERENCE
+from tests.serve.logprobs import model_logprobs
 from train.evaluate import evaluate_model, main
 from train.export import export
 from train.run import first_layers
@@ -34,9 +33,7 @@ def model_dir(tmp_path_factory):
 
 
 def forward_nll(model, ids: list[int]) -> np.ndarray:
-    logits = model(jnp.asarray([ids]))[0].astype(jnp.float32)
-    logprobs = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-    return -logprobs[np.arange(len(ids) - 1), ids[1:]]
+    return -model_logprobs(model, ids)[np.arange(len(ids) - 1), ids[1:]]
 
 
 def test_the_loss_is_the_models_own_cross_entropy_for_text_and_jsonl(model_dir, tmp_path, capsys):
