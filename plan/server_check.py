@@ -18,14 +18,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from inkling_jax.config import preset
-from inkling_jax.nn.model import InklingModel
+from inkling_jax.quant import QuantConfig
 from plan.serving import serving_plan
 from plan.weights import GIB, abstract_mesh
-from inkling_jax.quant import QuantConfig, serving_view
 from serve.engine.config import EngineConfig
 from serve.engine.engine import Engine
+from serve.random_weights import random_weights
 from serve.runner.placement import Placement
-
 
 
 def main(argv=None) -> None:
@@ -42,7 +41,7 @@ def main(argv=None) -> None:
     engine_config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                  max_num_batched_tokens=args.max_num_batched_tokens, chunk_buckets=(1, 128),
                                  row_buckets=(1, args.max_num_seqs + 1), prefix_caching=False)
-    model = serving_view(InklingModel(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), quant, fuse=False)
+    model = random_weights(config, jnp.bfloat16, quant=quant)  # as serve.app --random-weights makes them
     jax.block_until_ready(nnx.state(model))
     stats = jax.devices()[0].memory_stats()
     if not stats or "bytes_limit" not in stats:
