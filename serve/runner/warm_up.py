@@ -19,6 +19,7 @@ from serve.runner.compilation import compile_options
 from serve.runner.steps import init_penalties, pack
 
 log = logging.getLogger(__name__)
+PROGRESS_EVERY_S = 30.0  # how often the warm-up logs how far its tracing has come
 
 
 class StepCompilation:
@@ -29,8 +30,13 @@ class StepCompilation:
         # XLA compiles outside the GIL: each program compiles on the pool as soon as it is traced, while the next
         # ones are, and the buckets compile side by side.
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-            compiling = {key: pool.submit(program.compile, compile_options(key))
-                         for key, program in self._lowered_programs()}
+            compiling, reported = {}, start
+            for key, program in self._lowered_programs():
+                compiling[key] = pool.submit(program.compile, compile_options(key))
+                if time.perf_counter() - reported >= PROGRESS_EVERY_S:  # a large model's warm-up takes minutes
+                    reported = time.perf_counter()
+                    log.info("warm-up: %d programs traced in %.0fs, %d of them compiled", len(compiling),
+                             reported - start, sum(f.done() for f in compiling.values()))
             log.info("traced %d programs in %.1fs; compiling the rest of them", len(compiling),
                      time.perf_counter() - start)
             compiled = {key: future.result() for key, future in compiling.items()}

@@ -3,6 +3,7 @@ several) runs as one program, and the engine's outputs (greedy tokens, logprobs,
 the engine that runs such steps as a decode program and a prefill program."""
 
 import collections
+import logging
 
 import numpy as np
 import pytest
@@ -78,15 +79,19 @@ def test_mixed_steps_give_the_outputs_of_two_programs(two_programs):
 
 
 def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that_hold_them(two_programs,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, caplog):
     """With mixed programs of 1 and 2 chunk rows (the default here: the smallest row bucket and the most rows of
     the largest chunk that the budget holds), the two long prompts prefilled side by side beside the decodes run in
     the 2-row ones. Each mixed program compiles with the options of its decode rows and chunk tokens
-    (`compile_options`' key)."""
+    (`compile_options`' key). Told to report at every program, the warm-up logs each one traced."""
     compiled = []
     options = warm_up.compile_options
     monkeypatch.setattr(warm_up, "compile_options", lambda key: compiled.append(key) or options(key))
-    outputs, shapes, metric = run(True)
+    monkeypatch.setattr(warm_up, "PROGRESS_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger=warm_up.__name__):
+        outputs, shapes, metric = run(True)
+    progress = [int(r.getMessage().split()[1]) for r in caplog.records if r.getMessage().startswith("warm-up: ")]
+    assert progress == list(range(1, len(compiled) + 1))
     assert any(chunk_rows == 2 for _, chunk_rows in shapes) and metric == sum(shapes.values())
     assert_same(outputs, two_programs[0])
     assert {key[1:3] for key in compiled if key[0] == "mixed"} == {(r, t) for r in (1, 2, 5) for t in (16, 32)}
