@@ -1,22 +1,22 @@
 """The numerical reference for the engine's logprobs: the model's own forward over the whole sequence."""
 
-import weakref
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from inkling_jax.generate import StepFunctions
+from pallas_kernels._common import round_up
 
 PAD_TO = 32  # sequences padded to a multiple of this share one compiled forward (the model is causal)
-_steps = weakref.WeakKeyDictionary()  # model -> its StepFunctions, compiled once per padded length
+FORWARD = nnx.jit(lambda model, ids: model(ids))  # one program a padded length (op by op: ~1000 small ones a call)
+
+
+def padded(ids: list[int]) -> jax.Array:
+    """ids [1, T'] padded with token 0 to T' = a multiple of PAD_TO: position t's outputs are those of ids alone."""
+    return jnp.asarray([list(ids) + [0] * (round_up(len(ids), PAD_TO) - len(ids))])
 
 
 def model_logprobs(model, ids: list[int]) -> np.ndarray:
-    """log_softmax(model(ids)) [len(ids), V] in float32, with the backend the model holds; one jitted forward
-    (op by op, each call compiled a thousand small programs)."""
-    if model not in _steps:
-        _steps[model] = StepFunctions(model)
-    width = -(-len(ids) // PAD_TO) * PAD_TO
-    logits = _steps[model].forward([list(ids) + [0] * (width - len(ids))])[0]
+    """log_softmax(model(ids)) [len(ids), V] in float32, with the backend the model holds."""
+    logits = FORWARD(model, padded(ids))[0]
     return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))[:len(ids)]

@@ -5,7 +5,6 @@ choice of the computation that filled the pages). An engine that does not record
 
 import concurrent.futures
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -17,6 +16,7 @@ from serve.engine.sampling_params import SamplingParams
 from serve.offline import generate
 from serve.random_weights import random_model
 from tests.backends import REFERENCE
+from tests.serve.logprobs import padded
 
 CONFIG = preset("tiny").replace(num_layers=3, local_layer_ids=(0,), dense_layer_ids=(0,))  # two MoE layers
 RNG = np.random.default_rng(4)
@@ -40,10 +40,9 @@ CHOICES = nnx.jit(lambda model, ids: model.hidden_states(ids)[1])  # one program
 
 
 def forward_choice(model, tokens):
-    """[len(tokens), MoE layers, top_k]: the model's choice over the whole sequence at once (padded to a multiple
-    of 32 tokens, so that sequences share a program: the model is causal)."""
-    width = -(-len(tokens) // 32) * 32
-    chosen = CHOICES(model, jnp.asarray([tokens + [0] * (width - len(tokens))]))
+    """[len(tokens), MoE layers, top_k]: the model's choice over the whole sequence at once (padded, so that
+    sequences share a program)."""
+    chosen = CHOICES(model, padded(tokens))
     return np.stack([np.asarray(ids)[:len(tokens)] for ids in chosen], axis=1)
 
 
