@@ -26,7 +26,8 @@ from inkling_jax import Backend, InklingModel, preset
 from inkling_jax.generate import flat_params
 from inkling_jax.quant import QuantConfig, serving_view
 from pallas_kernels import mgpu
-from pallas_kernels.moe import grouped_matmul, jax_mgpu, moe_ffn
+from pallas_kernels.lowered_once import lowered_once
+from pallas_kernels.moe import grouped_matmul, jax_mgpu, kernel_w4, moe_ffn
 from serve.lora.experts import AdaptedMoE
 from serve.lora.view import adapted_modules, lora_view, route
 
@@ -126,8 +127,9 @@ def _training_gradient_kernels(backend: Backend = COMPILED) -> dict[str, int]:
 
 def test_training_gradient_lowers_for_cuda():
     """jax.grad through the model: the relative attention's forward, dK/dV and dQ kernels and the MoE's grouped
-    matmuls with their weight gradients."""
-    assert _training_gradient_kernels() == {"mosaic": 11, "triton": 6}
+    matmuls with their weight gradients, each distinct MoE kernel once although the forward and the backward both
+    call it (`pallas_kernels.lowered_once`)."""
+    assert _training_gradient_kernels() == {"mosaic": 10, "triton": 6}
 
 
 @pytest.mark.parametrize("forward, mosaic", [("pallas", 11), ("jax_mgpu", 12)])
@@ -153,8 +155,9 @@ def test_training_gradient_lowers_with_jax_mgpu_matmuls(monkeypatch, forward, mo
 def test_narrow_expert_widths_lower_for_cuda(dtype):
     """The tiny preset's expert width, 32, through the MoE FFN's and a grouped matmul's gradients: fp32 keeps the
     width (a 128-byte span) and takes its 32-row weight gradients as transposed products; bf16 pads to 64.
-    moe_ffn: gate|up (kept for the backward), dh, dx and the weight gradients (gate's and up's one kernel);
-    grouped_matmul: dx and dw."""
+    moe_ffn: its four distinct kernels (gate|up kept for the backward, dh, dx, the weight gradients), each once
+    however many times the forward and backward call it; grouped_matmul: its forward (a bf16 K of 32 padded to a
+    128-byte span), then dx and dw."""
     shape = functools.partial(jax.ShapeDtypeStruct, dtype=dtype)
     group_sizes = jax.ShapeDtypeStruct((8,), jnp.int32)
 
@@ -162,10 +165,14 @@ def test_narrow_expert_widths_lower_for_cuda(dtype):
         return moe_ffn(x, w_gate, w_up, w_down, group_sizes, jnp.ones(x.shape[:1]), interpret=False).sum()
     weights = shape((8, 64, 32)), shape((8, 64, 32)), shape((8, 32, 64))
     assert _kernels_in(jax.grad(ffn_loss, (0, 1, 2, 3)), shape((160, 64)), *weights, group_sizes) == \
-        {"mosaic": 6, "triton": 0}
+        {"mosaic": 4, "triton": 0}
+
+    def matmul(x, w, group_sizes):
+        return grouped_matmul(x, w, group_sizes, interpret=False)
+    assert _kernels_in(matmul, shape((160, 32)), shape((8, 32, 64)), group_sizes) == {"mosaic": 1, "triton": 0}
 
     def matmul_loss(x, w, group_sizes):
-        return grouped_matmul(x, w, group_sizes, interpret=False).sum()
+        return matmul(x, w, group_sizes).sum()
     assert _kernels_in(jax.grad(matmul_loss, (0, 1)), shape((160, 32)), shape((8, 32, 64)), group_sizes) == \
         {"mosaic": 2, "triton": 0}
 
@@ -189,3 +196,47 @@ def test_batch_invariant_steps_lower_for_cuda(rows, tokens):
     # the grouped-matmul kernel at each weight shape (7: the projections, dense MLP, router, shared expert and head
     # at their distinct shapes) and the routed experts' SwiGLU and down projection.
     assert kernels == {"mosaic": 9, "triton": 5}
+
+
+def test_a_kernel_is_lowered_once_for_all_the_programs_that_hold_it(monkeypatch):
+    """Decode steps of 2 and 4 rows run the routed experts and the NVFP4 dense products in the same W4A16 kernels
+    (one slab of tokens per expert): the first program exports them, the second calls those exports and holds the
+    same kernels without lowering any again; a prefill chunk's wider slabs make kernels of their own."""
+    monkeypatch.setattr(kernel_w4.w4_gmm, "exports", {})
+    model = _abstract_model("nvfp4", "nvfp4")
+    assert _step_kernels(model, 2, 1) == STEP_KERNELS["nvfp4"]
+    first = set(kernel_w4.w4_gmm.exports)
+    assert len(first) == STEP_KERNELS["nvfp4"]["mosaic"]
+    assert _step_kernels(model, 4, 1) == STEP_KERNELS["nvfp4"]
+    assert set(kernel_w4.w4_gmm.exports) == first
+    assert _step_kernels(model, 2, 128) == STEP_KERNELS["nvfp4"]
+    assert set(kernel_w4.w4_gmm.exports) > first
+
+
+def _scaled(x, *, scale, interpret):
+    return scale(x) if callable(scale) else x * scale
+
+
+class Unhashable:
+    __hash__ = None
+
+    def __call__(self, x):
+        return -x
+
+
+def test_lowered_once_keys_on_every_static_argument():
+    """One export per distinct static leaf (a partial by its function and arguments), shape and dtype; interpreted
+    calls and unhashable static leaves take the launcher directly."""
+    launcher = lowered_once(_scaled)
+    doubled = functools.partial(jnp.multiply, 2.0)
+
+    def program(x, y):
+        return [launcher(x, scale=2.0, interpret=False), launcher(x, scale=2.0, interpret=False),
+                launcher(x, scale=3.0, interpret=False), launcher(y, scale=2.0, interpret=False),
+                launcher(x, scale=doubled, interpret=False), launcher(x, scale=functools.partial(jnp.multiply, 2.0),
+                                                                       interpret=False),
+                launcher(x, scale=2.0, interpret=True), launcher(x, scale=Unhashable(), interpret=False)]
+    x, y = jax.ShapeDtypeStruct((8, 128), jnp.float32), jax.ShapeDtypeStruct((8, 128), jnp.bfloat16)
+    text = jax.jit(program).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(launcher.exports) == 4  # 2.0 and 3.0 on x, 2.0 on y, the partial
+    assert text.count("call_exported") >= 4

@@ -21,10 +21,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mgpu
+from pallas_kernels.lowered_once import lowered_once
 from pallas_kernels.moe.groups import RowBlockPasses
 from pallas_kernels.moe.tuning import GmmConfig, fit_stages
 
 
+@lowered_once
 def gmm_kernel(lhs, rhs, passes: RowBlockPasses, row_inputs, *, n: int, rhs_k_minor: bool, pairs, epilogue,
                num_outputs: int, cfg: GmmConfig, interpret: bool, out_dtype=None, mask_rows: bool = True):
     """Runs the grouped matmul.

@@ -45,6 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mgpu
+from pallas_kernels.lowered_once import lowered_once
 from pallas_kernels.moe.w4_codes import (BLOCK, PAIR, ROWS, UNIT_SHAPE, f16_planes, from_units,
                                           planes_in_registers)
 
@@ -122,6 +123,7 @@ def _multiply(acc, planes, x_smem, k0, staging):
         plgpu.wgmma(acc, a_smem, b_smem)
 
 
+@lowered_once
 def w4_gmm(x, packed, scales, *, slab_group, slab_rows, col_vectors, matrices: int, epilogue, out_dtype,
            cfg: W4Config, interpret: bool, paired_rows: bool = False, k_splits: int = 1):
     """Runs the kernel.

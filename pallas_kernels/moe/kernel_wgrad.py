@@ -19,10 +19,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import mgpu
+from pallas_kernels.lowered_once import lowered_once
 from pallas_kernels.moe.groups import GroupRowBlocks
 from pallas_kernels.moe.tuning import WgradConfig, fit_stages
 
 
+@lowered_once
 def tgmm_kernel(lhs, rhs, blocks: GroupRowBlocks, *, k_minor: bool, cfg: WgradConfig, interpret: bool):
     """Returns [G, K, N] in lhs dtype; `blocks` is `group_row_blocks(group_sizes, M, cfg.block_rows)`."""
     (k, m), n = (lhs.shape, rhs.shape[0]) if k_minor else (lhs.shape[::-1], rhs.shape[1])
