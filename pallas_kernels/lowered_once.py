@@ -12,16 +12,34 @@ arrays' shapes and dtypes, and the other leaves by value (functions by identity,
 function and arguments). A launcher must therefore be a function of that alone, as a jitted one must be.
 Interpreted kernels, launchers called with unhashable static leaves and in-kernel profiling (which writes files
 at each call) take the launcher directly.
+
+With jax's persistent compilation cache on (`jax_compilation_cache_dir`, the server's `--compilation-cache`), the
+exports are kept there too (`mosaic-exports/`), so that the next process skips the lowering as it skips XLA's
+compiles. On disk the key is text: the launcher's name, the argument tree, the static leaves written out (numbers,
+strings, dtypes, enums, frozen dataclasses field by field, tuples, module-level functions by name, partials), the
+shapes, and what else a kernel is built from: the sources of `pallas_kernels`, jax's version and the GPU (its SM
+count). A call whose static leaves cannot be written so (a closure, say) keeps its export in memory only.
 """
 
+import dataclasses
+import enum
 import functools
+import hashlib
+import logging
+import os
+import pathlib
+import tempfile
 import threading
 
 import jax
+import jaxlib
 import numpy as np
 from jax import export
 
 from pallas_kernels import mgpu
+
+log = logging.getLogger(__name__)
+DISK_FOLDER = "mosaic-exports"
 
 # The Mosaic GPU custom call is among jax.export's stable targets; named so that a jax that drops it from that
 # list still exports (the export lives only as long as this process, so its serialised form need not be stable).
@@ -35,6 +53,99 @@ def _static_key(leaf):
                 tuple(sorted((name, _static_key(v)) for name, v in leaf.keywords.items())))
     hash(leaf)  # TypeError for an unhashable leaf
     return type(leaf), leaf
+
+
+class _NotWritable(Exception):
+    pass
+
+
+def _text(leaf) -> str:
+    """A static leaf written out in full (raises _NotWritable where that is not sure)."""
+    if leaf is None or isinstance(leaf, (bool, int, float, str)):
+        return f"{type(leaf).__name__}:{leaf!r}"
+    if isinstance(leaf, enum.Enum):
+        return f"{_name(type(leaf))}.{leaf.name}"
+    if isinstance(leaf, np.dtype) or isinstance(leaf, type):
+        try:
+            return f"dtype:{np.dtype(leaf).name}"
+        except TypeError:
+            raise _NotWritable(leaf) from None
+    if isinstance(leaf, functools.partial):
+        keywords = ",".join(f"{k}={_text(v)}" for k, v in sorted(leaf.keywords.items()))
+        return f"partial({_text(leaf.func)};{','.join(map(_text, leaf.args))};{keywords})"
+    if isinstance(leaf, tuple):
+        return "(" + ",".join(map(_text, leaf)) + ")"
+    if dataclasses.is_dataclass(leaf) and type(leaf).__dataclass_params__.frozen:
+        fields = ",".join(f"{f.name}={_text(getattr(leaf, f.name))}" for f in dataclasses.fields(leaf))
+        return f"{_name(type(leaf))}({fields})"
+    if callable(leaf):
+        return f"fn:{_name(leaf)}"
+    raise _NotWritable(leaf)
+
+
+def _name(obj) -> str:
+    qualname = getattr(obj, "__qualname__", "<unnamed>")
+    if "<" in qualname:  # a closure or a lambda: its name does not say what it computes
+        raise _NotWritable(obj)
+    return f"{obj.__module__}.{qualname}"
+
+
+@functools.cache
+def _built_from() -> str:
+    """What a kernel is made of besides its launcher's arguments: jax, the GPU and this package's sources."""
+    digest = hashlib.sha256()
+    device = jax.devices()[0]
+    digest.update(f"jax {jax.__version__} jaxlib {jaxlib.__version__} {device.device_kind} "
+                  f"sms {mgpu.num_sms(False)}".encode())
+    root = pathlib.Path(__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_root() -> str | None:
+    """jax's persistent compilation cache folder, if one is set."""
+    return jax.config.jax_compilation_cache_dir
+
+
+def _disk_path(launch, tree, leaves, is_array, specs) -> pathlib.Path | None:
+    """Where the export of this call is kept across processes; None without a compilation cache or where the
+    call's static leaves cannot be written out."""
+    root = cache_root()
+    if not root:
+        return None
+    try:
+        statics = [_text(leaf) for leaf, array in zip(leaves, is_array) if not array]
+    except _NotWritable:
+        return None
+    shapes = [f"{s.shape}:{np.dtype(s.dtype).name}:{s.weak_type}" for s in specs]
+    key = "\n".join([_built_from(), _name(launch), str(tree), *statics, *shapes])
+    return pathlib.Path(root) / DISK_FOLDER / f"{launch.__name__}-{hashlib.sha256(key.encode()).hexdigest()[:40]}"
+
+
+def _load(path: pathlib.Path):
+    try:
+        return export.deserialize(bytearray(path.read_bytes()))
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # a torn or foreign file: lowered again and rewritten
+        log.warning("kernel export %s unreadable (%s): lowering the kernel again", path, err)
+        return None
+
+
+def _store(path: pathlib.Path, exported) -> None:
+    """Written whole or not at all (a temporary file renamed over the name); a cache that cannot be written is
+    only a slower next start."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}", delete=False) as tmp:
+            tmp.write(exported.serialize())
+        os.replace(tmp.name, path)
+    except OSError as err:
+        log.warning("kernel export %s not written: %s", path, err)
+        if tmp is not None and os.path.exists(tmp.name):
+            os.remove(tmp.name)
 
 
 class LoweredOnce:
@@ -62,7 +173,13 @@ class LoweredOnce:
         with self._lock:
             exported = self.exports.get(key)
             if exported is None:
-                exported = self.exports[key] = self._export(leaves, is_array, tree, specs)
+                path = _disk_path(self.launch, tree, leaves, is_array, specs)
+                exported = path and _load(path)
+                if exported is None:
+                    exported = self._export(leaves, is_array, tree, specs)
+                    if path:
+                        _store(path, exported)
+                self.exports[key] = exported
         return exported.call(*arrays)
 
     def _export(self, leaves, is_array, tree, specs):

@@ -26,6 +26,7 @@ from inkling_jax import Backend, InklingModel, preset
 from inkling_jax.generate import flat_params
 from inkling_jax.quant import QuantConfig, serving_view
 from pallas_kernels import mgpu
+from pallas_kernels import lowered_once as lowered_once_module
 from pallas_kernels.lowered_once import lowered_once
 from pallas_kernels.moe import grouped_matmul, jax_mgpu, kernel_w4, moe_ffn
 from serve.lora.experts import AdaptedMoE
@@ -240,3 +241,28 @@ def test_lowered_once_keys_on_every_static_argument():
     text = jax.jit(program).trace(x, y).lower(lowering_platforms=("cuda",)).as_text()
     assert len(launcher.exports) == 4  # 2.0 and 3.0 on x, 2.0 on y, the partial
     assert text.count("call_exported") >= 4
+
+
+def test_kernel_exports_are_kept_beside_the_compilation_cache(tmp_path, monkeypatch):
+    """With a persistent compilation cache, a step's kernels are exported into it; a later process (nothing in
+    memory) reads them back instead of lowering them, and a torn file is lowered again and rewritten whole."""
+    monkeypatch.setattr(lowered_once_module, "cache_root", lambda: str(tmp_path))
+    monkeypatch.setattr(kernel_w4.w4_gmm, "exports", {})
+    model = _abstract_model("nvfp4", "nvfp4")
+    assert _step_kernels(model, 2, 1) == STEP_KERNELS["nvfp4"]
+    files = sorted((tmp_path / lowered_once_module.DISK_FOLDER).iterdir())
+    assert len(files) == STEP_KERNELS["nvfp4"]["mosaic"]
+
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("a kernel kept on disk was lowered again")
+    monkeypatch.setattr(kernel_w4.w4_gmm, "exports", {})
+    with monkeypatch.context() as patched:
+        patched.setattr(lowered_once_module.export, "export", no_lowering)
+        assert _step_kernels(model, 4, 1) == STEP_KERNELS["nvfp4"]
+    assert len(kernel_w4.w4_gmm.exports) == STEP_KERNELS["nvfp4"]["mosaic"]
+
+    files[0].write_bytes(b"torn")
+    monkeypatch.setattr(kernel_w4.w4_gmm, "exports", {})
+    assert _step_kernels(model, 3, 1) == STEP_KERNELS["nvfp4"]  # a row count not traced yet: the kernels' calls run
+    assert sorted((tmp_path / lowered_once_module.DISK_FOLDER).iterdir()) == files
+    assert files[0].read_bytes() != b"torn"
