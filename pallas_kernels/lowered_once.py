@@ -16,9 +16,10 @@ at each call) take the launcher directly.
 With jax's persistent compilation cache on (`jax_compilation_cache_dir`, the server's `--compilation-cache`), the
 exports are kept there too (`mosaic-exports/`), so that the next process skips the lowering as it skips XLA's
 compiles. On disk the key is text: the launcher's name, the argument tree, the static leaves written out (numbers,
-strings, dtypes, enums, frozen dataclasses field by field, tuples, module-level functions by name, partials), the
-shapes, and what else a kernel is built from: the sources of `pallas_kernels`, jax's version and the GPU (its SM
-count). A call whose static leaves cannot be written so (a closure, say) keeps its export in memory only.
+strings, dtypes, enums, frozen dataclasses field by field, tuples, partials, and by name the module-level functions
+of this package, jax and numpy), the shapes, and what else a kernel is built from: the sources of `pallas_kernels`,
+jax's version and the GPU (its SM count). A call whose static leaves cannot be written so (a closure, say) keeps
+its export in memory only.
 """
 
 import dataclasses
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 DISK_FOLDER = "mosaic-exports"
 
 # The Mosaic GPU custom call is among jax.export's stable targets; named so that a jax that drops it from that
-# list still exports (the export lives only as long as this process, so its serialised form need not be stable).
+# list still exports (an export is read back only by the same jax version: its key on disk holds the version).
 _CHECKS = (export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2"),)
 
 
@@ -65,11 +66,14 @@ def _text(leaf) -> str:
         return f"{type(leaf).__name__}:{leaf!r}"
     if isinstance(leaf, enum.Enum):
         return f"{_name(type(leaf))}.{leaf.name}"
-    if isinstance(leaf, np.dtype) or isinstance(leaf, type):
+    if isinstance(leaf, (np.dtype, type)):
         try:
-            return f"dtype:{np.dtype(leaf).name}"
+            dtype = np.dtype(leaf)
         except TypeError:
             raise _NotWritable(leaf) from None
+        if dtype.kind == "O":  # any other class reads as numpy's object dtype
+            raise _NotWritable(leaf)
+        return f"dtype:{dtype.name}"
     if isinstance(leaf, functools.partial):
         keywords = ",".join(f"{k}={_text(v)}" for k, v in sorted(leaf.keywords.items()))
         return f"partial({_text(leaf.func)};{','.join(map(_text, leaf.args))};{keywords})"
@@ -78,9 +82,14 @@ def _text(leaf) -> str:
     if dataclasses.is_dataclass(leaf) and type(leaf).__dataclass_params__.frozen:
         fields = ",".join(f"{f.name}={_text(getattr(leaf, f.name))}" for f in dataclasses.fields(leaf))
         return f"{_name(type(leaf))}({fields})"
-    if callable(leaf):
+    if callable(leaf) and getattr(leaf, "__module__", "").split(".")[0] in _VERSIONED_CODE:
         return f"fn:{_name(leaf)}"
     raise _NotWritable(leaf)
+
+
+# A function passed to a launcher is named on disk only from code the key versions: this package (its sources are
+# hashed), jax and numpy (their versions).
+_VERSIONED_CODE = ("pallas_kernels", "jax", "numpy")
 
 
 def _name(obj) -> str:
@@ -167,8 +176,8 @@ class LoweredOnce:
         except TypeError:
             return self.launch(*args, interpret=interpret, **kwargs)
         arrays = [leaf for leaf, array in zip(leaves, is_array) if array]
-        specs = tuple(jax.ShapeDtypeStruct(np.shape(a), a.dtype, weak_type=getattr(jax.typeof(a), "weak_type", False))
-                      for a in arrays)
+        specs = tuple(jax.ShapeDtypeStruct(np.shape(a), a.dtype,
+                                           weak_type=getattr(jax.typeof(a), "weak_type", False)) for a in arrays)
         key = (tree, statics, tuple((s.shape, s.dtype, s.weak_type) for s in specs))
         with self._lock:
             exported = self.exports.get(key)
