@@ -203,6 +203,7 @@ def test_a_kernel_is_lowered_once_for_all_the_programs_that_hold_it(monkeypatch)
     """Decode steps of 2 and 4 rows run the routed experts and the NVFP4 dense products in the same W4A16 kernels
     (one slab of tokens per expert): the first program exports them, the second calls those exports and holds the
     same kernels without lowering any again; a prefill chunk's wider slabs make kernels of their own."""
+    jax.clear_caches()  # jax's traces of the kernels' entries, which would skip their launchers' calls
     monkeypatch.setattr(kernel_w4.w4_gmm, "exports", {})
     model = _abstract_model("nvfp4", "nvfp4")
     assert _step_kernels(model, 2, 1) == STEP_KERNELS["nvfp4"]
@@ -247,6 +248,7 @@ def test_kernel_exports_are_kept_beside_the_compilation_cache(tmp_path, monkeypa
     """With a persistent compilation cache, a step's kernels are exported into it; a later process (nothing in
     memory) reads them back instead of lowering them, and a torn file is lowered again and rewritten whole."""
     monkeypatch.setattr(lowered_once_module, "cache_root", lambda: str(tmp_path))
+    jax.clear_caches()
     monkeypatch.setattr(kernel_w4.w4_gmm, "exports", {})
     model = _abstract_model("nvfp4", "nvfp4")
     assert _step_kernels(model, 2, 1) == STEP_KERNELS["nvfp4"]
