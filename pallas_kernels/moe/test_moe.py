@@ -204,11 +204,12 @@ def test_narrow_weight_gradient_is_the_transposed_product(backend):
     interpret = interpret_default() if backend is None else backend
 
     def wgrad(x, dy):
-        return matmuls.tgmm(x, dy, gs, cfg=small_configs(jnp.float32).wgrad, interpret=interpret)
+        return matmuls.tgmm(x, dy, gs, cfg=small_configs(x.dtype).wgrad, interpret=interpret)
     onehot = jax.nn.one_hot(reference.group_ids(gs, m), len(GROUP_SIZES))
     want = jnp.einsum("mg,mk,mn->gkn", onehot, x, dy, precision=jax.lax.Precision.HIGHEST)
     assert rel_err(jax.jit(wgrad)(x, dy), want) < tolerance(jnp.float32)
     assert not _column_pads(jax.make_jaxpr(wgrad)(x, dy).jaxpr)
-    # 16-bit rows of 32 are half a span: those activations are padded to the warpgroup's 64 rows.
+    # 16-bit rows of 32 are half a span: those activations are padded to the warpgroup's 64 rows. (Traced compiled,
+    # the kernel is lowered: `lowered_once` exports it as its launcher is traced.)
     half = jax.make_jaxpr(wgrad)(x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)).jaxpr
     assert _column_pads(half) == [((m, k), (m, 64))]
