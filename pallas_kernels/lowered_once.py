@@ -11,7 +11,9 @@ The key is what `jax.jit` would key the launcher on with every non-array argumen
 arrays' shapes and dtypes, and the other leaves by value (functions by identity, `functools.partial` by its
 function and arguments). A launcher must therefore be a function of that alone, as a jitted one must be.
 Interpreted kernels, launchers called with unhashable static leaves and in-kernel profiling (which writes files
-at each call) take the launcher directly.
+at each call) take the launcher directly. The export is made as the launcher is traced, not when the program is
+lowered: tracing a compiled kernel (`jax.make_jaxpr`, `jax.eval_shape`) lowers it, and so does a program that
+later drops the kernel's result.
 
 With jax's persistent compilation cache on (`jax_compilation_cache_dir`, the server's `--compilation-cache`), the
 exports are kept there too (`mosaic-exports/`), so that the next process skips the lowering as it skips XLA's
