@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import invariant_matmul, moe_tiles, rl, timing, training
+from benchmarks import invariant_matmul, kernel_lowering, moe_tiles, rl, timing, training
 from benchmarks.profile import device_op_times, op_table
 from benchmarks.speculative import plant_successor
 from inkling_jax import preset
@@ -23,7 +23,7 @@ from tests.greedy import greedy_tokens
 @pytest.mark.filterwarnings("ignore:'benchmarks.*found in sys.modules:RuntimeWarning")
 @pytest.mark.parametrize("name", ["model", "serving", "serving_sweep", "speculative", "training", "kernels", "moe",
                                   "conversion", "timing", "multi_lora", "rl", "moe_tiles", "moe_layouts",
-                                  "invariant_matmul", "engine_host"])
+                                  "invariant_matmul", "engine_host", "kernel_lowering"])
 def test_every_benchmark_answers_help_as_python_m_runs_it(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"benchmarks.{name}", "--help"])
     with pytest.raises(SystemExit) as done:
@@ -254,3 +254,33 @@ def test_the_sweeps_ceiling_decodes_at_full_rows_and_prefills_at_the_cheapest_me
     results["engine"]["max_num_seqs"] = 64  # 128 requests on 64 slots: the programs of 64 rows ran, 10 ms a step
     assert schedule_ceiling(results, 128) == pytest.approx(1e3 * 256 / (256 * 10 / 64 + 1024 * 0.02))
     assert "| 128 | 512 | 4000 | 6400 | 0.62 |" in table(results)
+
+
+
+def test_the_kernel_lowering_benchmark_lowers_each_way_and_reads_the_exports_back(tmp_path, monkeypatch, capsys):
+    """Two-layer NVFP4 model (the lowering tests' widths), decode steps of 2 and 4 rows (the same kernels; no
+    prefill chunk fits a budget of one token): the per-program pass exports each program's kernels anew, the next
+    pass each kernel once, and the last reads every export back from the cache folder."""
+    from jax import export
+    from tests.test_gpu_lowering import _config
+    monkeypatch.setattr(kernel_lowering, "preset", lambda name: _config())
+    passes, exports = [], []
+    lower_pass, export_fn = kernel_lowering.lower_pass, export.export
+
+    def counted_pass(*args, **kwargs):
+        passes.append(kwargs)
+        return lower_pass(*args, **kwargs)
+
+    def counted_export(*args, **kwargs):
+        exports.append(len(passes))
+        return export_fn(*args, **kwargs)
+    monkeypatch.setattr(kernel_lowering, "lower_pass", counted_pass)
+    monkeypatch.setattr(export, "export", counted_export)
+    kernel_lowering.main(["--expert-precision", "nvfp4", "--dense-precision", "nvfp4", "--decode-rows", "2,4",
+                          "--max-num-batched-tokens", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "kernel_lowering.json").read_text())
+    assert list(result["seconds"]) == ["per program", "once per process", "from disk"]
+    assert result["programs"] == [[2, 1], [4, 1]]
+    per_pass = [exports.count(i) for i in (1, 2, 3)]
+    assert per_pass[0] == 2 * per_pass[1] > 0 and per_pass[2] == 0
+    assert "| from disk |" in capsys.readouterr().out
