@@ -164,17 +164,18 @@ def test_moe_ffn_decode_explicit_bound(bound):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_narrow_widths(backend):
     # The tiny model's experts: width 32. The weight gradient's output rows are tiled by 64-row warpgroups, so
-    # K = 32 once left w's gradient unwritten (NaN); 16-bit MoE weights are padded to width 64 (Mosaic GPU
-    # cannot lay out tiles narrower than a 128-byte span), fp32 ones keep 32. 160 rows take the row-blocked path.
+    # K = 32 once left w's gradient unwritten (NaN); 16-bit MoE weights are padded to width 64 and a grouped
+    # matmul's 16-bit K of 32 to 64 (Mosaic GPU cannot lay out tiles narrower than a 128-byte span), fp32 ones keep
+    # 32. 160 rows take the row-blocked path.
     sizes = (30, 0, 41, 9, 20, 25, 15, 12)
     gs = jnp.array(sizes, jnp.int32)
     kx, kw, kd = jax.random.split(jax.random.key(7), 3)
-    x, w, dy = normal(kx, (160, 32), jnp.float32), normal(kw, (8, 32, 64), jnp.float32, 0.2), normal(kd, (160, 64),
-                                                                                                     jnp.float32)
-    out, grads = value_and_vjp(lambda x, w: grouped_matmul(x, w, gs, interpret=backend), (x, w), dy)
-    want, grads_ref = value_and_vjp(lambda x, w: reference.grouped_matmul(x, w, gs), (x, w), dy)
-    for got, ref in zip((out, *grads), (want, *grads_ref)):
-        assert rel_err(got, ref) < tolerance(jnp.float32)
+    for dtype in DTYPES:
+        x, w, dy = normal(kx, (160, 32), dtype), normal(kw, (8, 32, 64), dtype, 0.2), normal(kd, (160, 64), dtype)
+        out, grads = value_and_vjp(lambda x, w: grouped_matmul(x, w, gs, interpret=backend), (x, w), dy)
+        want, grads_ref = value_and_vjp(lambda x, w: reference.grouped_matmul(x, w, gs), (x, w), dy)
+        for got, ref in zip((out, *grads), (want, *grads_ref)):
+            assert got.shape == ref.shape and rel_err(got, ref) < tolerance(dtype)
     for dtype in DTYPES:
         args = moe_inputs(jax.random.key(6), 160, 64, 32, sizes, dtype)
         check_moe(lambda *a: moe_ffn(*a, interpret=backend), args, dtype)
@@ -209,7 +210,8 @@ def test_narrow_weight_gradient_is_the_transposed_product(backend):
     want = jnp.einsum("mg,mk,mn->gkn", onehot, x, dy, precision=jax.lax.Precision.HIGHEST)
     assert rel_err(jax.jit(wgrad)(x, dy), want) < tolerance(jnp.float32)
     assert not _column_pads(jax.make_jaxpr(wgrad)(x, dy).jaxpr)
-    # 16-bit rows of 32 are half a span: those activations are padded to the warpgroup's 64 rows. (Traced compiled,
-    # the kernel is lowered: `lowered_once` exports it as its launcher is traced.)
+    # 16-bit rows of 32 are half a span: those activations are padded to the warpgroup's 64 rows. Traced with
+    # the 16-bit tiles: compiled, tracing lowers the kernel (`lowered_once`), and Mosaic GPU lowers no 16-bit
+    # kernel of the fp32 tiles' 32-row blocks.
     half = jax.make_jaxpr(wgrad)(x.astype(jnp.bfloat16), dy.astype(jnp.bfloat16)).jaxpr
     assert _column_pads(half) == [((m, k), (m, 64))]
