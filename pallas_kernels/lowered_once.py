@@ -153,7 +153,7 @@ def _store(path: pathlib.Path, exported) -> None:
         with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}", delete=False) as tmp:
             tmp.write(exported.serialize())
         os.replace(tmp.name, path)
-    except OSError as err:
+    except (OSError, ImportError) as err:  # ImportError: jax.export's serialisation needs flatbuffers
         log.warning("kernel export %s not written: %s", path, err)
         if tmp is not None and os.path.exists(tmp.name):
             os.remove(tmp.name)
