@@ -33,12 +33,25 @@ def _pad_rows(a, align=_ROW_ALIGN):
     return jnp.pad(a, [(0, -a.shape[0] % align)] + [(0, 0)] * (a.ndim - 1))
 
 
+def _pad_depth(lhs, weights, transpose_rhs: bool):
+    """The contraction (K) zero-padded to whole 128-byte swizzle spans, which the Mosaic-GPU kernels' tiles need (a
+    tiny model's expert width as a K is 64 bytes in bf16); the zero columns add nothing to the products."""
+    pad = -lhs[0].shape[1] % (_SWIZZLE_BYTES // lhs[0].dtype.itemsize)
+    if not pad:
+        return lhs, weights
+    axis = 2 if transpose_rhs else 1
+    return ([jnp.pad(a, [(0, 0), (0, pad)]) for a in lhs],
+            [jnp.pad(w, [(0, pad if i == axis else 0) for i in range(3)]) for w in weights])
+
+
 def gmm(lhs, weights, group_sizes, *, transpose_rhs: bool, pairs, epilogue, num_outputs: int, cfg,
         interpret: bool | str, row_inputs=(), out_dtype=None, mask_rows: bool = True):
     """Grouped matmul of rows sorted by group: see `kernel.gmm_kernel` for pairs/epilogue/row_inputs/out_dtype.
 
     weights: [G, K, N] arrays; out = lhs @ w[g] ([M, N]), or lhs @ w[g]^T ([M, K]) with transpose_rhs.
     """
+    if interpret is not True:
+        lhs, weights = _pad_depth(lhs, weights, transpose_rhs)
     num_groups, kw, nw = weights[0].shape
     n = kw if transpose_rhs else nw
     k_minor = transpose_rhs or _needs_k_minor(lhs[0].dtype)

@@ -84,19 +84,8 @@ def grouped_matmul(x, w, group_sizes, *, transpose_rhs: bool = False, interpret:
     """
     _check(x, w)
     interpret = interpret_default() if interpret is None else interpret
-    x, w = _pad_depth(x, w, transpose_rhs)
     return _grouped_matmul(x, w, group_sizes, transpose_rhs, interpret, configs or KernelConfigs(),
                            kernels or MatmulKernels())
-
-
-def _pad_depth(x, w, transpose_rhs: bool):
-    """Zero-pads the contraction (K) to whole 128-byte spans, as the kernels' tiles need (a tiny model's expert
-    width, the down projection's K, is 64 bytes in bf16); the zero columns add nothing to the product."""
-    pad = -x.shape[1] % (SPAN_BYTES // x.dtype.itemsize)
-    if not pad:
-        return x, w
-    w_pad = [(0, 0), (0, 0), (0, pad)] if transpose_rhs else [(0, 0), (0, pad), (0, 0)]
-    return jnp.pad(x, [(0, 0), (0, pad)]), jnp.pad(w, w_pad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
