@@ -39,15 +39,20 @@ def step_shapes(decode_rows, chunk_tokens, max_tokens: int) -> list[tuple[int, i
     return [(rows, 1) for rows in decode_rows] + chunks
 
 
+def forget_exports() -> None:
+    """The kernels' exports in memory dropped, and jax's traces of their entries, so that the launchers run again."""
+    jax.clear_caches()
+    for launcher in LAUNCHERS:
+        launcher.exports.clear()
+
+
 def lower_pass(model, shapes, per_program: bool) -> float:
     """Seconds to trace and lower every step program for CUDA."""
     leaves, merged = flat_params(model)
     total = 0.0
     for rows, tokens in shapes:
         if per_program:
-            jax.clear_caches()
-            for launcher in LAUNCHERS:
-                launcher.exports.clear()
+            forget_exports()
         cache = jax.eval_shape(lambda: model.init_cache(rows, 1024))
         ids = jax.ShapeDtypeStruct((rows, tokens), jnp.int32)
         n_new = jax.ShapeDtypeStruct((rows,), jnp.int32)
@@ -84,9 +89,7 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as folder:
             jax.config.update("jax_compilation_cache_dir", folder)  # nothing is compiled: only the exports go there
             for name in ("once per process", "from disk"):
-                jax.clear_caches()
-                for launcher in LAUNCHERS:
-                    launcher.exports.clear()
+                forget_exports()
                 seconds[name] = lower_pass(model, shapes, per_program=False)
     finally:
         jax.config.update("jax_compilation_cache_dir", configured)
