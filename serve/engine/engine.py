@@ -261,7 +261,7 @@ class Engine:
         """Put a step's samples and prompt logprobs into their sequences; end those that hit EOS, a stop id or a
         length limit (the sample's `finish_reason`), and those that asked only for prompt logprobs (max_tokens 0)
         once their prompt is done. Returns the applied samples with their sequences, for `_report`."""
-        applied = []
+        applied, saves = [], []
         for chunk in chunks:
             seq = chunk.seq
             if seq.finished:  # a stop string ended it after this step was dispatched
@@ -270,19 +270,21 @@ class Engine:
                 if seq.num_cached == 0:  # (re)computed from the start, after a preemption say
                     seq.prompt_logprobs = []
                 seq.prompt_logprobs += prompt_logprobs[seq.seq_id]
-            self._advance(seq, chunk.num_tokens)
+            self._advance(seq, chunk.num_tokens, saves)
             if seq.params.max_tokens == 0 and seq.seq_id in samples:  # the prompt is done; its next token unwanted
                 self._finish(seq, "length", [])
                 continue
             for k, sample in enumerate(samples.get(seq.seq_id, ())):
                 if k:
-                    self._advance(seq, 1)  # the token fed back on device is in the cache
+                    self._advance(seq, 1, saves)  # the token fed back on device is in the cache
                 seq.append(sample.token_id)
                 sample.finish_reason = seq.end_reason(sample.token_id, self.eos_token_id, self.config.max_model_len)
                 applied.append((seq, sample))
                 if sample.finish_reason:  # the device's later tokens of this row are discarded
                     self._release(seq)
                     break
+        if saves:
+            self.runner.save_snapshots(saves)
         return applied
 
     def _report(self) -> None:
@@ -299,15 +301,15 @@ class Engine:
             mail = bool(self._inbox)
         return self.scheduler.decode_plan(chunks, ahead, self.decode_steps, mail)
 
-    def _advance(self, seq: Sequence, num_tokens: int) -> None:
-        """`num_tokens` more tokens are in the cache: publish its full pages, and snapshot a prefill chunk's
-        end."""
+    def _advance(self, seq: Sequence, num_tokens: int, saves: list[tuple[int, int]]) -> None:
+        """`num_tokens` more tokens are in the cache: publish its full pages, and where a prefill chunk ends at a
+        page boundary without a snapshot, add (slot, snapshot id) to the step's `saves`."""
         seq.num_cached += num_tokens
         if self.config.prefix_caching:
             self.blocks.register(seq)
             snapshot = self.blocks.snapshot_slot(seq) if num_tokens > 1 else None
             if snapshot is not None:
-                self.runner.save_snapshot(seq.slot, snapshot)
+                saves.append((seq.slot, snapshot))
 
     def _on_token(self, seq: Sequence, sample: Sample, now: float) -> None:
         request = self._owner[seq.seq_id]

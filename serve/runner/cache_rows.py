@@ -69,8 +69,15 @@ def empty_snapshots(cfg: TextConfig, cache: Cache, count: int) -> tuple[dict, ..
     return jax.tree.map(lambda x: jnp.zeros((count,) + x.shape[1:], x.dtype), row_state(cfg, cache))
 
 
-def save_snapshot(cfg: TextConfig, cache: Cache, snapshots, row, snapshot):
-    return jax.tree.map(lambda s, x: s.at[snapshot].set(x[row]), snapshots, row_state(cfg, cache))
+def save_snapshots(cfg: TextConfig, cache: Cache, snapshots, pairs, count):
+    """`snapshots` with the state of row pairs[0, i] saved as snapshot pairs[1, i], for i < count, in order (a later
+    pair naming the same snapshot wins): one program for every chunk of a step, which copies only those rows."""
+    state = row_state(cfg, cache)
+
+    def save(i, saved):
+        return jax.tree.map(lambda s, x: s.at[pairs[1, i]].set(x[pairs[0, i]]), saved, state)
+
+    return jax.lax.fori_loop(0, count, save, snapshots)
 
 
 def restore_snapshot(cfg: TextConfig, cache: Cache, snapshots, row, snapshot) -> Cache:

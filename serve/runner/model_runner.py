@@ -251,9 +251,16 @@ class ModelRunner(StepCompilation, MixedSteps):
                         results[chunk.seq.seq_id] = read_prompt_logprobs(host, row, chunk.seq.params.prompt_logprobs)
         return results
 
-    def save_snapshot(self, slot: int, snapshot: int) -> None:
-        put = self.placement.put
-        self.snapshots = self._save(self.cache, self.snapshots, put(np.int32(slot)), put(np.int32(snapshot)))
+    def save_snapshots(self, saves: list[tuple[int, int]]) -> None:
+        """Save the state of each (slot, snapshot id) pair's slot as that snapshot, in order, in one program."""
+        self.snapshots = self._save(self.cache, self.snapshots,
+                                    *self.placement.put((self.snapshot_pairs(saves), np.int32(len(saves)))))
+
+    def snapshot_pairs(self, saves: list[tuple[int, int]]) -> np.ndarray:
+        """[2, rows]: slots, then snapshot ids, of a step's saves (at most one per slot), zero past them."""
+        pairs = np.zeros((2, self.config.num_rows), np.int32)
+        pairs[:, :len(saves)] = np.asarray(saves, np.int32).reshape(-1, 2).T
+        return pairs
 
     @staticmethod
     def _groups(chunks: list[Chunk]) -> list[list[Chunk]]:

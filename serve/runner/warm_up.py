@@ -110,10 +110,10 @@ class StepCompilation:
         yield "init_penalties", jit(init_penalties, donate_argnums=0).lower(
             self.penalties, scalar, tokens, scalar)
         if self.config.snapshots:
-            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshot,
+            save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshots,
                                                                       cache_rows.restore_snapshot))
             yield "save", jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
-                self.cache, self.snapshots, scalar, scalar)
+                self.cache, self.snapshots, self.placement.put(self.snapshot_pairs([])), scalar)
             yield "restore", jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
                 self.cache, self.snapshots, scalar, scalar)
 
