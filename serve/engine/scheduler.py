@@ -6,8 +6,9 @@ one still in prefill gets the next chunk of its prompt. Waiting requests are the
 already holds. So prefill is never deferred behind decodes, and decodes keep running while long prompts are
 prefilled chunk by chunk (continuous batching).
 
-Chunks end on page boundaries (where snapshots for the prefix cache can be taken), and with prefix caching a
-prompt's chunks stop once at the last page boundary before its end, so that boundary gets a snapshot.
+A partial chunk ends on a page boundary, where the prefix cache takes a snapshot. A prompt's chunks are not cut
+short at its last page boundary to snapshot it: that would cost every prompt a step of its own for its last few
+tokens, to save a later identical prompt part of one chunk (it hits the last whole chunk's end instead).
 When the pages run out, the most recently admitted sequence is preempted: its pages are returned and it goes
 back to the head of the queue, to be recomputed (its prefix may well still be cached).
 
@@ -136,9 +137,6 @@ class Scheduler:
         page = self.config.page_size
         if n < remaining:
             n -= n % page  # a partial chunk ends on a page boundary
-        boundary = (len(seq) - 1) // page * page
-        if self.config.prefix_caching and seq.num_cached < boundary < seq.num_cached + n:
-            n = boundary - seq.num_cached
         return n
 
     def _fits(self, chunks: list[Chunk], seq: Sequence, n: int) -> bool:

@@ -40,12 +40,12 @@ def test_budget_chunks_and_decodes_share_steps():
         assert all(c.seq.num_cached % 4 == 0 or c.seq.num_cached == len(c.seq) - 1 for c in chunks)
 
 
-def test_prefix_caching_cuts_a_chunk_at_the_last_page_boundary():
-    scheduler = make_scheduler()
-    seq = seq_of(7)  # boundary at 4: chunks 4 + 3
-    scheduler.add(seq)
-    assert [c.num_tokens for c in run_step(scheduler)] == [4]
-    assert [c.num_tokens for c in run_step(scheduler)] == [3]
+def test_prefix_caching_takes_no_extra_chunk():
+    for prefix_caching in (True, False):
+        scheduler = make_scheduler(prefix_caching=prefix_caching)
+        seq = seq_of(19)  # pages of 4, chunks of at most 8: 8 + 8 + 3, not stopping at 16 (its last page boundary)
+        scheduler.add(seq)
+        assert [[c.num_tokens for c in run_step(scheduler)] for _ in range(3)] == [[8], [8], [3]]
 
 
 def test_prefill_rows_stay_within_a_compiled_bucket():
@@ -101,8 +101,8 @@ def test_a_sequence_asking_prompt_logprobs_takes_no_prefix_hit():
     scheduler.add(plain)
     scheduler.add(scored)
     chunks = scheduler.schedule()
-    assert plain.prefix_hit == 12 and scored.prefix_hit == 0  # its logprobs need the cached prefix computed
-    assert [(c.seq, c.num_tokens, c.scores) for c in chunks] == [(plain, 1, False), (scored, 8, True)]
+    assert plain.prefix_hit == 8 and scored.prefix_hit == 0  # its logprobs need the cached prefix computed
+    assert [(c.seq, c.num_tokens, c.scores) for c in chunks] == [(plain, 5, False), (scored, 8, True)]
 
 
 def test_prompt_logprob_chunks_run_in_the_scoring_programs_rows():
