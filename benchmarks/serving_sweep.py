@@ -12,7 +12,7 @@ programs set, in one run (one GPU, about 8 minutes for the `bench` preset):
    it at each --max-concurrency level (random prompts of --input-len tokens, --output-len output tokens, EOS
    ignored, greedy, all sent at once; --prompts-per-level x the level prompts), then at each --request-rates
    rate; each result is printed and saved (DIR/load-*.json) as it comes, with what /metrics counts of
-   compilations after warm-up and preemptions.
+   compilations after warm-up, preemptions, and the device's waits for the host between steps.
 3. With the HTTP server stopped and the engine thread ended, the same engine's programs are timed alone: the
    decode program at each level's rows (at the load's mean context), the prefill of one prompt of --input-len
    tokens (its chunks of the largest size, one after the other), the largest prefill bucket (the most prompt
@@ -122,6 +122,7 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
              ",".join(map(str, args.token_range)),
              *(["--max-concurrency", str(concurrency)] if concurrency else [])]
     path = os.path.join(args.out, f"load-{label}.json")
+    waits = [server_counter(args, f"inkling_device_wait_seconds_{k}") for k in ("count", "sum")]
     done = subprocess.run([sys.executable, "-m", "benchmarks.load.cli", *flags, "--save-result", "--result-filename",
                            path], capture_output=True, text=True)
     if done.returncode:
@@ -131,12 +132,16 @@ def load(args, label: str, concurrency: int | None, rate: float, prompts: int) -
     found["compilations_after_warmup"] = server_counter(args, "inkling_compilations_after_warmup_total")
     found["preemptions"] = server_counter(args, "inkling_preemptions_total")
     found["mixed_steps"] = server_counter(args, "inkling_mixed_steps_total")  # so far: decodes + a chunk as one
+    found["device_waits"], found["device_wait_s"] = (server_counter(args, f"inkling_device_wait_seconds_{k}") - was
+                                                     for k, was in zip(("count", "sum"), waits))
     save_json(args.out, f"load-{label}.json", found)  # with the server's counts
     log(f"{label}: {found['completed']} done, {found['failed']} failed in {found['duration']:.1f}s; output "
         f"{found['output_throughput']:.0f} tok/s; TTFT p50 {found['median_ttft_ms']:.1f} ms, p99 "
         f"{found['p99_ttft_ms']:.1f} ms; TPOT p50 {found['median_tpot_ms']:.2f} ms; ITL p99 "
         f"{found['p99_itl_ms']:.2f} ms; compilations after warm-up {found['compilations_after_warmup']:.0f}, "
-        f"preemptions {found['preemptions']:.0f}, mixed steps so far {found['mixed_steps']:.0f}")
+        f"preemptions {found['preemptions']:.0f}, mixed steps so far {found['mixed_steps']:.0f}; the device "
+        f"waited for the host {found['device_waits']:.0f} times, {found['device_wait_s']:.3f} s in all "
+        f"({found['device_wait_s'] / found['duration']:.1%} of the load's time)")
     return {k: v for k, v in found.items() if k not in ("input_lens", "output_lens", "ttfts", "itls", "errors")}
 
 

@@ -63,6 +63,7 @@ class Engine:
         self._unreported: list[tuple[Sequence, Sample]] = []  # applied tokens whose text is not yet out
         self._read_at = 0.0  # when the host read the unreported tokens
         self._inflight = None  # (chunks, dispatched): a decode run queued before the last one was read
+        self._waiting_since = None  # when the host read a step with nothing queued after it (`Metrics.device_wait`)
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
         self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
@@ -176,7 +177,7 @@ class Engine:
             if self._stop.is_set():
                 return
             if self.scheduler.idle:
-                self._inflight = None  # every sequence of a run still in flight has ended
+                self._inflight = self._waiting_since = None  # every sequence of a run still in flight has ended
                 if self._idle_work.deliver():  # new parameters or a freed cache: the prefix cache is stale
                     self._new_state()
                 self._report()
@@ -202,7 +203,7 @@ class Engine:
             self._update_gauges()
 
     def _fail_requests(self) -> None:
-        self._unreported, self._inflight = [], None
+        self._unreported, self._inflight, self._waiting_since = [], None, None
         for request_id in list(self._requests):
             self._end_request(request_id, "error")
 
@@ -242,7 +243,7 @@ class Engine:
             for chunk, steps in zip(chunks, self._decode_plan(chunks, [0] * len(chunks)) or ()):
                 chunk.steps = steps
             # The previous step's text is reported while the device runs this one.
-            dispatched = self.runner.dispatch(chunks, on_queued=self._report)
+            dispatched = self.runner.dispatch(chunks, on_queued=self._step_queued)
         # A decode run that can go on is continued before its tokens are read, so that the device does not
         # wait for the host's reading, stop checks and scheduling.
         ahead = [c.steps for c in chunks]
@@ -254,7 +255,16 @@ class Engine:
         self._report()  # (a no-op where a dispatch above has reported)
         samples = self.runner.collect(dispatched)
         self._read_at = time.monotonic()
+        self._waiting_since = self._read_at if self._inflight is None else None
         self._unreported = self._apply(chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
+
+    def _step_queued(self) -> None:
+        """A scheduled step's first program is queued: the device's wait for the host (if any) ends, and the text
+        of the step before goes out while the device computes."""
+        if self._waiting_since is not None:
+            self.metrics.device_wait.observe(time.monotonic() - self._waiting_since)
+            self._waiting_since = None
+        self._report()
 
     def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]],
                prompt_logprobs: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:

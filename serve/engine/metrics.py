@@ -7,6 +7,7 @@ import collections
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256)
 # LoRA adapters (which a server may load without end) that get series of their own, the first seen; the rest
 # share the label OTHER_ADAPTERS, so the metrics stay bounded
 ADAPTER_LABELS = 64
@@ -41,6 +42,10 @@ class Metrics:
                                     "outside the shapes compiled at warm-up", registry=r)
         self.mixed_steps = Counter("inkling_mixed_steps", "Steps whose decodes and prompt chunks ran as one program "
                                    "(EngineConfig.mixed_steps)", registry=r)
+        self.device_wait = Histogram("inkling_device_wait_seconds", "Host time from reading a step's results to "
+                                     "queueing the next step, while the device had nothing queued and sequences "
+                                     "ran (applying samples, scheduling, building inputs); a decode run continued on "
+                                     "the device waits for none", registry=r, buckets=WAIT_BUCKETS)
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731
                                                       list(labels), registry=r)

@@ -167,3 +167,14 @@ def test_decode_buckets_compile_both_samplers_and_prefill_buckets_the_full_one(e
     full = generate(engine, PROMPTS, SamplingParams(ignore_eos=True, max_tokens=6, temperature=0.8, seed=3,
                                                     logprobs=0))
     assert [p.token_ids for p in plain] == [f.token_ids for f in full]
+
+
+def test_the_device_waits_for_the_host_only_between_steps_not_continued_on_device(engine):
+    engine.decode_steps = 4
+    count = lambda: engine.metrics.registry.get_sample_value("inkling_device_wait_seconds_count")  # noqa: E731
+    before = count()
+    prompt = RNG.integers(0, 256, 40).tolist()  # chunks of 16, 16 and 8, then decode runs of 4 tokens
+    generate(engine, [prompt], SamplingParams(ignore_eos=True, max_tokens=9))
+    # The second and third chunks and the first decode run each waited for the host to read the step before;
+    # the second decode run was queued on the device before the first was read.
+    assert count() - before == 3
