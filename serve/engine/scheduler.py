@@ -6,9 +6,9 @@ one still in prefill gets the next chunk of its prompt. Waiting requests are the
 already holds. So prefill is never deferred behind decodes, and decodes keep running while long prompts are
 prefilled chunk by chunk (continuous batching).
 
-A partial chunk ends on a page boundary, where the prefix cache takes a snapshot. A prompt's chunks are not cut
-short at its last page boundary to snapshot it: that would cost every prompt a step of its own for its last few
-tokens, to save a later identical prompt part of one chunk (it hits the last whole chunk's end instead).
+Chunks start on page boundaries, and each but a prompt's last ends on one: there the prefix cache takes a
+snapshot. The last is not cut short at the prompt's last page boundary to snapshot that too: every prompt would
+pay a step for its last few tokens, to save a later identical prompt part of one chunk.
 When the pages run out, the most recently admitted sequence is preempted: its pages are returned and it goes
 back to the head of the queue, to be recomputed (its prefix may well still be cached).
 

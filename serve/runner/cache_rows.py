@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from inkling_jax.config import TextConfig
 from inkling_jax.nn.cache import Cache
@@ -69,15 +70,20 @@ def empty_snapshots(cfg: TextConfig, cache: Cache, count: int) -> tuple[dict, ..
     return jax.tree.map(lambda x: jnp.zeros((count,) + x.shape[1:], x.dtype), row_state(cfg, cache))
 
 
-def save_snapshots(cfg: TextConfig, cache: Cache, snapshots, pairs, count):
-    """`snapshots` with the state of row pairs[0, i] saved as snapshot pairs[1, i], for i < count, in order (a later
-    pair naming the same snapshot wins): one program for every chunk of a step, which copies only those rows."""
-    state = row_state(cfg, cache)
+def save_snapshots(cfg: TextConfig, cache: Cache, snapshots, pairs):
+    """`snapshots` with the state of row pairs[0, i] saved as snapshot pairs[1, i], for every i: one program for
+    several chunks of a step. The pairs name distinct snapshots, or repeat one pair whole (`snapshot_batches`)."""
+    return jax.tree.map(lambda s, x: s.at[pairs[1]].set(x[pairs[0]]), snapshots, row_state(cfg, cache))
 
-    def save(i, saved):
-        return jax.tree.map(lambda s, x: s.at[pairs[1, i]].set(x[pairs[0, i]]), saved, state)
 
-    return jax.lax.fori_loop(0, count, save, snapshots)
+def snapshot_batches(saves: list[tuple[int, int]], size: int) -> list[np.ndarray]:
+    """A step's (row, snapshot id) saves, in order, as [2, size] int32 `pairs` of `save_snapshots`: where one id was
+    given twice (its first owner evicted within the step) the later pair alone, a short batch padded with its
+    last pair again."""
+    latest = {snapshot: row for row, snapshot in saves}
+    pairs = [(row, snapshot) for snapshot, row in latest.items()]
+    batches = [pairs[i:i + size] for i in range(0, len(pairs), size)]
+    return [np.asarray(batch + batch[-1:] * (size - len(batch)), np.int32).T for batch in batches]
 
 
 def restore_snapshot(cfg: TextConfig, cache: Cache, snapshots, row, snapshot) -> Cache:

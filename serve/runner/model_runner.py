@@ -252,15 +252,14 @@ class ModelRunner(StepCompilation, MixedSteps):
         return results
 
     def save_snapshots(self, saves: list[tuple[int, int]]) -> None:
-        """Save the state of each (slot, snapshot id) pair's slot as that snapshot, in order, in one program."""
-        self.snapshots = self._save(self.cache, self.snapshots,
-                                    *self.placement.put((self.snapshot_pairs(saves), np.int32(len(saves)))))
+        """Save the state of each (slot, snapshot id) pair's slot as that snapshot: one program for as many chunks as
+        a step of the largest chunks holds (`snapshot_batch`)."""
+        for pairs in cache_rows.snapshot_batches(saves, self.snapshot_batch):
+            self.snapshots = self._save(self.cache, self.snapshots, self.placement.put(pairs))
 
-    def snapshot_pairs(self, saves: list[tuple[int, int]]) -> np.ndarray:
-        """[2, rows]: slots, then snapshot ids, of a step's saves (at most one per slot), zero past them."""
-        pairs = np.zeros((2, self.config.num_rows), np.int32)
-        pairs[:, :len(saves)] = np.asarray(saves, np.int32).reshape(-1, 2).T
-        return pairs
+    @property
+    def snapshot_batch(self) -> int:
+        return max(1, self.config.max_num_batched_tokens // self.config.max_chunk)
 
     @staticmethod
     def _groups(chunks: list[Chunk]) -> list[list[Chunk]]:

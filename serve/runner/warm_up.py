@@ -113,7 +113,7 @@ class StepCompilation:
             save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshots,
                                                                       cache_rows.restore_snapshot))
             yield "save", jit(save, out_shardings=self.snapshot_shardings, donate_argnums=1).lower(
-                self.cache, self.snapshots, self.placement.put(self.snapshot_pairs([])), scalar)
+                self.cache, self.snapshots, self.placement.put(np.zeros((2, self.snapshot_batch), np.int32)))
             yield "restore", jit(restore, out_shardings=self.cache_shardings, donate_argnums=0).lower(
                 self.cache, self.snapshots, scalar, scalar)
 
