@@ -43,9 +43,9 @@ def test_budget_chunks_and_decodes_share_steps():
 def test_prefix_caching_takes_no_extra_chunk():
     for prefix_caching in (True, False):
         scheduler = make_scheduler(prefix_caching=prefix_caching)
-        seq = seq_of(19)  # pages of 4, chunks of at most 8: 8 + 8 + 3, not stopping at 16 (its last page boundary)
+        seq = seq_of(22)  # pages of 4, chunks of at most 8: 8 + 8 + 6, not 4 + 2 at 20 (its last page boundary)
         scheduler.add(seq)
-        assert [[c.num_tokens for c in run_step(scheduler)] for _ in range(3)] == [[8], [8], [3]]
+        assert [[c.num_tokens for c in run_step(scheduler)] for _ in range(3)] == [[8], [8], [6]]
 
 
 def test_prefill_rows_stay_within_a_compiled_bucket():
