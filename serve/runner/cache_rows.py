@@ -71,19 +71,20 @@ def empty_snapshots(cfg: TextConfig, cache: Cache, count: int) -> tuple[dict, ..
 
 
 def save_snapshots(cfg: TextConfig, cache: Cache, snapshots, pairs):
-    """`snapshots` with the state of row pairs[0, i] saved as snapshot pairs[1, i], for every i: one program for
-    several chunks of a step. The pairs name distinct snapshots, or repeat one pair whole (`snapshot_batches`)."""
-    return jax.tree.map(lambda s, x: s.at[pairs[1]].set(x[pairs[0]]), snapshots, row_state(cfg, cache))
+    """`snapshots` with the state of row pairs[0, i] saved as snapshot pairs[1, i], for i in order (a later pair
+    naming the same snapshot wins; one naming a snapshot past the pool saves nothing): one program for several
+    chunks of a step. Row by row, so that no copy of all their states is made at once."""
+    state = row_state(cfg, cache)
+    for i in range(pairs.shape[1]):
+        snapshots = jax.tree.map(lambda s, x: s.at[pairs[1, i]].set(x[pairs[0, i]], mode="drop"), snapshots, state)
+    return snapshots
 
 
-def snapshot_batches(saves: list[tuple[int, int]], size: int) -> list[np.ndarray]:
-    """A step's (row, snapshot id) saves, in order, as [2, size] int32 `pairs` of `save_snapshots`: where one id was
-    given twice (its first owner evicted within the step) the later pair alone, a short batch padded with its
-    last pair again."""
-    latest = {snapshot: row for row, snapshot in saves}
-    pairs = [(row, snapshot) for snapshot, row in latest.items()]
-    batches = [pairs[i:i + size] for i in range(0, len(pairs), size)]
-    return [np.asarray(batch + batch[-1:] * (size - len(batch)), np.int32).T for batch in batches]
+def snapshot_batches(saves: list[tuple[int, int]], size: int, pool: int) -> list[np.ndarray]:
+    """A step's (row, snapshot id) saves, in order, as [2, size] int32 `pairs` of `save_snapshots`; the last batch
+    padded with pairs that save nothing (snapshot id `pool`, past the pool's)."""
+    batches = [saves[i:i + size] for i in range(0, len(saves), size)]
+    return [np.asarray(batch + [(0, pool)] * (size - len(batch)), np.int32).T for batch in batches]
 
 
 def restore_snapshot(cfg: TextConfig, cache: Cache, snapshots, row, snapshot) -> Cache:

@@ -254,7 +254,7 @@ class ModelRunner(StepCompilation, MixedSteps):
     def save_snapshots(self, saves: list[tuple[int, int]]) -> None:
         """Save the state of each (slot, snapshot id) pair's slot as that snapshot: one program for as many chunks as
         a step of the largest chunks holds (`snapshot_batch`)."""
-        for pairs in cache_rows.snapshot_batches(saves, self.snapshot_batch):
+        for pairs in cache_rows.snapshot_batches(saves, self.snapshot_batch, self.config.snapshots):
             self.snapshots = self._save(self.cache, self.snapshots, self.placement.put(pairs))
 
     @property
