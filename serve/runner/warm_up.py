@@ -20,6 +20,7 @@ from serve.runner.steps import init_penalties, pack
 
 log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 30.0  # how often the warm-up logs how far its tracing has come
+SLOWEST_LOGGED = 5  # programs named in the warm-up's log line of the slowest compilations
 
 
 class StepCompilation:
@@ -32,7 +33,7 @@ class StepCompilation:
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             compiling, reported = {}, start
             for key, program in self._lowered_programs():
-                compiling[key] = pool.submit(program.compile, compile_options(key))
+                compiling[key] = pool.submit(_timed_compile, program, compile_options(key))
                 if time.perf_counter() - reported >= PROGRESS_EVERY_S:  # a large model's warm-up takes minutes
                     reported = time.perf_counter()
                     log.info("warm-up: %d programs traced in %.0fs, %d of them compiled", len(compiling),
@@ -40,6 +41,11 @@ class StepCompilation:
             log.info("traced %d programs in %.1fs; compiling the rest of them", len(compiling),
                      time.perf_counter() - start)
             compiled = {key: future.result() for key, future in compiling.items()}
+        seconds = {key: compiled[key][1] for key in compiled}
+        compiled = {key: program for key, (program, _) in compiled.items()}
+        slowest = sorted(seconds, key=seconds.get, reverse=True)[:SLOWEST_LOGGED]
+        log.info("slowest to compile (side by side, or found in the compilation cache): %s",
+                 ", ".join(f"{key} {seconds[key]:.1f}s" for key in slowest))
         pages = memory_plan.pages_that_fit(compiled, self.num_pages, self.page_bytes_per_device(),
                                            memory_plan.free_bytes(self.placement.device_list),
                                            self.config.num_pages is not None, spare)
@@ -157,3 +163,9 @@ class StepCompilation:
                                                            *self.placement.put((pack(self._inputs([], rows, chunk)),
                                                                                 np.full((rows, chunk), -1, np.int32))))
         jax.block_until_ready(self.cache)
+
+
+def _timed_compile(lowered, options):
+    """(the compiled program, seconds its compilation took)."""
+    start = time.perf_counter()
+    return lowered.compile(options), time.perf_counter() - start

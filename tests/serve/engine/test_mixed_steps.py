@@ -4,6 +4,7 @@ the engine that runs such steps as a decode program and a prefill program."""
 
 import collections
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -83,7 +84,8 @@ def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that
     """With mixed programs of 1 and 2 chunk rows (the default here: the smallest row bucket and the most rows of
     the largest chunk that the budget holds), the two long prompts prefilled side by side beside the decodes run in
     the 2-row ones. Each mixed program compiles with the options of its decode rows and chunk tokens
-    (`compile_options`' key). Told to report at every program, the warm-up logs each one traced."""
+    (`compile_options`' key). Told to report at every program, the warm-up logs each one traced, and at the end
+    the slowest compilations."""
     compiled = []
     options = warm_up.compile_options
     monkeypatch.setattr(warm_up, "compile_options", lambda key: compiled.append(key) or options(key))
@@ -92,6 +94,8 @@ def test_several_prompt_chunks_ride_along_in_the_program_of_the_fewest_rows_that
         outputs, shapes, metric = run(True)
     progress = [int(r.getMessage().split()[1]) for r in caplog.records if r.getMessage().startswith("warm-up: ")]
     assert progress == list(range(1, len(compiled) + 1))
+    (slowest,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slowest to compile")]
+    assert len(re.findall(r" \d+\.\ds(, |$)", slowest)) == warm_up.SLOWEST_LOGGED
     assert any(chunk_rows == 2 for _, chunk_rows in shapes) and metric == sum(shapes.values())
     assert_same(outputs, two_programs[0])
     assert {key[1:3] for key in compiled if key[0] == "mixed"} == {(r, t) for r in (1, 2, 5) for t in (16, 32)}
