@@ -4,22 +4,20 @@ and hands each request's outputs to its listener.
 Other threads only `submit`, `abort`, `drain` and `shutdown`; everything else (scheduler, pages, device state)
 belongs to the engine thread, so it needs no locks. A request is one or more sequences (n choices per prompt).
 
-Host work overlaps device work: a step's samples are first applied to their sequences (tokens appended, EOS,
-stop ids and length limits end them, freeing their slots), which the next step's schedule needs; the text work
-(detokenizing, stop strings, handing outputs to listeners) waits until the next step is dispatched and runs while
-the device computes it. A stop string found then ends a sequence that the step in flight still computes: the
-tokens it brings back for that sequence are dropped. A decode run that can go on (no waiting sequence could be
-admitted, every row has tokens left) is continued before its tokens are read: the next run feeds back the last
-tokens on device, so the device never waits for the host between runs; a sequence that ended in the first run
-has the second's tokens dropped. A request arriving meanwhile waits for the run in flight, but no run is
-continued or made multi-step while it waits for admission.
+Host work overlaps device work: a step's samples are applied to their sequences first (tokens appended; EOS, stop
+ids and length limits end them and free their slots), as the next schedule needs; the text work (detokenizing,
+stop strings, handing outputs to listeners) runs once the next step is dispatched, while the device computes it,
+and a stop string found then drops what that step brings back for its sequence. A decode run that can go on (no
+waiting sequence could be admitted, every row has tokens left) is continued on the device before its tokens are
+read, so the device waits for no host work between runs (`Metrics.device_wait` times the waits between other
+steps); a request arriving meanwhile waits for the run in flight, and no run is continued or made multi-step
+while it waits for admission.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import random
 import threading
 import time
 from typing import Callable
@@ -63,7 +61,6 @@ class Engine:
         self._unreported: list[tuple[Sequence, Sample]] = []  # applied tokens whose text is not yet out
         self._read_at = 0.0  # when the host read the unreported tokens
         self._inflight = None  # (chunks, dispatched): a decode run queued before the last one was read
-        self._waiting_since = None  # when the host read a step with nothing queued after it (`Metrics.device_wait`)
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
         self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
@@ -82,11 +79,10 @@ class Engine:
     # Called from other threads
 
     def start(self) -> None:
-        """Compile every step (see `warm_up_seconds`), then start the engine thread.
-
-        The objects alive by then (the model, its compiled programs, jax's caches: hundreds of thousands) are
-        frozen out of Python's garbage collector (`gc.freeze`): a full collection walks every tracked object, a
-        pause of the engine thread wherever one falls. `shutdown` unfreezes them."""
+        """Compile every step (see `warm_up_seconds`), then start the engine thread. The objects alive by then
+        (the model, its programs, jax's caches: hundreds of thousands) are frozen out of Python's garbage collector
+        (`gc.freeze`): a full collection walks every tracked object, a pause of the engine thread wherever one
+        falls. `shutdown` unfreezes them."""
         self.warm_up_seconds = self.runner.warm_up()
         compilation_count()  # listening from now on, before the engine thread runs anything
         gc.collect()
@@ -101,17 +97,13 @@ class Engine:
         of the (single) prompt's placeholders; `adapter`: the LoRA adapter they run with (None: the base). Raises
         QueueFull, EngineStopped, `serve.lora.slots.UnknownAdapter` or InvalidParams (`EngineConfig.check_request`)."""
         self.config.check_request(params)
-        adapter = self.runner.lora_adapter(adapter)
-        seed = random.getrandbits(32)
-        extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}
-        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, adapter=adapter,
-                         **extra) for i, prompt in enumerate(prompts) for j in range(n)]
-        request = Request(request_id, seqs, [make_parser() for _ in seqs], sink)
+        request = Request.of_prompts(request_id, prompts, params, n, make_parser, sink, media,
+                                     self.runner.lora_adapter(adapter))
         with self._lock:
             if not self._accepting:
                 raise EngineStopped(self._refusal)
             queued = self._queued + sum(len(r.seqs) for r in self._inbox)
-            if queued + len(seqs) > self.max_queued:
+            if queued + len(request.seqs) > self.max_queued:
                 self.metrics.rejected.inc()
                 raise QueueFull(f"{queued} sequences are already waiting (limit {self.max_queued})")
             self._inbox.append(request)
@@ -177,7 +169,8 @@ class Engine:
             if self._stop.is_set():
                 return
             if self.scheduler.idle:
-                self._inflight = self._waiting_since = None  # every sequence of a run still in flight has ended
+                self._inflight = None  # every sequence of a run still in flight has ended
+                self.metrics.device_wait.read(None)
                 if self._idle_work.deliver():  # new parameters or a freed cache: the prefix cache is stale
                     self._new_state()
                 self._report()
@@ -203,7 +196,7 @@ class Engine:
             self._update_gauges()
 
     def _fail_requests(self) -> None:
-        self._unreported, self._inflight, self._waiting_since = [], None, None
+        self._unreported, self._inflight = [], None
         for request_id in list(self._requests):
             self._end_request(request_id, "error")
 
@@ -255,22 +248,19 @@ class Engine:
         self._report()  # (a no-op where a dispatch above has reported)
         samples = self.runner.collect(dispatched)
         self._read_at = time.monotonic()
-        self._waiting_since = self._read_at if self._inflight is None else None
+        self.metrics.device_wait.read(self._read_at if self._inflight is None else None)
         self._unreported = self._apply(chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
 
     def _step_queued(self) -> None:
-        """A scheduled step's first program is queued: the device's wait for the host (if any) ends, and the text
-        of the step before goes out while the device computes."""
-        if self._waiting_since is not None:
-            self.metrics.device_wait.observe(time.monotonic() - self._waiting_since)
-            self._waiting_since = None
+        """The device has a step again; the step before's text goes out while it computes."""
+        self.metrics.device_wait.queued()
         self._report()
 
     def _apply(self, chunks: list[Chunk], samples: dict[int, list[Sample]],
                prompt_logprobs: dict[int, list[Sample]]) -> list[tuple[Sequence, Sample]]:
-        """Put a step's samples and prompt logprobs into their sequences; end those that hit EOS, a stop id or a
-        length limit (the sample's `finish_reason`), and those that asked only for prompt logprobs (max_tokens 0)
-        once their prompt is done. Returns the applied samples with their sequences, for `_report`."""
+        """Put a step's samples and prompt logprobs into their sequences; end those at EOS, a stop id or a length
+        limit (`finish_reason`) and those done with a prompt they only score (max_tokens 0); save the step's prefix
+        snapshots. Returns the applied samples with their sequences, for `_report`."""
         applied, saves = [], []
         for chunk in chunks:
             seq = chunk.seq
@@ -305,15 +295,14 @@ class Engine:
                 self._on_token(seq, sample, self._read_at)
 
     def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
-        """`Scheduler.decode_plan`, at the decode steps set now; a request that arrived meanwhile counts as
-        waiting, so that the next schedule sees it."""
+        """`Scheduler.decode_plan` at the decode steps set now; a request that arrived meanwhile counts as waiting."""
         with self._lock:
             mail = bool(self._inbox)
         return self.scheduler.decode_plan(chunks, ahead, self.decode_steps, mail)
 
     def _advance(self, seq: Sequence, num_tokens: int, saves: list[tuple[int, int]]) -> None:
-        """`num_tokens` more tokens are in the cache: publish its full pages, and where a prefill chunk ends at a
-        page boundary without a snapshot, add (slot, snapshot id) to the step's `saves`."""
+        """`num_tokens` more tokens are cached: publish full pages; a prefill chunk's end wanting a snapshot joins
+        `saves` as (slot, snapshot id)."""
         seq.num_cached += num_tokens
         if self.config.prefix_caching:
             self.blocks.register(seq)

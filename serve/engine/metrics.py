@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -42,10 +43,10 @@ class Metrics:
                                     "outside the shapes compiled at warm-up", registry=r)
         self.mixed_steps = Counter("inkling_mixed_steps", "Steps whose decodes and prompt chunks ran as one program "
                                    "(EngineConfig.mixed_steps)", registry=r)
-        self.device_wait = Histogram("inkling_device_wait_seconds", "Host time from reading a step's results to "
-                                     "queueing the next step, while the device had nothing queued and sequences "
-                                     "ran (applying samples, scheduling, building inputs); a decode run continued on "
-                                     "the device waits for none", registry=r, buckets=WAIT_BUCKETS)
+        self.device_wait = DeviceWait(Histogram(
+            "inkling_device_wait_seconds", "Host time from reading a step's results to queueing the next step, while "
+            "the device had nothing queued and sequences ran (applying samples, scheduling, building inputs); a "
+            "decode run continued on the device waits for none", registry=r, buckets=WAIT_BUCKETS))
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731
                                                       list(labels), registry=r)
@@ -146,3 +147,19 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class DeviceWait:
+    """The device's waits for the host between steps, into its histogram: from `read(at)` (a step's results read
+    at `at` with nothing queued after them; None: something is queued, or nothing runs) to `queued`."""
+
+    def __init__(self, histogram: Histogram):
+        self.histogram, self._since = histogram, None
+
+    def read(self, at: float | None) -> None:
+        self._since = at
+
+    def queued(self) -> None:
+        if self._since is not None:
+            self.histogram.observe(time.monotonic() - self._since)
+            self._since = None

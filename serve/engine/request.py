@@ -4,10 +4,12 @@ is, and the two ways `Engine.submit` refuses one.
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Callable, Protocol
 
 from serve.engine.outputs import Output, Sample
+from serve.engine.sampling_params import SamplingParams
 from serve.engine.sequence import Sequence
 
 
@@ -42,6 +44,18 @@ class Request:
         self.remaining = len(seqs)
         self.arrival = time.monotonic()
         self.last_token: dict[int, float] = {}
+
+    @classmethod
+    def of_prompts(cls, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int,
+                   make_parser: Callable[[], OutputParser], sink: Callable[[Output], None], media=None,
+                   adapter=None) -> Request:
+        """n choices of each prompt, choice i * n + j being prompt i's j-th, each with its own seed
+        (`SamplingParams.for_choice`: one drawn here where `params` has none). media, adapter: `Engine.submit`'s."""
+        seed = random.getrandbits(32)
+        extra = {} if media is None else {"media": (media.positions, media.embeddings), "hash_seed": media.digest}
+        seqs = [Sequence(prompt, params.for_choice(j, seed), request_id=request_id, index=i * n + j, adapter=adapter,
+                         **extra) for i, prompt in enumerate(prompts) for j in range(n)]
+        return cls(request_id, seqs, [make_parser() for _ in seqs], sink)
 
     def parse(self, seq: Sequence, sample: Sample) -> tuple[list, str | None]:
         """What its parser releases for one applied sample of `seq`, and the reason that sample ends the sequence
