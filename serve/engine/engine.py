@@ -252,7 +252,7 @@ class Engine:
         self._unreported = self._apply(chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
 
     def _step_queued(self) -> None:
-        """The device has a step again; the step before's text goes out while it computes."""
+        """The device has a step again: the previous step's text goes out while it computes."""
         self.metrics.device_wait.queued()
         self._report()
 
