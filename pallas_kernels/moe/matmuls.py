@@ -20,9 +20,10 @@ from pallas_kernels.moe.tuning import fit_dims
 MOSAIC = "mosaic"
 
 # TMA copies of swizzled tiles need the row count to be a multiple of the tiling: 8 rows when rows are the
-# major dimension, one 128-byte swizzle span when they are the minor one (tf32 weight gradient).
+# major dimension, one 128-byte swizzle span when they are the minor one (tf32 weight gradient). Mosaic GPU
+# cannot lay out these kernels' tiles narrower than one span: 64 16-bit elements, 32 fp32 ones.
 _ROW_ALIGN = 8
-_SWIZZLE_BYTES = 128
+SPAN_BYTES = 128
 
 
 def _needs_k_minor(dtype) -> bool:
@@ -36,7 +37,7 @@ def _pad_rows(a, align=_ROW_ALIGN):
 def _pad_depth(lhs, weights, transpose_rhs: bool):
     """The contraction (K) zero-padded to whole 128-byte swizzle spans, which the Mosaic-GPU kernels' tiles need (a
     tiny model's expert width as a K is 64 bytes in bf16); the zero columns add nothing to the products."""
-    pad = -lhs[0].shape[1] % (_SWIZZLE_BYTES // lhs[0].dtype.itemsize)
+    pad = -lhs[0].shape[1] % (SPAN_BYTES // lhs[0].dtype.itemsize)
     if not pad:
         return lhs, weights
     axis = 2 if transpose_rhs else 1
@@ -81,7 +82,7 @@ def tgmm(x, dy, group_sizes, *, cfg, interpret: bool | str):
     Without either the grid would have no K block and leave the output unwritten.
     """
     k, n = x.shape[1], dy.shape[1]
-    if k % cfg.wg_rows and not n % cfg.wg_rows and not k * x.dtype.itemsize % _SWIZZLE_BYTES:
+    if k % cfg.wg_rows and not n % cfg.wg_rows and not k * x.dtype.itemsize % SPAN_BYTES:
         return tgmm(dy, x, group_sizes, cfg=cfg, interpret=interpret).transpose(0, 2, 1)
     cfg = fit_dims(cfg, n, k)
     x = jnp.pad(x, [(0, 0), (0, -k % cfg.block_rows_out)])
@@ -90,7 +91,7 @@ def tgmm(x, dy, group_sizes, *, cfg, interpret: bool | str):
         return portable.tgmm_portable(x, dy, blocks, cfg=cfg)[:, :k]
     mosaic_interpret = interpret == MOSAIC
     if _needs_k_minor(x.dtype):
-        align = _SWIZZLE_BYTES // x.dtype.itemsize
+        align = SPAN_BYTES // x.dtype.itemsize
         out = tgmm_kernel(_pad_rows(x, align).T, _pad_rows(dy, align).T, blocks, k_minor=True, cfg=cfg,
                           interpret=mosaic_interpret)
     else:

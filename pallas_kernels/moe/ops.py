@@ -32,16 +32,11 @@ def _check(x, *weights):
             raise TypeError(f"x and weights must share a dtype, got {x.dtype} and {w.dtype}")
 
 
-# Mosaic GPU cannot lay out tiles narrower than one 128-byte swizzle span for these kernels: 64 16-bit elements,
-# 32 fp32 ones.
-SPAN_BYTES = 128
-
-
 def pad_expert_width(w_gate, w_up, w_down, multiple: int | None = None):
     """Zero-pads the expert width (I) to a multiple of `multiple` (default: a 128-byte span of the weights'
     dtype), for a tiny model's experts. The padded SwiGLU columns are silu(0) * 0 = 0, so the output is
     unchanged; the padding's gradients are dropped."""
-    multiple = multiple or SPAN_BYTES // jnp.dtype(w_gate.dtype).itemsize
+    multiple = multiple or matmuls.SPAN_BYTES // jnp.dtype(w_gate.dtype).itemsize
     pad = -w_gate.shape[-1] % multiple
     if not pad:
         return w_gate, w_up, w_down
