@@ -40,9 +40,9 @@ class StepCompilation:
                              reported - start, sum(f.done() for f in compiling.values()))
             log.info("traced %d programs in %.1fs; compiling the rest of them", len(compiling),
                      time.perf_counter() - start)
-            compiled = {key: future.result() for key, future in compiling.items()}
-        seconds = {key: compiled[key][1] for key in compiled}
-        compiled = {key: program for key, (program, _) in compiled.items()}
+            built = {key: future.result() for key, future in compiling.items()}  # (program, seconds)
+        compiled = {key: program for key, (program, _) in built.items()}
+        seconds = {key: took for key, (_, took) in built.items()}
         slowest = sorted(seconds, key=seconds.get, reverse=True)[:SLOWEST_LOGGED]
         log.info("slowest to compile (side by side, or found in the compilation cache): %s",
                  ", ".join(f"{key} {seconds[key]:.1f}s" for key in slowest))
