@@ -15,6 +15,7 @@ from serve.random_weights import random_model
 from serve.runner import cache_rows
 from tests.backends import REFERENCE
 
+HIT_TOKENS = "inkling_prefix_cache_hit_tokens_total"
 CONFIG = preset("tiny").replace(num_layers=2, local_layer_ids=(0,), dense_layer_ids=(0,))  # sliding + full layer
 
 
@@ -56,9 +57,9 @@ def test_a_steps_snapshots_are_saved_at_once_and_hits_equal_misses():
         params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1, ignore_eos=True)
         missed = generate(engine, prompts, params)  # the three prefilled side by side, three chunks a step
         assert calls == [3, 3]
-        hits = engine.metrics.prefix_hits._value.get()
+        hits = engine.metrics.registry.get_sample_value(HIT_TOKENS)
         hit = generate(engine, prompts, params)
-        assert engine.metrics.prefix_hits._value.get() - hits == 3 * 32
+        assert engine.metrics.registry.get_sample_value(HIT_TOKENS) - hits == 3 * 32
         # The hit computes from 32 what the miss's third chunk computed from 32: the same, given the same state.
         assert [r.token_ids for r in hit] == [r.token_ids for r in missed]
         np.testing.assert_allclose([r.logprobs for r in hit], [r.logprobs for r in missed], rtol=0, atol=1e-6)
