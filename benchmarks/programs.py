@@ -54,8 +54,8 @@ def decode_program_call(engine: Engine, num_rows: int, cached: int = 128, steps:
     program = runner._steps[rows, 1, runner.config.full_sampler(1, False)]  # greedy rows' sampler
 
     def call():
-        _, last_tokens = runner.run_decode(program, rows, inputs, steps)
-        return last_tokens
+        samples, _ = runner.run_decode(program, rows, inputs, steps)
+        return samples
 
     return call
 
@@ -73,7 +73,7 @@ def prefill_program_seconds(engine: Engine, num_rows: int, tokens: int) -> float
     program = runner._steps[rows, chunk, runner.config.full_sampler(chunk, False)]  # greedy rows' sampler
 
     def call():
-        runner.cache, runner.penalties, out = program(runner.params, runner.cache, runner.penalties, inputs)
+        runner.cache, runner.row_state, out = program(runner.params, runner.cache, runner.row_state, inputs)
         return out
 
     return median_seconds(call, trials=5, calls=CALLS)
@@ -90,7 +90,7 @@ def mixed_program_seconds(engine: Engine, num_rows: int, cached: int, chunk_rows
     program = runner._mixed[rows, chunk_rows, runner.config.full_sampler(1, False)]  # greedy rows' sampler
 
     def call():
-        runner.cache, runner.penalties, *out = program(runner.params, runner.cache, runner.penalties, decode,
+        runner.cache, runner.row_state, *out = program(runner.params, runner.cache, runner.row_state, decode,
                                                        prefill)
         return out
 

@@ -7,11 +7,12 @@ belongs to the engine thread, so it needs no locks. A request is one or more seq
 Host work overlaps device work: a step's samples are applied to their sequences first (tokens appended; EOS, stop
 ids and length limits end them and free their slots), as the next schedule needs; the text work (detokenizing,
 stop strings, handing outputs to listeners) runs once the next step is dispatched, while the device computes it,
-and a stop string found then drops what that step brings back for its sequence. A decode run that can go on (no
-waiting sequence could be admitted, every row has tokens left) is continued on the device before its tokens are
-read, so the device waits for no host work between runs (`Metrics.device_wait` times the waits between other
-steps); a request arriving meanwhile waits for the run in flight, and no run is continued or made multi-step
-while it waits for admission.
+and a stop string found then drops what that step brings back for its sequence. The device waits for no host work
+between steps where the next can be queued before the one in flight is read: a decode run that can go on (no
+waiting sequence could be admitted, every row has tokens left) is continued on the device, and a step that
+samples one token a row is followed by the next (`serve.engine.steps_ahead`). `Metrics.device_wait` times the
+waits between other steps. A request arriving meanwhile waits for the run in flight, and no run is continued or
+made multi-step while it waits for admission.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from serve.engine.request import EngineStopped, OutputParser, QueueFull, Request
 from serve.engine.sampling_params import SamplingParams
 from serve.engine.scheduler import Chunk, Scheduler
 from serve.engine.sequence import Sequence
+from serve.engine.steps_ahead import StepsAhead
 from serve.runner.compilation import compilation_count
 from serve.runner.drafters import OracleDrafter
 from serve.runner.model_runner import ModelRunner
@@ -40,7 +42,7 @@ from serve.runner.placement import Placement
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(StepsAhead):
     def __init__(self, model: InklingModel, config: EngineConfig, *, eos_token_id: int,
                  metrics: Metrics | None = None, placement: Placement | None = None,
                  oracle: OracleDrafter | None = None, draft_model: InklingModel | None = None):
@@ -60,7 +62,7 @@ class Engine:
         self._owner: dict[int, Request] = {}  # seq_id -> its request
         self._unreported: list[tuple[Sequence, Sample]] = []  # applied tokens whose text is not yet out
         self._read_at = 0.0  # when the host read the unreported tokens
-        self._inflight = None  # (chunks, dispatched): a decode run queued before the last one was read
+        self._inflight = None  # (chunks, dispatched, applied ahead): a step queued before the last one was read
         self._queued = 0  # sequences not yet in a slot, as last seen by the engine thread
         self.max_queued = config.max_queued  # adjustable while serving
         self.decode_steps = config.decode_steps  # adjustable while serving, up to the compiled decode_steps
@@ -219,37 +221,37 @@ class Engine:
         self._update_gauges()  # aborts free their slots and pages now, not at the next step
 
     def step(self) -> None:
-        if self._inflight is not None:  # a continuation queued by the last step: read it now
-            (chunks, dispatched), self._inflight = self._inflight, None
+        if self._inflight is not None:  # queued by the last step: read it now
+            (chunks, dispatched, applied_ahead), self._inflight = self._inflight, None
         else:
-            preempted = self.scheduler.num_preemptions
-            chunks = self.scheduler.schedule()
-            for seq in self.scheduler.take_unservable():  # its adapter's files are gone or changed
-                self._finish(seq, "error", [])
-            self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+            chunks = self._next_step()
             if not chunks:
                 self._report()
                 return
-            for chunk in chunks:
-                if chunk.admitted:
-                    self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
-            for chunk, steps in zip(chunks, self._decode_plan(chunks, [0] * len(chunks)) or ()):
-                chunk.steps = steps
             # The previous step's text is reported while the device runs this one.
             dispatched = self.runner.dispatch(chunks, on_queued=self._step_queued)
-        # A decode run that can go on is continued before its tokens are read, so that the device does not
-        # wait for the host's reading, stop checks and scheduling.
-        ahead = [c.steps for c in chunks]
-        plan = self._decode_plan(chunks, ahead)
-        if plan is not None:
-            following = [Chunk(c.seq, 1, steps=n, ahead=a) for c, a, n in zip(chunks, ahead, plan)]
-            self._inflight = following, self.runner.dispatch(
-                following, on_queued=self._report, previous=self.runner.last_tokens(dispatched))
+            applied_ahead = self._apply_ahead(chunks)
+        self._queue_next(chunks, dispatched, applied_ahead)
         self._report()  # (a no-op where a dispatch above has reported)
         samples = self.runner.collect(dispatched)
         self._read_at = time.monotonic()
         self.metrics.device_wait.read(self._read_at if self._inflight is None else None)
-        self._unreported = self._apply(chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
+        self._unreported = self._fill(chunks, samples) if applied_ahead else self._apply(
+            chunks, samples, self.runner.collect_prompt_logprobs(dispatched))
+
+    def _next_step(self, ahead: bool = False) -> list[Chunk]:
+        """The scheduled chunks of the next step (`Scheduler.schedule`), each with its decode steps."""
+        preempted = self.scheduler.num_preemptions
+        chunks = self.scheduler.schedule(ahead)
+        for seq in self.scheduler.take_unservable():  # its adapter's files are gone or changed
+            self._finish(seq, "error", [])
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted)
+        for chunk in chunks:
+            if chunk.admitted:
+                self.metrics.record_admission(len(chunk.seq), chunk.seq.prefix_hit)
+        for chunk, steps in zip(chunks, self._decode_plan(chunks, [0] * len(chunks)) or ()):
+            chunk.steps = steps
+        return chunks
 
     def _step_queued(self) -> None:
         """The device has a step again: the previous step's text goes out while it computes."""
@@ -293,12 +295,6 @@ class Engine:
         for seq, sample in applied:
             if seq.seq_id in self._owner:  # not ended by an earlier stop string or an abort
                 self._on_token(seq, sample, self._read_at)
-
-    def _decode_plan(self, chunks: list[Chunk], ahead: list[int]) -> list[int] | None:
-        """`Scheduler.decode_plan` at the decode steps set now; a request that arrived meanwhile counts as waiting."""
-        with self._lock:
-            mail = bool(self._inbox)
-        return self.scheduler.decode_plan(chunks, ahead, self.decode_steps, mail)
 
     def _advance(self, seq: Sequence, num_tokens: int, saves: list[tuple[int, int]]) -> None:
         """`num_tokens` more tokens are cached: publish full pages; a prefill chunk's end wanting a snapshot joins

@@ -39,6 +39,10 @@ class Chunk:
     steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
     ahead: int = 0  # steps (tokens, or speculative rounds) of a decode run in flight that this chunk continues
     scores: bool = False  # it computes its positions' prompt logprobs (`Sequence.scores_prompt` when scheduled)
+    ends: bool = dataclasses.field(init=False)  # it ends its sequence's known tokens (as scheduled)
+
+    def __post_init__(self):
+        self.ends = self.seq.num_cached + self.num_tokens == len(self.seq)
 
     @property
     def prefill(self) -> bool:
@@ -47,8 +51,8 @@ class Chunk:
 
     @property
     def samples(self) -> int:
-        """Tokens this chunk samples: `steps` if it ends its sequence's known tokens (as scheduled), else 0."""
-        return self.steps if self.seq.num_cached + self.num_tokens == len(self.seq) else 0
+        """Tokens this chunk samples: `steps` if it ends its sequence's known tokens, else 0."""
+        return self.steps if self.ends else 0
 
 
 class Scheduler:
@@ -70,15 +74,24 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, ahead: bool = False) -> list[Chunk]:
+        """The next step's chunks. `ahead`: the sequences stand as the step in flight leaves them, its samples not
+        yet read (`Sequence.num_pending`): a sequence whose pending token reaches its length limit gets no chunk,
+        and nothing is preempted: where pages run short, no step (the engine reads the one in flight first)."""
         budget = self.config.max_num_batched_tokens
         chunks = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING:  # preempted while making room for an older one
                 continue
+            if seq.num_pending and seq.reached_length(self.config.max_model_len):
+                continue
             n = self._chunk_size(seq, budget)
             end = seq.num_cached + n + self.config.lookahead  # speculative steps write past their tokens
-            if n == 0 or not self._fits(chunks, seq, n) or not self._make_room(seq, end):
+            if n == 0 or not self._fits(chunks, seq, n):
+                continue
+            if ahead and not self.blocks.can_grow(seq, end):
+                return []
+            if not self._make_room(seq, end):
                 continue
             self.blocks.grow(seq, end)
             chunks.append(Chunk(seq, n, scores=seq.scores_prompt))
@@ -107,7 +120,7 @@ class Scheduler:
         cfg, blocks = self.config, self.blocks
         steps = min(decode_steps, cfg.decode_steps)
         admissible = (self.waiting or mail) and self.free_slots
-        if admissible or any(c.prefill or c.seq.finished for c in chunks):
+        if not chunks or admissible or any(c.prefill or c.seq.finished for c in chunks):
             return None
         plan = [min(steps, c.seq.params.max_tokens - c.seq.num_output - a, cfg.max_model_len - len(c.seq) - a)
                 for c, a in zip(chunks, ahead)]

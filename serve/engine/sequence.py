@@ -3,6 +3,9 @@
 A request with n choices (or several prompts) is several sequences. `num_cached` tokens are in the cache; the
 tokens after them are what the next step must feed (the whole prompt, a prefill chunk, or the one token just
 sampled). Preemption drops the cache (`num_cached = 0`) and keeps the tokens, so it resumes by recompute.
+
+While a step is in flight whose results the engine applied ahead (`serve.engine.steps_ahead`), `num_cached`
+counts its tokens and each token it samples stands as PENDING at the end of the tokens until it is read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class Status(enum.Enum):
 
 _ids = itertools.count()
 
+PENDING = -1  # a sampled token not yet read: the device feeds the row's last sample in its place
+
 
 class Sequence:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, *, request_id: str = "", index: int = 0,
@@ -35,6 +40,7 @@ class Sequence:
         self.token_ids = list(prompt_ids)
         self.num_prompt = len(prompt_ids)
         self.num_cached = 0
+        self.num_pending = 0  # trailing tokens that are PENDING
         self.status = Status.WAITING
         self.slot: int | None = None
         self.block_ids: list[int] = []
@@ -82,17 +88,24 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def end_reason(self, token: int, eos_token_id: int, max_model_len: int) -> str | None:
-        """Why the sequence ends with `token` just appended: "stop" (EOS unless ignored, or a stop id), "length"
-        (max_tokens or the context), else None."""
+        """Why the sequence ends with `token`, its last token but the pending ones: "stop" (EOS unless ignored,
+        or a stop id), "length" (max_tokens or the context), else None."""
         p = self.params
         if (token == eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             return "stop"
-        if self.num_output >= p.max_tokens or len(self) >= max_model_len:
-            return "length"
-        return None
+        return "length" if self.reached_length(max_model_len, self.num_pending) else None
+
+    def reached_length(self, max_model_len: int, but: int = 0) -> bool:
+        """Whether its tokens but the last `but` reach max_tokens or the context."""
+        return self.num_output - but >= self.params.max_tokens or len(self) - but >= max_model_len
 
     def append(self, token: int) -> None:
         self.token_ids.append(token)
+
+    def fill_pending(self, token: int) -> None:
+        """The oldest pending token is `token`."""
+        self.token_ids[len(self) - self.num_pending] = token
+        self.num_pending -= 1
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, tokens={len(self)}, cached={self.num_cached}, "

@@ -20,11 +20,11 @@ from serve.runner.steps import pack
 class MixedSteps:
     mixed_runs = 0  # mixed steps dispatched so far
 
-    def runs_mixed(self, groups: list[list[Chunk]], previous) -> bool:
+    def runs_mixed(self, groups: list[list[Chunk]]) -> bool:
         """Whether a step of these groups (`_groups`: decodes, then prefill chunks) runs as a mixed program: one
         token per decode row (no continuation of a decode run) and prompt chunks that score no prompt, as many as
         a mixed program holds."""
-        if not self.config.mixed_buckets or len(groups) != 2 or previous is not None:
+        if not self.config.mixed_buckets or len(groups) != 2:
             return False
         decode, prefill = groups
         return (self.config.mixed_prefill_bucket(len(prefill)) is not None and not any(c.scores for c in prefill)
@@ -38,7 +38,7 @@ class MixedSteps:
         inputs = self.placement.put((pack(self._inputs(decode, rows, 1)),
                                      pack(self._inputs(prefill, chunk_rows, self.config.max_chunk))))
         program = self._mixed[rows, chunk_rows, self._full(decode + prefill, 1)]
-        self.cache, self.penalties, decode_out, prefill_out = program(self.params, self.cache, self.penalties,
+        self.cache, self.row_state, decode_out, prefill_out = program(self.params, self.cache, self.row_state,
                                                                       *inputs)
         on_queued()
         self.mixed_runs += 1

@@ -37,7 +37,7 @@ from serve.runner.routing_record import RoutingRecord
 from serve.runner.sampler import read_samples, unpack_samples
 from serve.runner.speculative import (SpeculativePrograms, cache_layout, check_speculative, drafter_layers,
                                      init_serving_cache, no_previous_round)
-from serve.runner.steps import PenaltyState, StepInputs, StepPrograms, pack, step_inputs
+from serve.runner.steps import RowState, StepInputs, StepPrograms, pack, step_inputs
 from serve.runner.warm_up import StepCompilation
 
 log = logging.getLogger(__name__)
@@ -91,11 +91,11 @@ class ModelRunner(StepCompilation, MixedSteps):
                   self._constrain_cache, self._whole)
         self.programs = StepPrograms(*shared, routing_page_size=config.page_size if config.record_experts else None) \
             if spec is None else SpeculativePrograms(*shared, config=model.config, speculative=spec)
-        # The step indices and the "no previous tokens" rows of the decode runs, on device once.
+        # The step indices of the decode runs and the carry of a run of speculative rounds that continues none, on
+        # device once.
         self._step_index = [self.placement.put(np.int32(k)) for k in range(config.decode_steps + 1)]
-        self._no_tokens = {rows: self.placement.put(np.zeros((rows,), np.int32) if spec is None else
-                                                    no_previous_round(rows, spec.num_draft_tokens))
-                           for rows in config.rows}
+        self._no_round = {} if spec is None else {
+            rows: self.placement.put(no_previous_round(rows, spec.num_draft_tokens)) for rows in config.rows}
         self._steps: dict[tuple[int, int, bool], object] = {}  # (rows, tokens, full sampler) -> program
         self._mixed: dict[tuple[int, int, bool], object] = {}  # (decode rows, chunk rows, full sampler) -> program
         self._save = self._restore = self._init_penalties = self._scoring = None
@@ -138,15 +138,16 @@ class ModelRunner(StepCompilation, MixedSteps):
             raise MemoryError(f"the KV pool of {self.num_pages} pages ({gib:.1f} GiB per device) could not be "
                               f"allocated: pass fewer with --num-pages, or a smaller --memory-fraction "
                               f"({str(err).splitlines()[0]})") from None
-        self.penalties = self.placement.put(PenaltyState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
-                                                         jnp.zeros((cfg.num_rows, self.vocab), bool)))
+        self.row_state = self.placement.put(RowState(jnp.zeros((cfg.num_rows, self.vocab), jnp.int32),
+                                                     jnp.zeros((cfg.num_rows, self.vocab), bool),
+                                                     jnp.zeros((cfg.num_rows,), jnp.int32)))
         self.routing = RoutingRecord(self.num_pages, cfg.page_size, self.model.config.text) if cfg.record_experts \
             else None
 
     def free_cache(self) -> None:
         """Drop the device state (`reset` makes it): its memory goes back once nothing else holds it, and the next
         `dispatch` allocates it afresh."""
-        self.cache = self.snapshots = self.penalties = self.routing = None
+        self.cache = self.snapshots = self.row_state = self.routing = None
 
     def check_params(self, leaves: list) -> None:
         """Raises unless `leaves` can replace `params` without a recompilation: as many arrays, each of the same
@@ -182,7 +183,8 @@ class ModelRunner(StepCompilation, MixedSteps):
         """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
         waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
         there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`:
-        `last_tokens` of the decode run in flight that continuation chunks (`Chunk.ahead`) follow."""
+        `last_tokens` of the run of speculative rounds in flight that continuation chunks (`Chunk.ahead`) follow (a
+        run of plain decode steps is continued from each row's last sample on the device)."""
         if self.cache is None:  # freed while idle (`free_cache`)
             self.reset()
         put = self.placement.put
@@ -194,23 +196,23 @@ class ModelRunner(StepCompilation, MixedSteps):
             if chunk.admitted and seq.params.uses_penalties:
                 tokens = np.full((self.config.max_model_len,), -1, np.int32)
                 tokens[:len(seq)] = seq.token_ids
-                self.penalties = self._init_penalties(self.penalties, *put((np.int32(seq.slot), tokens,
+                self.row_state = self._init_penalties(self.row_state, *put((np.int32(seq.slot), tokens,
                                                                             np.int32(seq.num_prompt))))
         groups = self._groups(chunks)
-        if self.runs_mixed(groups, previous):
+        if self.runs_mixed(groups):
             return self.dispatch_mixed(*groups, on_queued)
         return [(group, *self._dispatch(group, on_queued if i == 0 else lambda: None, previous))
                 for i, group in enumerate(groups)]
 
     @staticmethod
     def last_tokens(dispatched: list):
-        """What a continuation of a dispatched decode run starts from: the device tokens its last step sampled;
-        a run of speculative rounds' carry, and the sequences' output counts where that carry starts."""
+        """What a continuation of a dispatched run of speculative rounds starts from: the run's carry, and the
+        sequences' output counts where that carry starts (None for plain decode steps)."""
         return dispatched[0][2]
 
     def collect(self, dispatched: list) -> dict[int, list[Sample]]:
         """Wait for a dispatched step; returns seq_id -> the chunk's `steps` Samples (with the request's
-        `logprobs` most likely tokens) for every chunk that ends its sequence's known tokens; a speculative
+        `logprobs` most likely tokens) for every chunk that ends its running sequence's known tokens; a speculative
         round's, as many as the row emitted. Drafts go to their sequences (`Sequence.drafts`), and each round's
         acceptance to `Sequence.accepted` and `on_round`."""
         results = {}
@@ -222,7 +224,7 @@ class ModelRunner(StepCompilation, MixedSteps):
             kept, drafts, verified = (None, None, None) if drafted is None else jax.device_get(drafted)
             for chunk, row in zip(group, self._row_index(group)):
                 seq = chunk.seq
-                if not chunk.samples:
+                if not chunk.samples or seq.finished:  # (an ended sequence has no row left)
                     continue
                 if drafts is not None:
                     seq.drafts = drafts[row].tolist()
@@ -247,7 +249,7 @@ class ModelRunner(StepCompilation, MixedSteps):
             if scored is not None:
                 host = np.asarray(jax.device_get(scored))
                 for chunk, row in zip(group, self._row_index(group)):
-                    if chunk.scores:
+                    if chunk.scores and not chunk.seq.finished:
                         results[chunk.seq.seq_id] = read_prompt_logprobs(host, row, chunk.seq.params.prompt_logprobs)
         return results
 
@@ -292,20 +294,20 @@ class ModelRunner(StepCompilation, MixedSteps):
         inputs = self.placement.put(pack(self._inputs(group, rows, chunk, start)))
         if any(c.scores for c in group):
             targets = self.placement.put(prompt_targets(group, self._row_index(group), rows, chunk))
-            self.cache, self.penalties, out, scored, *drafts = self._scoring(self.params, self.cache, self.penalties,
+            self.cache, self.row_state, out, scored, *drafts = self._scoring(self.params, self.cache, self.row_state,
                                                                              inputs, targets)
             on_queued()
             return [out], None, scored, (None, drafts[0], None) if drafts else None
         program = self._steps[rows, chunk, self._full(group, chunk)]
         if chunk > 1:
-            self.cache, self.penalties, out, *drafts = program(self.params, self.cache, self.penalties, inputs)
+            self.cache, self.row_state, out, *drafts = program(self.params, self.cache, self.row_state, inputs)
             on_queued()
             return [out], None, None, (None, drafts[0], None) if drafts else None
         if self.speculative:  # a run of rounds; one continuing a run in flight starts at round 1 from its carry
             outs, carry = self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued,
                                           None if previous is None else previous[0], first=int(previous is not None))
             return [o[0] for o in outs], (carry, start), None, ([o[1] for o in outs], carry[1], [o[2] for o in outs])
-        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued, previous), None, None
+        return *self.run_decode(program, rows, inputs, max(c.steps for c in group), on_queued), None, None
 
     def _assign_adapters(self, chunks: list[Chunk]) -> None:
         """Puts the chunks' LoRA adapters in device slots and gives their sequences the slots (`AdapterSlots.assign`);
@@ -321,14 +323,18 @@ class ModelRunner(StepCompilation, MixedSteps):
     def run_decode(self, program, rows: int, inputs, num_steps: int, on_queued: Callable[[], None] = lambda: None,
                    previous=None, first: int = 0):
         """`num_steps` dispatches of a compiled decode program over the same (device) inputs, steps `first`,
-        `first` + 1, .., each feeding the next its samples (the first feeds `previous` to rows whose input id is
-        -1; a speculative round its carry); calls `on_queued` after the first. Returns the samples of every step
-        and the last step's tokens (a round's carry)."""
+        `first` + 1, .., each feeding the next its samples (`RowState.last_token`; speculative rounds: their carry,
+        starting from `previous`); calls `on_queued` after the first. Returns the samples of every step and the
+        last round's carry (None without speculative decoding)."""
         outs = []
-        previous = self._no_tokens[rows] if previous is None else previous
+        if self.speculative:
+            previous = self._no_round[rows] if previous is None else previous
         for k in range(num_steps):
-            self.cache, self.penalties, out, previous = program(self.params, self.cache, self.penalties, inputs,
-                                                                self._step_index[first + k], previous)
+            args = (self.params, self.cache, self.row_state, inputs, self._step_index[first + k])
+            if self.speculative:
+                self.cache, self.row_state, out, previous = program(*args, previous)
+            else:
+                self.cache, self.row_state, out = program(*args)
             outs.append(out)
             if k == 0:
                 on_queued()

@@ -43,7 +43,7 @@ from serve.engine.config import SpeculativeConfig
 from serve.runner.rollback import keep_conv_prefix
 from serve.runner.rejection import verify
 from serve.runner.sampler import pack_samples
-from serve.runner.steps import PackedInputs, PenaltyState, StepInputs, StepPrograms, unpack
+from serve.runner.steps import PackedInputs, RowState, StepInputs, StepPrograms, unpack, with_last_token
 
 
 def drafter_layers(config: InklingConfig, speculative: SpeculativeConfig | None,
@@ -122,7 +122,7 @@ class SpeculativePrograms(StepPrograms):
         self.trunk_layers = config.text.num_layers
         self.history = config.text.conv_kernel_size - 1
 
-    def round(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
+    def round(self, param_leaves, cache, row_state: RowState, packed: PackedInputs, step, previous, *,
               gather: bool, full: bool):
         """Round `step` (int32 scalar) of a run of rounds over the same inputs (module docstring), ids [R, K + 1]
         and an oracle's plan after them (`drafters.plan_columns`: the later rounds verify its drafts, not the
@@ -131,7 +131,7 @@ class SpeculativePrograms(StepPrograms):
         [R, K], tokens emitted [R]; zeros at round 0 of a run that continues none). A run that continues one still
         in flight starts at round 1 with that run's carry: its inputs start from the host's applied state, whose
         tokens past the carry's start are `applied` [R]. Row r emits at most `steps[r]` tokens past that state.
-        Returns (cache, penalties, (samples [K + 1, R, 2 + 2N] (`sampler.pack_samples` per position), tokens each
+        Returns (cache, row_state, (samples [K + 1, R, 2 + 2N] (`sampler.pack_samples` per position), tokens each
         row emitted [R], drafts it verified [R]), carry)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
@@ -156,13 +156,13 @@ class SpeculativePrograms(StepPrograms):
         take = lambda x: x.at[inp.rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         logits = model.logits(hidden)
         out, accepted = verify(self.whole(logits) if full else logits, inp.ids, inp.n_new, inp.params,
-                               take(penalties.counts), take(penalties.prompt_mask), self.num_top, full,
+                               take(row_state.counts), take(row_state.prompt_mask), self.num_top, full,
                                self.filters)
         active = left > 0
         kept = jnp.where(active, accepted + 1, 0)
         trunk = keep_conv_prefix(trunk, kept, self.history)
         trunk = trunk.replace(lengths=inp.lengths + kept)
-        counts = penalties.counts.at[inp.rows[:, None], out.tokens].add(
+        counts = row_state.counts.at[inp.rows[:, None], out.tokens].add(
             ((jnp.arange(width)[None, :] < kept[:, None]) & inp.params.uses_penalties[:, None]).astype(jnp.int32),
             mode="drop")
         drafts = jnp.zeros((rows, self.num_drafts), jnp.int32)
@@ -177,7 +177,8 @@ class SpeculativePrograms(StepPrograms):
         samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
                                .reshape(rows, width, -1), 1, 0)
         carry = (jnp.where(active, after, last), jnp.where(active[:, None], drafts, drafted), carried + kept)
-        return cache, penalties.replace(counts=counts), (samples, kept, jnp.maximum(inp.n_new - 1, 0)), carry
+        row_state = with_last_token(row_state.replace(counts=counts), inp.rows, active, after)
+        return cache, row_state, (samples, kept, jnp.maximum(inp.n_new - 1, 0)), carry
 
     def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):
         """After a prefill chunk: the drafter over the chunk (the MTP depths read the token after each position:

@@ -5,8 +5,8 @@ Inkling's vocabulary the head over every position would be the step's largest ma
 variant with prompt-logprob targets (`serve.runner.prompt_logprobs`) runs the head at every position and also
 returns the positions' logprobs.
 `decode`: step `step` of a run of one-token steps over the same inputs, each row feeding back its own sample
-(`previous`, a device array) so the host dispatches the next step without waiting for this one and reads the
-samples of the whole run at once. Row r takes `steps[r]` of them (0: a padding row, untouched). Sampling uses
+(`RowState.last_token`, on the device) so the host dispatches the next step without waiting for this one and reads
+the samples of the whole run at once. Row r takes `steps[r]` of them (0: a padding row, untouched). Sampling uses
 each row's parameters and (seed, output index), so the tokens equal those of one call per token; the host
 discards what follows a stop. The run is host-driven rather than an on-device loop because XLA's GPU while loop
 reads its condition on the host at every iteration and copies loop-carried buffers: idle device time per token
@@ -97,20 +97,23 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
 
 
 @struct.dataclass
-class PenaltyState:
-    counts: jax.Array  # [rows, V] int32: output tokens so far
-    prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt
+class RowState:
+    """What the programs carry per cache row from step to step, besides the cache."""
+    counts: jax.Array  # [rows, V] int32: output tokens so far (penalties)
+    prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt (penalties)
+    last_token: jax.Array  # [rows] int32: the row's last sample, which a decode input id of -1 stands for
 
 
-def init_penalties(penalties: PenaltyState, row, tokens, num_prompt) -> PenaltyState:
+def init_penalties(row_state: RowState, row, tokens, num_prompt) -> RowState:
     """Row `row` starts a sequence whose known tokens are `tokens` (-1 padded); the first `num_prompt` are its
     prompt."""
-    vocab = penalties.counts.shape[1]
+    vocab = row_state.counts.shape[1]
     position = jnp.arange(tokens.shape[0])
     index = jnp.where(tokens >= 0, tokens, vocab)  # padding: out of range, dropped
     counts = jnp.zeros((vocab,), jnp.int32).at[index].add((position >= num_prompt).astype(jnp.int32), mode="drop")
     in_prompt = jnp.zeros((vocab,), bool).at[jnp.where(position < num_prompt, index, vocab)].set(True, mode="drop")
-    return PenaltyState(penalties.counts.at[row].set(counts), penalties.prompt_mask.at[row].set(in_prompt))
+    return row_state.replace(counts=row_state.counts.at[row].set(counts),
+                             prompt_mask=row_state.prompt_mask.at[row].set(in_prompt))
 
 
 class StepPrograms:
@@ -127,7 +130,7 @@ class StepPrograms:
         self.whole = whole
         self.routing_page_size = routing_page_size
 
-    def prefill(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, targets=None, *,
+    def prefill(self, param_leaves, cache, row_state: RowState, packed: PackedInputs, targets=None, *,
                 gather: bool, full: bool):
         """A prefill chunk per row; `full` as in `decode`. With `targets` [R, T] (`prompt_logprobs.prompt_targets`)
         the head also runs at every position, and a fourth output holds their prompt logprobs
@@ -140,10 +143,10 @@ class StepPrograms:
         last = jnp.maximum(inp.n_new - 1, 0)
         hidden, sub, experts = model.extend_routed(inp.ids, sub, inp.n_new, embeds=_embeds(model, inp))
         logits = model.logits(hidden[jnp.arange(hidden.shape[0]), last])
-        out, counts = self._sample(model, logits, penalties, inp.rows, inp.params, inp.steps > 0, full)
+        out, row_state = self._sample(model, logits, row_state, inp.rows, inp.params, inp.steps > 0, full)
         sub, drafts = self._draft(param_leaves, model, inp, hidden, sub, out.tokens)
         cache = self._rows_out(cache, inp, sub, gather)
-        outputs = cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None]
+        outputs = cache, row_state, self._packed(out, experts, inp)[None]
         if targets is not None:
             outputs += (prompt_logprobs.score_positions(model.logits, hidden, targets, self.num_top),)
         return outputs if drafts is None else (*outputs, drafts)
@@ -153,10 +156,12 @@ class StepPrograms:
         sample here (`serve.runner.speculative`); plain ones have nothing to do."""
         return sub, None
 
-    def decode(self, param_leaves, cache, penalties: PenaltyState, packed: PackedInputs, step, previous, *,
-               gather: bool, full: bool):
-        """Step `step` (int32 scalar) of the run; returns (cache, penalties, samples [1, R, 2 + 2K]
-        (`sampler.pack_samples`; recording routing, its columns after them: `_packed`), tokens [R]).
+    def decode(self, param_leaves, cache, row_state: RowState, packed: PackedInputs, step, *, gather: bool,
+               full: bool):
+        """Step `step` (int32 scalar) of the run; returns (cache, row_state, samples [1, R, 2 + 2K]
+        (`sampler.pack_samples`; recording routing, its columns after them: `_packed`)). A row's first step feeds
+        its input id, or where that is -1 (a token sampled by a step not yet read) the row's last sample; later
+        steps feed the row's last sample.
         `full`: the sampler with penalties, filters and logprobs (see `sampler.sample`)."""
         model = self.merge(param_leaves)
         inp = unpack(packed, self.pages_per_row)
@@ -164,39 +169,40 @@ class StepPrograms:
         active = step < inp.steps
         inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
         sub = self._rows_in(cache, inp, gather)
-        ids = jnp.where((step == 0) & (inp.ids[:, 0] >= 0), inp.ids[:, 0], previous)[:, None]
+        ids = jnp.where((step == 0) & (inp.ids[:, 0] >= 0), inp.ids[:, 0], _last_tokens(row_state, inp))[:, None]
         inp = inp.replace(n_new=active.astype(jnp.int32))
         hidden, sub, experts = model.extend_routed(ids, sub, inp.n_new)
         params = inp.params.replace(index=inp.params.index + step)
-        out, counts = self._sample(model, model.logits(hidden[:, 0]), penalties, inp.rows, params, active, full)
+        out, row_state = self._sample(model, model.logits(hidden[:, 0]), row_state, inp.rows, params, active, full)
         cache = self._rows_out(cache, inp, sub, gather)
-        return cache, penalties.replace(counts=counts), self._packed(out, experts, inp)[None], out.tokens
+        return cache, row_state, self._packed(out, experts, inp)[None]
 
-    def mixed(self, param_leaves, cache, penalties: PenaltyState, decode: PackedInputs, prefill: PackedInputs, *,
+    def mixed(self, param_leaves, cache, row_state: RowState, decode: PackedInputs, prefill: PackedInputs, *,
               gather: bool, full: bool):
         """The decode rows' step (`decode`'s first: one token each) and the prefill rows' chunk (as `prefill`) in one
         program, every position-wise module over both sets' tokens at once (`InklingModel.extend_sets`), so that
         the step reads each weight once; the sets sample together. `gather`: whether the decode rows are gathered
-        (the prefill rows always are); `full` as in `decode`. Returns (cache, penalties, the decode rows' samples
+        (the prefill rows always are); `full` as in `decode`. Returns (cache, row_state, the decode rows' samples
         [1, R, ...], the prefill rows' [1, R', ...]), each as its own program gives them."""
         model = self.merge(param_leaves)
         dec, pre = unpack(decode, self.pages_per_row), unpack(prefill, self.pages_per_row)
         dec = dec.replace(n_new=(dec.steps > 0).astype(jnp.int32))  # as a decode run's first step
+        decode_ids = jnp.where(dec.ids[:, 0] >= 0, dec.ids[:, 0], _last_tokens(row_state, dec))[:, None]
         route(model, jnp.concatenate([dec.adapters, jnp.repeat(pre.adapters, pre.ids.shape[1])]))  # per token
         # Decode rows first: a whole-cache decode set returns every row, and the prefill rows go over it.
         (hidden_d, hidden_p), (sub_d, sub_p), (experts_d, experts_p) = model.extend_sets([
-            ChunkSet(dec.ids[:, :1], self._rows_in(cache, dec, gather), dec.n_new),
+            ChunkSet(decode_ids, self._rows_in(cache, dec, gather), dec.n_new),
             ChunkSet(pre.ids, self._rows_in(cache, pre, True), pre.n_new, _embeds(model, pre))])
         last = hidden_p[jnp.arange(hidden_p.shape[0]), jnp.maximum(pre.n_new - 1, 0)]
         logits = model.logits(jnp.concatenate([hidden_d[:, 0], last]))
         both = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
-        out, counts = self._sample(model, logits, penalties, both(dec.rows, pre.rows),
-                                   jax.tree.map(both, dec.params, pre.params),
-                                   both(dec.n_new > 0, pre.steps > 0), full)
+        out, row_state = self._sample(model, logits, row_state, both(dec.rows, pre.rows),
+                                      jax.tree.map(both, dec.params, pre.params),
+                                      both(dec.n_new > 0, pre.steps > 0), full)
         split = dec.rows.shape[0]
         out_d, out_p = jax.tree.map(lambda x: x[:split], out), jax.tree.map(lambda x: x[split:], out)
         cache = self._rows_out(self._rows_out(cache, dec, sub_d, gather), pre, sub_p, True)
-        return (cache, penalties.replace(counts=counts), self._packed(out_d, experts_d, dec)[None],
+        return (cache, row_state, self._packed(out_d, experts_d, dec)[None],
                 self._packed(out_p, experts_p, pre)[None])
 
     def _packed(self, out, experts, inp: StepInputs):
@@ -208,20 +214,22 @@ class StepPrograms:
         slots = pool_slots(inp.page_rows, inp.lengths, inp.n_new, self.routing_page_size, experts.shape[1])
         return jnp.concatenate([packed, routing_columns(experts, slots)], axis=1)
 
-    def _sample(self, model, logits, penalties: PenaltyState, rows, p: SamplingBatch, active, full):
-        """One token per row of logits [R, V], whose cache rows are `rows` [R]. Returns the samples and the
-        output-token counts, with the active penalised rows' new tokens added (`full` only: penalised rows always
-        run the full sampler). A batch-invariant model's rows are sampled in fixed-order sums (`sampler.sample`'s
-        `invariant`). The full sampler applies penalties to every row (neutral values change nothing): a branch on
-        whether any row uses them would cost a host round-trip (see `sampler.sample`)."""
+    def _sample(self, model, logits, row_state: RowState, rows, p: SamplingBatch, active, full):
+        """One token per row of logits [R, V], whose cache rows are `rows` [R]. Returns the samples and the row
+        state with the active rows' samples as their last tokens and, with the `full` sampler (penalised rows always
+        run it), the active penalised rows' samples added to their output-token counts. A batch-invariant model's
+        rows are sampled in fixed-order sums (`sampler.sample`'s `invariant`). The full sampler applies penalties
+        to every row (neutral values change nothing): a branch on whether any row uses them would cost a host
+        round-trip (see `sampler.sample`)."""
         if not full:
-            return sample(logits, p, None, None, self.num_top, full=False), penalties.counts
+            out = sample(logits, p, None, None, self.num_top, full=False)
+            return out, with_last_token(row_state, rows, active, out.tokens)
         take = lambda x: x.at[rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
-        out = sample(self.whole(logits), p, take(penalties.counts), take(penalties.prompt_mask), self.num_top,
+        out = sample(self.whole(logits), p, take(row_state.counts), take(row_state.prompt_mask), self.num_top,
                      invariant=model.backend.batch_invariant, filters=self.filters)
-        counts = penalties.counts.at[rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
-                                                          mode="drop")
-        return out, counts
+        counts = row_state.counts.at[rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
+                                                           mode="drop")
+        return out, with_last_token(row_state.replace(counts=counts), rows, active, out.tokens)
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
         sub = cache_rows.take_rows(cache, inp.rows) if gather else cache
@@ -230,6 +238,17 @@ class StepPrograms:
 
     def _rows_out(self, cache, inp: StepInputs, sub, gather: bool):
         return self.constrain(cache_rows.put_rows(cache, inp.rows, sub) if gather else sub)
+
+
+def _last_tokens(row_state: RowState, inp: StepInputs):
+    """[R] each step row's last sample (padding rows read the scratch row's)."""
+    return row_state.last_token.at[inp.rows].get(mode="clip")
+
+
+def with_last_token(row_state: RowState, rows, active, tokens) -> RowState:
+    """`tokens` [R] as the last samples of the active rows among `rows` (padding rows, past the cache, drop out)."""
+    index = jnp.where(active, rows, row_state.last_token.shape[0])
+    return row_state.replace(last_token=row_state.last_token.at[index].set(tokens, mode="drop"))
 
 
 def _embeds(model, inp: StepInputs):

@@ -74,8 +74,8 @@ class StepCompilation:
         step_out = {"decode": None, "prefill": None, "scoring": None, "mixed": None}
         if self.cache_shardings is not None:
             replicated = self.placement.replicated()
-            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts
-            step_out = {"decode": (self.cache_shardings, replicated, replicated, replicated),
+            drafts = (replicated,) if self.speculative else ()  # a drafting program's drafts; a round's carry
+            step_out = {"decode": (self.cache_shardings, replicated, replicated) + drafts,
                         "prefill": (self.cache_shardings, replicated, replicated) + drafts,
                         "scoring": (self.cache_shardings, replicated, replicated, replicated) + drafts,
                         "mixed": (self.cache_shardings, replicated, replicated, replicated)}
@@ -89,32 +89,32 @@ class StepCompilation:
             gather = rows != self.config.num_rows
             for full in self.config.samplers(chunk):
                 if chunk > 1:
-                    yield (rows, chunk, full), prefill.lower(self.params, self.cache, self.penalties, inputs,
+                    yield (rows, chunk, full), prefill.lower(self.params, self.cache, self.row_state, inputs,
                                                              gather=gather, full=full)
                 else:
-                    yield (rows, chunk, full), decode.lower(self.params, self.cache, self.penalties, inputs,
-                                                            self._step_index[0], self._no_tokens[rows],
-                                                            gather=gather, full=full)
+                    carry = (self._no_round[rows],) if self.speculative else ()
+                    yield (rows, chunk, full), decode.lower(self.params, self.cache, self.row_state, inputs,
+                                                            self._step_index[0], *carry, gather=gather, full=full)
         if self.config.mixed_buckets:
             mixed = jit(self.programs.mixed, out_shardings=step_out["mixed"], static_argnames=("gather", "full"),
                         donate_argnums=(1, 2))
             for (rows, chunk_rows), inputs in self._mixed_inputs().items():
                 for full in self.config.samplers(1):
                     yield ("mixed", rows, chunk_rows * self.config.max_chunk, full), mixed.lower(
-                        self.params, self.cache, self.penalties, *inputs, gather=rows != self.config.num_rows,
+                        self.params, self.cache, self.row_state, *inputs, gather=rows != self.config.num_rows,
                         full=full)
         if self.config.score_prompts:
             rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
             scoring = jit(self.programs.prefill, out_shardings=step_out["scoring"],
                           static_argnames=("gather", "full"), donate_argnums=(1, 2))
             yield "prompt_logprobs", scoring.lower(
-                self.params, self.cache, self.penalties, self.placement.put(pack(self._inputs([], rows, chunk))),
+                self.params, self.cache, self.row_state, self.placement.put(pack(self._inputs([], rows, chunk))),
                 self.placement.put(np.full((rows, chunk), -1, np.int32)), gather=rows != self.config.num_rows,
                 full=True)
         scalar = self.placement.put(np.int32(0))
         tokens = self.placement.put(np.zeros((self.config.max_model_len,), np.int32))
         yield "init_penalties", jit(init_penalties, donate_argnums=0).lower(
-            self.penalties, scalar, tokens, scalar)
+            self.row_state, scalar, tokens, scalar)
         if self.config.snapshots:
             save, restore = (functools.partial(f, self.text) for f in (cache_rows.save_snapshots,
                                                                       cache_rows.restore_snapshot))
@@ -133,7 +133,7 @@ class StepCompilation:
             raise ValueError(f"after the step programs' buffers, {pages} pages fit: not one sequence of "
                              f"{self.config.max_model_len} tokens (lower --max-model-len or the step buckets)")
         self.num_pages = pages
-        self.penalties = None  # freed, with the cache, before the smaller pool is made
+        self.row_state = None  # freed, with the cache, before the smaller pool is made
         self.reset()
 
     def _mixed_inputs(self) -> dict[tuple[int, int], tuple]:
@@ -150,16 +150,16 @@ class StepCompilation:
         for (rows, chunk, _), program in self._steps.items():
             inputs = self.placement.put(pack(self._inputs([], rows, chunk)))
             if chunk > 1:
-                self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties, inputs)
+                self.cache, self.row_state, *_ = program(self.params, self.cache, self.row_state, inputs)
             else:
                 self.run_decode(program, rows, inputs, 1)
         mixed_inputs = self._mixed_inputs() if self._mixed else {}
         for (rows, chunk_rows, _), program in self._mixed.items():
-            self.cache, self.penalties, *_ = program(self.params, self.cache, self.penalties,
+            self.cache, self.row_state, *_ = program(self.params, self.cache, self.row_state,
                                                      *mixed_inputs[rows, chunk_rows])
         if self._scoring is not None:
             rows, chunk = self.config.prompt_logprobs_rows, self.config.max_chunk
-            self.cache, self.penalties, *_ = self._scoring(self.params, self.cache, self.penalties,
+            self.cache, self.row_state, *_ = self._scoring(self.params, self.cache, self.row_state,
                                                            *self.placement.put((pack(self._inputs([], rows, chunk)),
                                                                                 np.full((rows, chunk), -1, np.int32))))
         jax.block_until_ready(self.cache)

@@ -95,7 +95,7 @@ def test_a_request_arriving_during_a_decode_run_is_admitted_after_it(engine):
     newcomer = {}
 
     def watch(chunks, **kw):
-        calls.append((kw.get("previous") is not None, [c.seq.request_id for c in chunks if c.admitted]))
+        calls.append((any(c.ahead for c in chunks), [c.seq.request_id for c in chunks if c.admitted]))
         if not newcomer and max(c.steps for c in chunks) == 4:  # the first multi-step decode run
             newcomer["call"] = len(calls) - 1
             newcomer["pool"] = pool = concurrent.futures.ThreadPoolExecutor(1)
@@ -132,7 +132,7 @@ def test_requests_submitted_back_to_back_sample_what_each_would_alone_and_time_o
     engine.abort = lambda request_id: aborted.append(request_id) or abort(request_id)
     try:
         with pytest.raises(TimeoutError):
-            generate_each(engine, long, timeout=0.05)
+            generate_each(engine, long, timeout=0.0)  # (40 tokens cannot be done as they are submitted)
     finally:
         engine.abort = abort
     assert len(set(aborted)) == 2
@@ -169,12 +169,17 @@ def test_decode_buckets_compile_both_samplers_and_prefill_buckets_the_full_one(e
     assert [p.token_ids for p in plain] == [f.token_ids for f in full]
 
 
-def test_the_device_waits_for_the_host_only_between_steps_not_continued_on_device(engine):
+def test_the_device_waits_for_the_host_only_between_steps_not_queued_ahead(engine):
     engine.decode_steps = 4
     count = lambda: engine.metrics.registry.get_sample_value("inkling_device_wait_seconds_count")  # noqa: E731
-    before = count()
     prompt = RNG.integers(0, 256, 40).tolist()  # chunks of 16, 16 and 8, then decode runs of 4 tokens
+    before = count()
     generate(engine, [prompt], SamplingParams(ignore_eos=True, max_tokens=9))
-    # The second and third chunks and the first decode run each waited for the host to read the step before;
-    # the second decode run was queued on the device before the first was read.
+    # Each chunk after the first and the first decode run were queued before the step before was read; the
+    # second decode run continued the first.
+    assert count() - before == 0
+    before = count()
+    generate(engine, [prompt], SamplingParams(ignore_eos=True, max_tokens=9, prompt_logprobs=0))
+    # Chunks that compute prompt logprobs are applied once read: the second and third chunks and the first decode
+    # run waited for the host to read the step before.
     assert count() - before == 3

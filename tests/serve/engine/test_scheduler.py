@@ -5,7 +5,7 @@ from serve.engine.block_manager import BlockManager
 from serve.engine.config import EngineConfig
 from serve.engine.scheduler import Scheduler
 from serve.engine.sampling_params import SamplingParams
-from serve.engine.sequence import Sequence, Status
+from serve.engine.sequence import PENDING, Sequence, Status
 from tests.serve.engine.sequences import seq_of
 
 
@@ -84,6 +84,40 @@ def test_preemption_by_recompute_when_pages_run_out():
     scheduler.finish(old)
     chunks = run_step(scheduler, sample=False)
     assert [(c.seq, c.num_tokens) for c in chunks] == [(new, 8)]  # recomputed: prompt and output alike
+
+
+def apply_ahead(chunks):
+    """As the engine does with a step it queues the next behind: tokens cached, each sample PENDING."""
+    for c in chunks:
+        c.seq.num_cached += c.num_tokens
+        if c.ends:
+            c.seq.append(PENDING)
+            c.seq.num_pending += 1
+
+
+def test_a_step_scheduled_ahead_preempts_nothing():
+    scheduler = make_scheduler(num_blocks=4, prefix_caching=False)  # as in the preemption test above
+    old, new = seq_of(6), seq_of(6)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)
+    run_step(scheduler)  # 7 tokens each cached, the 8th known
+    apply_ahead(scheduler.schedule(ahead=True))  # the 8th fed (their two pages full), the 9th pending
+    assert scheduler.schedule(ahead=True) == [] and scheduler.num_preemptions == 0  # the 9th needs a third page
+    assert new.status is Status.RUNNING and new.num_cached == 8 and len(new.block_ids) == 2
+
+
+def test_a_step_scheduled_ahead_skips_a_sequence_its_pending_token_ends():
+    scheduler = make_scheduler(prefix_caching=False)
+    ends, goes_on = seq_of(5, SamplingParams(max_tokens=1)), seq_of(5, SamplingParams(max_tokens=2))
+    scheduler.add(ends)
+    scheduler.add(goes_on)
+    first = scheduler.schedule()
+    assert [c.ends for c in first] == [True, True]
+    apply_ahead(first)
+    second = scheduler.schedule(ahead=True)
+    assert [(c.seq, c.num_tokens, c.ends) for c in second] == [(goes_on, 1, True)]
+    assert goes_on.token_ids[-1] == PENDING and goes_on.num_uncached == 1
 
 
 def test_a_sequence_asking_prompt_logprobs_takes_no_prefix_hit():
