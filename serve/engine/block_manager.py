@@ -139,8 +139,9 @@ class BlockManager:
     # After a step: publish computed pages, and ask for a snapshot where one is worth keeping
 
     def register(self, seq: Sequence) -> None:
-        """Hash every page of the sequence that is now full and computed."""
-        full = seq.num_cached // self.page_size
+        """Hash every page of the sequence that is now full and computed (or queued to be) and holds no pending
+        token."""
+        full = min(seq.num_cached, len(seq) - seq.num_pending) // self.page_size
         hashes = self.block_hashes(seq, full)
         for i in range(seq.num_registered, full):
             block = self.blocks[seq.block_ids[i]]

@@ -8,11 +8,10 @@ Host work overlaps device work: a step's samples are applied to their sequences 
 ids and length limits end them and free their slots), as the next schedule needs; the text work (detokenizing,
 stop strings, handing outputs to listeners) runs once the next step is dispatched, while the device computes it,
 and a stop string found then drops what that step brings back for its sequence. The device waits for no host work
-between steps where the next can be queued before the one in flight is read: a decode run that can go on (no
-waiting sequence could be admitted, every row has tokens left) is continued on the device, and a step that
-samples one token a row is followed by the next (`serve.engine.steps_ahead`). `Metrics.device_wait` times the
-waits between other steps. A request arriving meanwhile waits for the run in flight, and no run is continued or
-made multi-step while it waits for admission.
+between steps where the next can be queued before the one in flight is read (`serve.engine.steps_ahead`: every
+step but those with prompt logprobs, recorded routing or speculative rounds); `Metrics.device_wait` times the
+waits between the others. A request arriving meanwhile joins the next step queued, and no decode run is made
+multi-step while a request waits for admission.
 """
 
 from __future__ import annotations

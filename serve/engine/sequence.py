@@ -102,6 +102,11 @@ class Sequence:
     def append(self, token: int) -> None:
         self.token_ids.append(token)
 
+    def add_pending(self, count: int) -> None:
+        """`count` tokens sampled by a step not yet read."""
+        self.token_ids += [PENDING] * count
+        self.num_pending += count
+
     def fill_pending(self, token: int) -> None:
         """The oldest pending token is `token`."""
         self.token_ids[len(self) - self.num_pending] = token
