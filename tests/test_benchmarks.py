@@ -225,7 +225,7 @@ def test_the_engine_host_clock_counts_a_nested_part_once():
     engine.scheduler, engine.runner = Part(), runner
     engine.scheduler.schedule = lambda: spin(0.01)
     runner.dispatch = lambda: spin(0.02) or engine._report()
-    runner.collect = engine._apply = engine._update_gauges = lambda: None
+    runner.collect = engine._apply = engine._apply_ahead = engine._fill = engine._update_gauges = lambda: None
     engine._report = lambda: spin(0.03)
     engine.step = lambda: spin(0.01) or engine.scheduler.schedule() or engine.runner.dispatch()
     clock = ThreadClock(engine)
