@@ -183,7 +183,8 @@ def test_the_serving_sweep_serves_loads_and_times_the_same_engine(tmp_path):
     assert [int(level) for level in found["levels"]] == [1, 2]
     for level in found["levels"].values():
         assert level["failed"] == 0 and level["compilations_after_warmup"] == 0 and level["output_throughput"] > 0
-        assert level["device_waits"] >= 1 and level["device_wait_s"] > 0  # each prompt's prefill, then its decodes
+        # (steps queued behind the one in flight leave few waits, if any: each one counted took time)
+        assert level["device_waits"] >= 0 and (level["device_waits"] == 0) == (level["device_wait_s"] == 0)
     assert set(found["decode_ms_per_token"]) == {"1", "2"} and found["prefill_ms"] > 0
     assert found["largest_prefill_us_per_token"] > 0
     assert set(found["mixed_ms"]) == {"1", "2"} and found["widest_mixed"]["chunk_rows"] == 2
