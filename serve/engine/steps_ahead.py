@@ -37,7 +37,7 @@ class StepsAhead:
             if chunk.prefill:
                 self._advance(seq, chunk.num_tokens, saves)
             else:  # a decode run feeds its first token (maybe pending still) and each sample but the last
-                seq.num_cached += chunk.samples
+                seq.num_cached += max(chunk.samples, chunk.num_tokens)
             seq.add_pending(chunk.samples)
         if saves:
             self.runner.save_snapshots(saves)
