@@ -8,9 +8,10 @@ and queued, and only then is the first read. The device feeds a pending token fr
 (`steps.RowState.last_token`); the read fills the pending tokens in, and a sequence that one of them ends (EOS, a
 stop id) had its rows of the step behind computed for nothing: their results are dropped.
 
-Steps with chunks that compute prompt logprobs, or whose routing is recorded, are applied once read. Speculative
-rounds too; a run of them that can go on (no waiting sequence could be admitted, every row has tokens left) is
-continued on the device from its carry (`Scheduler.decode_plan`, `Chunk.ahead`).
+Steps with chunks that compute prompt logprobs, speculative rounds and steps whose routing is recorded are applied
+once read. A run of decode steps or rounds among them that can go on (no waiting sequence could be admitted,
+every row has tokens left) is continued on the device from its last samples or carry (`Scheduler.decode_plan`,
+`Chunk.ahead`).
 
 A mixin of `Engine`, whose state it works on.
 """
