@@ -9,8 +9,8 @@ ids and length limits end them and free their slots), as the next schedule needs
 stop strings, handing outputs to listeners) runs once the next step is dispatched, while the device computes it,
 and a stop string found then drops what that step brings back for its sequence. The device waits for no host work
 between steps where the next can be queued before the one in flight is read (`serve.engine.steps_ahead`: every
-step but those with prompt logprobs, recorded routing or speculative rounds); `Metrics.device_wait` times the
-waits between the others. A request arriving meanwhile joins the next step queued, and no decode run is made
+step but those with prompt logprobs or speculative rounds); `Metrics.device_wait` times the waits between the
+others. A request arriving meanwhile joins the next step queued, and no decode run is made
 multi-step while a request waits for admission.
 """
 

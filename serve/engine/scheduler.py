@@ -37,7 +37,7 @@ class Chunk:
     restore: int | None = None  # snapshot to load into the sequence's slot first (a prefix-cache hit)
     admitted: bool = False  # the sequence (re)entered a slot in this step
     steps: int = 1  # tokens to sample if the chunk ends the known tokens (decodes may run several on device)
-    ahead: int = 0  # steps (tokens, or speculative rounds) of a decode run in flight that this chunk continues
+    ahead: int = 0  # rounds of a run of speculative rounds in flight that this chunk continues
     scores: bool = False  # it computes its positions' prompt logprobs (`Sequence.scores_prompt` when scheduled)
     ends: bool = dataclasses.field(init=False)  # it ends its sequence's known tokens (as scheduled)
 
@@ -48,6 +48,11 @@ class Chunk:
     def prefill(self) -> bool:
         """It runs in the step's prefill program (a decode is one token that computes no prompt logprobs)."""
         return self.num_tokens > 1 or self.scores
+
+    @property
+    def fed(self) -> int:
+        """Tokens this chunk feeds: its own and, in a decode run, each sample but the last."""
+        return self.num_tokens + max(self.samples - 1, 0)
 
     @property
     def samples(self) -> int:
@@ -111,10 +116,10 @@ class Scheduler:
         return chunks
 
     def decode_plan(self, chunks: list[Chunk], ahead: list[int], decode_steps: int, mail: bool) -> list[int] | None:
-        """Tokens each decode chunk may sample on device after the `ahead` steps of a run in flight: up to
-        `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens and the context length, with
-        the pages for them reserved; with speculative decoding, rounds (each 1 to K + 1 tokens: the pages cover
-        the most, the plan counts the fewest). None where a multi-token run is not wanted (a prefill chunk, an
+        """Tokens each decode chunk may sample on device (after the `ahead` rounds of a run of speculative rounds in
+        flight that it continues): up to `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens
+        and the context length, with the pages for them reserved; with speculative decoding, rounds (each 1 to K + 1
+        tokens: the pages cover the most, the plan counts the fewest). None where a multi-token run is not wanted (a prefill chunk, an
         ended sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be admitted
         meanwhile) or the free pages do not cover it."""
         cfg, blocks = self.config, self.blocks

@@ -5,7 +5,8 @@ tokens after them are what the next step must feed (the whole prompt, a prefill 
 sampled). Preemption drops the cache (`num_cached = 0`) and keeps the tokens, so it resumes by recompute.
 
 While a step is in flight whose results the engine applied ahead (`serve.engine.steps_ahead`), `num_cached`
-counts its tokens and each token it samples stands as PENDING at the end of the tokens until it is read.
+counts the tokens it feeds (`num_unread` of them) and each token it samples stands as PENDING at the end of the
+tokens until it is read.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Sequence:
         self.num_prompt = len(prompt_ids)
         self.num_cached = 0
         self.num_pending = 0  # trailing tokens that are PENDING
+        self.num_unread = 0  # of the cached tokens, those fed by steps not yet read
         self.status = Status.WAITING
         self.slot: int | None = None
         self.block_ids: list[int] = []

@@ -8,10 +8,9 @@ and queued, and only then is the first read. The device feeds a pending token fr
 (`steps.RowState.last_token`); the read fills the pending tokens in, and a sequence that one of them ends (EOS, a
 stop id) had its rows of the step behind computed for nothing: their results are dropped.
 
-Steps with chunks that compute prompt logprobs, speculative rounds and steps whose routing is recorded are applied
-once read. A run of decode steps or rounds among them that can go on (no waiting sequence could be admitted,
-every row has tokens left) is continued on the device from its last samples or carry (`Scheduler.decode_plan`,
-`Chunk.ahead`).
+Steps with chunks that compute prompt logprobs and speculative rounds are applied once read. A run of rounds that
+can go on (no waiting sequence could be admitted, every row has tokens left) is continued on the device from its
+carry (`Scheduler.decode_plan`, `Chunk.ahead`).
 
 A mixin of `Engine`, whose state it works on.
 """
@@ -27,8 +26,7 @@ class StepsAhead:
     def _apply_ahead(self, chunks: list[Chunk]) -> bool:
         """Apply a dispatched step ahead where it can be (module docstring): its prompt chunks' snapshots are
         queued now, behind it. False where the step is applied once read."""
-        cfg = self.config
-        if cfg.speculative is not None or cfg.record_experts or any(c.scores for c in chunks):
+        if self.config.speculative is not None or any(c.scores for c in chunks):
             return False
         saves = []
         for chunk in chunks:
@@ -36,9 +34,10 @@ class StepsAhead:
             if seq.finished:  # a stop string or an abort ended it while the step was dispatched
                 continue
             if chunk.prefill:
-                self._advance(seq, chunk.num_tokens, saves)
-            else:  # a decode run feeds its first token (maybe pending still) and each sample but the last
-                seq.num_cached += max(chunk.samples, chunk.num_tokens)
+                self._advance(seq, chunk.fed, saves)
+            else:  # its first token may be pending still: its page is published once filled in (`_fill`)
+                seq.num_cached += chunk.fed
+            seq.num_unread += chunk.fed
             seq.add_pending(chunk.samples)
         if saves:
             self.runner.save_snapshots(saves)
@@ -74,7 +73,10 @@ class StepsAhead:
         applied = []
         for chunk in chunks:
             seq = chunk.seq
-            for sample in samples.get(seq.seq_id, ()) if not seq.finished else ():
+            if seq.finished:
+                continue
+            seq.num_unread -= chunk.fed
+            for sample in samples.get(seq.seq_id, ()):
                 seq.fill_pending(sample.token_id)
                 sample.finish_reason = seq.end_reason(sample.token_id, self.eos_token_id, self.config.max_model_len)
                 applied.append((seq, sample))

@@ -9,7 +9,6 @@ run draft from it on the device, as the MTP head's do.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
@@ -58,7 +57,7 @@ def round_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: 
     since its output count was `start[seq_id]`, where the carry of the run it continues starts (None: 0)."""
     k = cfg.speculative.num_draft_tokens
     width = k + 1 + plan_columns(cfg, oracle)
-    inputs = step_inputs(cfg, [dataclasses.replace(c, ahead=0) for c in group], index, rows, width)
+    inputs = step_inputs(cfg, group, index, rows, width)
     ids, n_new, steps, applied = (x.copy() for x in (inputs.ids, inputs.n_new, inputs.steps, inputs.applied))
     for chunk, row in zip(group, index):
         seq = chunk.seq

@@ -22,13 +22,12 @@ class MixedSteps:
 
     def runs_mixed(self, groups: list[list[Chunk]]) -> bool:
         """Whether a step of these groups (`_groups`: decodes, then prefill chunks) runs as a mixed program: one
-        token per decode row (no continuation of a decode run) and prompt chunks that score no prompt, as many as
-        a mixed program holds."""
+        token per decode row and prompt chunks that score no prompt, as many as a mixed program holds."""
         if not self.config.mixed_buckets or len(groups) != 2:
             return False
         decode, prefill = groups
         return (self.config.mixed_prefill_bucket(len(prefill)) is not None and not any(c.scores for c in prefill)
-                and all(c.steps == 1 and not c.ahead for c in decode))
+                and all(c.steps == 1 for c in decode))
 
     def dispatch_mixed(self, decode: list[Chunk], prefill: list[Chunk], on_queued: Callable[[], None]) -> list:
         """Dispatches a mixed step and calls `on_queued`; returns its two groups' entries as `dispatch` does, each

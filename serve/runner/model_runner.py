@@ -182,9 +182,8 @@ class ModelRunner(StepCompilation, MixedSteps):
     def dispatch(self, chunks: list[Chunk], on_queued: Callable[[], None] = lambda: None, previous=None) -> list:
         """Start one scheduled step on the device and return at once (JAX dispatches asynchronously); `collect`
         waits for its samples. `on_queued` runs as soon as the step's first program is queued: host work put
-        there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`:
-        `last_tokens` of the run of speculative rounds in flight that continuation chunks (`Chunk.ahead`) follow (a
-        run of plain decode steps is continued from each row's last sample on the device)."""
+        there overlaps the device without waiting for the rest of a decode run to be dispatched. `previous`: the
+        `last_tokens` of a run of speculative rounds in flight that continuation chunks (`Chunk.ahead`) follow."""
         if self.cache is None:  # freed while idle (`free_cache`)
             self.reset()
         put = self.placement.put
@@ -237,9 +236,10 @@ class ModelRunner(StepCompilation, MixedSteps):
         return results
 
     def routed_experts(self, seq) -> np.ndarray | None:
-        """Where routing is recorded, the experts chosen at the positions `seq` has computed (`RoutingRecord.read`);
-        read before its pages go back."""
-        return None if self.routing is None else self.routing.read(seq.block_ids, seq.num_cached)
+        """Where routing is recorded, the experts chosen at the positions `seq` has computed in steps read, up to
+        its last token read (`RoutingRecord.read`); read before its pages go back."""
+        computed = min(seq.num_cached - seq.num_unread, len(seq) - seq.num_pending - 1)
+        return None if self.routing is None else self.routing.read(seq.block_ids, computed)
 
     def collect_prompt_logprobs(self, dispatched: list) -> dict[int, list[Sample]]:
         """seq_id -> the Samples of the prompt tokens each scoring chunk of a dispatched step predicts (with the

@@ -281,14 +281,14 @@ def step_inputs(cfg: EngineConfig, group: list[Chunk], index: list[int], rows: i
     for c, row in zip(group, index):
         seq = c.seq
         cache_row[row] = seq.slot
-        start = seq.num_cached + c.ahead
-        ids[row, :c.num_tokens] = -1 if c.ahead else seq.token_ids[start:start + c.num_tokens]
+        start = seq.num_cached
+        ids[row, :c.num_tokens] = seq.token_ids[start:start + c.num_tokens]  # (a pending token: -1)
         n_new[row], lengths[row] = c.num_tokens, start
-        if start + c.num_tokens < len(seq) and not c.ahead:
+        if start + c.num_tokens < len(seq):
             next_token[row] = seq.token_ids[start + c.num_tokens]
         page_rows[row, :len(seq.block_ids)] = seq.block_ids
         steps[row], adapters[row] = c.samples, seq.lora_slot
-        params[row], index_out[row] = seq.params, seq.num_output + c.ahead
+        params[row], index_out[row] = seq.params, seq.num_output
         if media is not None and seq.media is not None:
             positions, features = seq.media
             inside = (positions >= start) & (positions < start + c.num_tokens)

@@ -59,8 +59,15 @@ def test_the_record_equals_the_forward_choice(model):
         before = hits()
         again = generate(engine, [PROMPTS[1]], SamplingParams(max_tokens=3, seed=9, ignore_eos=True))[0]
         assert hits() > before  # its prompt's first pages came from the earlier requests' prefill
-        for prompt, result in [pair for pairs in results for pair in pairs] + [(PROMPTS[1], again)]:
-            tokens = prompt + result.token_ids
+        # A stop id inside a decode run: the step queued behind it had its row (computed for nothing, not recorded).
+        stop = results[2][0][1].token_ids[5]
+        stopped = generate(engine, [PROMPTS[2]], SamplingParams(max_tokens=12, temperature=1.0, seed=2,
+                                                                  stop_token_ids=(stop,)))[0]
+        assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 12
+        # (the stop id is not among the output's tokens, but the record covers the position that sampled it)
+        for prompt, result in [pair for pairs in results for pair in pairs] + [(PROMPTS[1], again),
+                                                                               (PROMPTS[2], stopped)]:
+            tokens = prompt + result.token_ids + ([stop] if result.finish_reason == "stop" else [])
             recorded = result.routed_experts
             assert recorded.shape == (len(tokens) - 1, 2, CONFIG.text.num_experts_per_tok)
             assert recorded.dtype == np.int32

@@ -1,9 +1,10 @@
 """Steps queued before the step in flight is read (`serve.engine.steps_ahead`) change no output: the engine gives
-the tokens, logprobs and finish reasons of the same engine applying every step once read, with prompt chunks and
-decodes in mixed steps, sequences ending on a stop id or EOS while the step behind holds their rows, seeded
-sampling with penalties, and prefix-cache hits on snapshots saved behind a step applied ahead; and every page comes
-back."""
+the tokens, logprobs and finish reasons of the same engine reading every step before it schedules the next, with
+prompt chunks and decodes in mixed steps, sequences ending on a stop id or EOS while the step behind holds their
+rows, seeded sampling with penalties, and prefix-cache hits on snapshots saved behind a step applied ahead; and
+every page comes back."""
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -32,7 +33,8 @@ def model():
 
 
 def run(ahead: bool):
-    """Per load: the outputs, the device waits, and whether every page is free after it."""
+    """Per load: the outputs, the device waits, and whether every page is free after it; and the prefix-cache hits.
+    Not `ahead`: nothing is queued behind a step in flight."""
     engine = Engine(model(), EngineConfig(
         max_num_seqs=4, max_model_len=64, max_num_batched_tokens=48, page_size=8, chunk_buckets=(1, 16),
         row_buckets=(1, 2, 5), num_pages=40, decode_steps=2, full_sampler_only=True, score_prompts=False,
@@ -41,7 +43,10 @@ def run(ahead: bool):
     engine.start()
     results = []
     try:
-        with mock.patch.object(Engine, "_apply_ahead", Engine._apply_ahead if ahead else lambda self, chunks: False):
+        with contextlib.ExitStack() as stack:
+            if not ahead:  # each step read before the next is scheduled
+                stack.enter_context(mock.patch.object(Engine, "_apply_ahead", lambda self, chunks: False))
+                stack.enter_context(mock.patch.object(Engine, "_queue_next", lambda self, *args: None))
             free = generate(engine, PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
             stops = (free[1].token_ids[3], free[3].token_ids[6])  # end two sequences early, mid-step
             loads = [(PROMPTS, SamplingParams(max_tokens=10, stop_token_ids=stops, **GREEDY), 1),
