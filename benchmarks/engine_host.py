@@ -5,10 +5,10 @@
 A step's host work (scheduling, the step's inputs, reading its samples, applying them to their sequences, turning
 each token into text and handing the outputs to their requests) runs while the device runs the step queued
 behind it (`serve.engine.steps_ahead`). Where the host work takes longer than the device's step, the server is
-bound by its host at that load. The server's engine (serve.app's, random weights, one token per
-device call: `--decode-steps 1`, the steps of a server that keeps admitting requests) decodes `rows` requests at a
-time; the engine thread's CPU time per step and its parts are set against the decode program alone at those rows,
-timed on the same engine afterwards (`benchmarks.programs`). `--preset tiny --server-args ...` runs on a CPU, where
+bound by its host at that load. The server's engine (serve.app's, random weights, one token per device call:
+`--decode-steps 1`, the steps of a server that keeps admitting requests) decodes `rows` requests at a time; the
+engine thread's CPU time per step and its parts are set against the decode program alone at those rows, timed on
+the same engine afterwards (`benchmarks.programs`). `--preset tiny --server-args ...` runs on a CPU, where
 the device is the CPU too. Writes engine_host.json into --out.
 """
 
@@ -118,8 +118,9 @@ def table(results: dict) -> str:
         program = level.get("decode_program_ms")
         apply = sum(host[k] for k in APPLY)
         lines.append("| " + " | ".join([
-            str(level["rows"]), f"{host['total']:.2f}", *(f"{host[k]:.2f}" for k in ("schedule", "dispatch", "collect")),
-            f"{apply:.2f}", *(f"{host[k]:.2f}" for k in ("_report", "_update_gauges", "step")),
+            str(level["rows"]), f"{host['total']:.2f}",
+            *(f"{host[k]:.2f}" for k in ("schedule", "dispatch", "collect")), f"{apply:.2f}",
+            *(f"{host[k]:.2f}" for k in ("_report", "_update_gauges", "step")),
             f"{level['wall_ms_per_step']:.2f}", f"{program:.2f}" if program else "-",
             f"{host['total'] / program:.2f}" if program else "-"]) + " |")
     return "\n".join(lines)

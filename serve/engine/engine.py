@@ -10,8 +10,8 @@ stop strings, handing outputs to listeners) runs once the next step is dispatche
 and a stop string found then drops what that step brings back for its sequence. The device waits for no host work
 between steps where the next can be queued before the one in flight is read (`serve.engine.steps_ahead`: every
 step but those with prompt logprobs or speculative rounds); `Metrics.device_wait` times the waits between the
-others. A request arriving meanwhile joins the next step queued, and no decode run is made
-multi-step while a request waits for admission.
+others. A request arriving meanwhile joins the next step queued, and no decode run is made multi-step while a
+request waits for admission.
 """
 
 from __future__ import annotations

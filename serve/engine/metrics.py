@@ -46,7 +46,7 @@ class Metrics:
         self.device_wait = DeviceWait(Histogram(
             "inkling_device_wait_seconds", "Host time from reading a step's results to queueing the next step, while "
             "the device had nothing queued and sequences ran (applying samples, scheduling, building inputs); a "
-            "decode run continued on the device waits for none", registry=r, buckets=WAIT_BUCKETS))
+            "step queued before the one in flight was read waits for none", registry=r, buckets=WAIT_BUCKETS))
         self.rejected = Counter("inkling_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         spec = lambda kind, name, text, *labels: kind(f"inkling_spec_{name}", f"Speculative decoding: {text}",  # noqa: E731
                                                       list(labels), registry=r)

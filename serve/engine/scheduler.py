@@ -119,9 +119,9 @@ class Scheduler:
         """Tokens each decode chunk may sample on device (after the `ahead` rounds of a run of speculative rounds in
         flight that it continues): up to `decode_steps` (at most the compiled `config.decode_steps`), its max_tokens
         and the context length, with the pages for them reserved; with speculative decoding, rounds (each 1 to K + 1
-        tokens: the pages cover the most, the plan counts the fewest). None where a multi-token run is not wanted (a prefill chunk, an
-        ended sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be admitted
-        meanwhile) or the free pages do not cover it."""
+        tokens: the pages cover the most, the plan counts the fewest). None where a multi-token run is not wanted (a
+        prefill chunk, an ended sequence, a row with nothing left, a waiting sequence, or new `mail`, that could be
+        admitted meanwhile) or the free pages do not cover it."""
         cfg, blocks = self.config, self.blocks
         steps = min(decode_steps, cfg.decode_steps)
         admissible = (self.waiting or mail) and self.free_slots

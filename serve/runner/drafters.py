@@ -9,7 +9,6 @@ run draft from it on the device, as the MTP head's do.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from serve.engine.config import EngineConfig

@@ -43,7 +43,7 @@ from serve.engine.config import SpeculativeConfig
 from serve.runner.rollback import keep_conv_prefix
 from serve.runner.rejection import verify
 from serve.runner.sampler import pack_samples
-from serve.runner.steps import PackedInputs, RowState, StepInputs, StepPrograms, unpack, with_last_token
+from serve.runner.steps import PackedInputs, RowState, StepInputs, StepPrograms, unpack
 
 
 def drafter_layers(config: InklingConfig, speculative: SpeculativeConfig | None,
@@ -177,8 +177,7 @@ class SpeculativePrograms(StepPrograms):
         samples = jnp.moveaxis(pack_samples(jax.tree.map(lambda x: x.reshape(rows * width, *x.shape[2:]), out))
                                .reshape(rows, width, -1), 1, 0)
         carry = (jnp.where(active, after, last), jnp.where(active[:, None], drafts, drafted), carried + kept)
-        row_state = with_last_token(row_state.replace(counts=counts), inp.rows, active, after)
-        return cache, row_state, (samples, kept, jnp.maximum(inp.n_new - 1, 0)), carry
+        return cache, row_state.replace(counts=counts), (samples, kept, jnp.maximum(inp.n_new - 1, 0)), carry
 
     def _draft(self, param_leaves, model, inp: StepInputs, hidden, sub, tokens):
         """After a prefill chunk: the drafter over the chunk (the MTP depths read the token after each position:

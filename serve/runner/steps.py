@@ -98,7 +98,8 @@ def unpack(packed: PackedInputs, pages_per_row: int) -> StepInputs:
 
 @struct.dataclass
 class RowState:
-    """What the programs carry per cache row from step to step, besides the cache."""
+    """What the programs carry per cache row from step to step, besides the cache. `last_token` is kept by the
+    plain programs (not by speculative rounds, which carry their own)."""
     counts: jax.Array  # [rows, V] int32: output tokens so far (penalties)
     prompt_mask: jax.Array  # [rows, V] bool: tokens of the prompt (penalties)
     last_token: jax.Array  # [rows] int32: the row's last sample, which a decode input id of -1 stands for
@@ -169,7 +170,7 @@ class StepPrograms:
         active = step < inp.steps
         inp = inp.replace(lengths=inp.lengths + jnp.minimum(step, inp.steps))  # what the run's earlier steps added
         sub = self._rows_in(cache, inp, gather)
-        ids = jnp.where((step == 0) & (inp.ids[:, 0] >= 0), inp.ids[:, 0], _last_tokens(row_state, inp))[:, None]
+        ids = _decode_ids(row_state, inp, step == 0)
         inp = inp.replace(n_new=active.astype(jnp.int32))
         hidden, sub, experts = model.extend_routed(ids, sub, inp.n_new)
         params = inp.params.replace(index=inp.params.index + step)
@@ -187,11 +188,10 @@ class StepPrograms:
         model = self.merge(param_leaves)
         dec, pre = unpack(decode, self.pages_per_row), unpack(prefill, self.pages_per_row)
         dec = dec.replace(n_new=(dec.steps > 0).astype(jnp.int32))  # as a decode run's first step
-        decode_ids = jnp.where(dec.ids[:, 0] >= 0, dec.ids[:, 0], _last_tokens(row_state, dec))[:, None]
         route(model, jnp.concatenate([dec.adapters, jnp.repeat(pre.adapters, pre.ids.shape[1])]))  # per token
         # Decode rows first: a whole-cache decode set returns every row, and the prefill rows go over it.
         (hidden_d, hidden_p), (sub_d, sub_p), (experts_d, experts_p) = model.extend_sets([
-            ChunkSet(decode_ids, self._rows_in(cache, dec, gather), dec.n_new),
+            ChunkSet(_decode_ids(row_state, dec, True), self._rows_in(cache, dec, gather), dec.n_new),
             ChunkSet(pre.ids, self._rows_in(cache, pre, True), pre.n_new, _embeds(model, pre))])
         last = hidden_p[jnp.arange(hidden_p.shape[0]), jnp.maximum(pre.n_new - 1, 0)]
         logits = model.logits(jnp.concatenate([hidden_d[:, 0], last]))
@@ -223,13 +223,13 @@ class StepPrograms:
         round-trip (see `sampler.sample`)."""
         if not full:
             out = sample(logits, p, None, None, self.num_top, full=False)
-            return out, with_last_token(row_state, rows, active, out.tokens)
+            return out, _with_last_token(row_state, rows, active, out.tokens)
         take = lambda x: x.at[rows].get(mode="clip")  # noqa: E731  (padding rows read the scratch row)
         out = sample(self.whole(logits), p, take(row_state.counts), take(row_state.prompt_mask), self.num_top,
                      invariant=model.backend.batch_invariant, filters=self.filters)
         counts = row_state.counts.at[rows, out.tokens].add((active & p.uses_penalties).astype(jnp.int32),
                                                            mode="drop")
-        return out, with_last_token(row_state.replace(counts=counts), rows, active, out.tokens)
+        return out, _with_last_token(row_state.replace(counts=counts), rows, active, out.tokens)
 
     def _rows_in(self, cache, inp: StepInputs, gather: bool):
         sub = cache_rows.take_rows(cache, inp.rows) if gather else cache
@@ -240,12 +240,14 @@ class StepPrograms:
         return self.constrain(cache_rows.put_rows(cache, inp.rows, sub) if gather else sub)
 
 
-def _last_tokens(row_state: RowState, inp: StepInputs):
-    """[R] each step row's last sample (padding rows read the scratch row's)."""
-    return row_state.last_token.at[inp.rows].get(mode="clip")
+def _decode_ids(row_state: RowState, inp: StepInputs, first):
+    """[R, 1] the token each decode row feeds: its input id where `first` (a run's first step) and that is not -1,
+    else the row's last sample (padding rows read the scratch row's)."""
+    last = row_state.last_token.at[inp.rows].get(mode="clip")
+    return jnp.where(first & (inp.ids[:, 0] >= 0), inp.ids[:, 0], last)[:, None]
 
 
-def with_last_token(row_state: RowState, rows, active, tokens) -> RowState:
+def _with_last_token(row_state: RowState, rows, active, tokens) -> RowState:
     """`tokens` [R] as the last samples of the active rows among `rows` (padding rows, past the cache, drop out)."""
     index = jnp.where(active, rows, row_state.last_token.shape[0])
     return row_state.replace(last_token=row_state.last_token.at[index].set(tokens, mode="drop"))

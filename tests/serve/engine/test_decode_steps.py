@@ -175,8 +175,7 @@ def test_the_device_waits_for_the_host_only_between_steps_not_queued_ahead(engin
     prompt = RNG.integers(0, 256, 40).tolist()  # chunks of 16, 16 and 8, then decode runs of 4 tokens
     before = count()
     generate(engine, [prompt], SamplingParams(ignore_eos=True, max_tokens=9))
-    # Each chunk after the first and the first decode run were queued before the step before was read; the
-    # second decode run continued the first.
+    # Each chunk after the first and each decode run were queued before the step before them was read.
     assert count() - before == 0
     before = count()
     generate(engine, [prompt], SamplingParams(ignore_eos=True, max_tokens=9, prompt_logprobs=0))

@@ -89,10 +89,8 @@ def test_preemption_by_recompute_when_pages_run_out():
 def apply_ahead(chunks):
     """As the engine does with a step it queues the next behind: tokens cached, each sample PENDING."""
     for c in chunks:
-        c.seq.num_cached += c.num_tokens
-        if c.ends:
-            c.seq.append(PENDING)
-            c.seq.num_pending += 1
+        c.seq.num_cached += c.fed
+        c.seq.add_pending(c.samples)
 
 
 def test_a_step_scheduled_ahead_preempts_nothing():
