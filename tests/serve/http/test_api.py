@@ -5,6 +5,7 @@ import concurrent.futures
 import http.client
 import json
 import socket
+import threading
 import time
 import urllib.request
 
@@ -127,16 +128,34 @@ def test_presence_penalty_stops_repeats(server):
 
 
 def test_disconnected_stream_returns_its_pages(server):
+    """The engine is held after the stream's first token until the server has seen the client go (so that the
+    request cannot finish first: the engine queues its steps faster than a disconnect is noticed)."""
     aborted = metric(server.url, 'inkling_requests_total{finish_reason="abort"}')
-    host, port = server.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": ids(20, 9), "max_tokens": 24,
-                                                        "stream": True, "ignore_eos": True}),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.readline().startswith(b"data: ")
-    conn.sock.close()
-    conn.close()
+    engine = server.engine
+    first_out, gone = threading.Event(), threading.Event()
+    emit, abort, collect = engine._emit, engine.abort, engine.runner.collect
+
+    def held_collect(dispatched):
+        if first_out.is_set():
+            gone.wait(30)
+        return collect(dispatched)
+
+    engine._emit = lambda request, output: (first_out.set(), emit(request, output))[1]
+    engine.abort = lambda request_id: (gone.set(), abort(request_id))[1]
+    engine.runner.collect = held_collect
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": ids(20, 9), "max_tokens": 24,
+                                                            "stream": True, "ignore_eos": True}),
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        conn.sock.close()
+        conn.close()
+        assert gone.wait(30)  # the server aborted the request
+    finally:
+        del engine._emit, engine.abort, engine.runner.collect  # the instances' own methods again
     blocks = server.engine.blocks
     deadline = time.monotonic() + 30
     while (server.engine.num_requests or blocks.num_free < blocks.num_blocks) and time.monotonic() < deadline:
